@@ -1,0 +1,81 @@
+"""The attention-backend interface: what a model layer hands to attention, and the choice of backend.
+
+A step's batch is a flat list of T tokens from B sequences. Sequence i contributes query_lens[i] new tokens
+at positions [seq_lens[i] - query_lens[i], seq_lens[i]); its keys and values for all seq_lens[i] positions
+live in the paged cache once this step has stored the new ones. A decode is a sequence with query_len 1;
+a prefill (whole, a chunk, or the rest after a prefix-cache hit) has query_len >= 1 and sees the paged prefix.
+
+Cache layout per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim];
+token position p of a sequence lives in block block_tables[i][p // block_size] at offset p % block_size,
+i.e. slot = block * block_size + offset in the flattened [num_blocks * block_size] view. Slot -1 is skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token, -1 = do not store
+    query_start_loc: torch.Tensor  # [B + 1] int32: cumulative query lengths (cu_seqlens_q)
+    seq_lens: torch.Tensor  # [B] int32: context length of each sequence after this step
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32, padded with 0
+    query_lens_cpu: list[int]  # the same facts on the host, for backends that loop or size launches
+    seq_lens_cpu: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
+
+
+class AttentionBackend:
+    """Stores the new K/V into the paged cache, then attends each query to its sequence's cached context."""
+
+    name = "base"
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, num_heads, head_dim]
+        k: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        raise NotImplementedError
+
+
+def get_backend(name: str, device: str) -> AttentionBackend:
+    """"auto": flash-attn where importable on CUDA, else Triton on CUDA, else the torch reference."""
+    from shardserve.kernels.reference import TorchAttentionBackend
+
+    if name == "torch" or (name == "auto" and device != "cuda"):
+        return TorchAttentionBackend()
+    if name in ("flash-attn", "auto"):
+        try:
+            from shardserve.kernels.flash import FlashAttentionBackend
+
+            return FlashAttentionBackend()
+        except ImportError:
+            if name == "flash-attn":
+                raise
+    if name in ("triton", "auto"):
+        try:
+            from shardserve.kernels.triton_backend import TritonAttentionBackend
+
+            return TritonAttentionBackend()
+        except ImportError:
+            if name == "triton":
+                raise
+            return TorchAttentionBackend()
+    raise ValueError(f"attention_backend must be one of auto, torch, triton, flash-attn; got {name!r}")

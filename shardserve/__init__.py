@@ -1,0 +1,1 @@
+"""shardserve: a distributed tensor-parallel LLM inference cluster."""
