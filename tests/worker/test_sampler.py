@@ -1,0 +1,163 @@
+"""The sampler: greedy, filters, seeded reproducibility, the distribution it draws from, penalties, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardserve.proto.plan import SamplingSpec
+from shardserve.worker.sampler import (
+    SamplingRow,
+    apply_min_tokens,
+    apply_penalties,
+    row_key,
+    sample,
+    splitmix64,
+    uniform_draws,
+)
+
+
+def _row(prompt=(1, 2, 3), generated=(), **spec) -> SamplingRow:
+    return SamplingRow(spec=SamplingSpec(**spec), token_ids=list(prompt) + list(generated), num_prompt_tokens=len(prompt))
+
+
+def _rows_with_seeds(n: int, **spec) -> list[SamplingRow]:
+    return [_row(seed=s, **spec) for s in range(n)]
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(0))
+    out = sample(logits, [_row(temperature=0.0) for _ in range(6)])
+    assert out.token_ids == logits.argmax(dim=1).tolist()
+
+
+def test_tensor_hash_matches_the_python_splitmix64():
+    # Proves the int64 tensor ops wrap like uint64 arithmetic and that right shifts are logical.
+    keys = [0, 1, 2**63 - 1, row_key(12345, 7)]
+    draws = uniform_draws(keys, 5, "cpu")
+    for r, key in enumerate(keys):
+        for v in range(5):
+            bits = splitmix64((key + (v + 1) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)) >> 11
+            assert draws[r, v].item() == (bits + 0.5) / 2**53
+    assert 0.0 < draws.min().item() and draws.max().item() < 1.0
+
+
+def test_top_k_never_emits_a_token_outside_the_k_best():
+    logits = torch.linspace(3.0, 0.0, 40).repeat(300, 1)  # token 0 best, distinct values
+    out = sample(logits, _rows_with_seeds(300, temperature=5.0, top_k=4))
+    assert set(out.token_ids) <= {0, 1, 2, 3}
+    assert set(out.token_ids) == {0, 1, 2, 3}  # a flat-ish distribution: all four are reached
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p():
+    probs = torch.tensor([0.4, 0.3, 0.2] + [0.1 / 17] * 17)
+    logits = probs.log().repeat(400, 1)
+    out = sample(logits, _rows_with_seeds(400, temperature=1.0, top_p=0.8))
+    # mass before token 2 is 0.7 < 0.8 (kept); before token 3 it is 0.9 (dropped).
+    assert set(out.token_ids) == {0, 1, 2}
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_best():
+    probs = torch.tensor([0.5, 0.3, 0.1, 0.06, 0.04])
+    logits = probs.log().repeat(400, 1)
+    out = sample(logits, _rows_with_seeds(400, temperature=1.0, min_p=0.3))  # keeps p >= 0.15
+    assert set(out.token_ids) == {0, 1}
+
+
+def test_filters_apply_per_row_in_a_mixed_batch():
+    logits = torch.linspace(3.0, 0.0, 30).repeat(200, 1)
+    rows = [_row(seed=s, temperature=5.0, top_k=2 if s % 2 else 0) for s in range(200)]
+    out = sample(logits, rows)
+    limited = {t for s, t in enumerate(out.token_ids) if s % 2}
+    free = {t for s, t in enumerate(out.token_ids) if not s % 2}
+    assert limited <= {0, 1}
+    assert len(free) > 5  # the rows without top-k were not filtered by their neighbours' setting
+
+
+def test_seeded_rows_are_reproducible_whatever_the_batch():
+    gen = torch.Generator().manual_seed(1)
+    a, b, c = (torch.randn(64, generator=gen) for _ in range(3))
+    row_a = _row(seed=11, temperature=1.0, generated=(5, 6))
+    row_b = _row(seed=22, temperature=0.8, top_p=0.9)
+    row_c = _row(seed=33, temperature=0.0)
+    alone = sample(a.unsqueeze(0), [row_a]).token_ids[0]
+    batch = sample(torch.stack([b, a, c]), [row_b, row_a, row_c]).token_ids
+    reordered = sample(torch.stack([c, a]), [row_c, row_a]).token_ids
+    assert batch[1] == alone and reordered[1] == alone
+    assert sample(b.unsqueeze(0), [row_b]).token_ids[0] == batch[0]
+
+
+def test_draws_depend_on_seed_and_token_index():
+    logits = torch.zeros(200, 1000)  # uniform: any token may come out
+    by_seed = sample(logits, _rows_with_seeds(200, temperature=1.0)).token_ids
+    by_index = sample(logits, [_row(seed=5, temperature=1.0, generated=[0] * i) for i in range(200)]).token_ids
+    assert len(set(by_seed)) > 150 and len(set(by_index)) > 150
+
+
+def test_empirical_distribution_matches_probs():
+    probs = torch.tensor([0.3, 0.2, 0.15, 0.1, 0.1, 0.08, 0.05, 0.02])
+    n = 4000
+    logits = probs.log().repeat(n, 1)
+    tokens = sample(logits, _rows_with_seeds(n, temperature=1.0)).token_ids
+    counts = torch.bincount(torch.tensor(tokens), minlength=8).double()
+    expected = probs.double() * n
+    chi2 = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2 < 24.3, (chi2, counts.tolist())  # 7 degrees of freedom, p = 0.001
+
+
+def test_temperature_sharpens_the_distribution():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    logits = probs.log().repeat(2000, 1)
+    cold = sample(logits, _rows_with_seeds(2000, temperature=0.25)).token_ids
+    share_best = cold.count(0) / 2000
+    expected = 0.4**4 / sum(p**4 for p in (0.4, 0.3, 0.2, 0.1))  # softmax(log p / 0.25) = p^4 normalized
+    assert abs(share_best - expected) < 0.04
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0]])
+    row = _row(prompt=(0,), generated=(1,), repetition_penalty=2.0)
+    apply_penalties(logits, [row])
+    assert logits.tolist() == [[1.0, -4.0, 2.0, -2.0, 1.0]]
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only():
+    logits = torch.zeros(1, 5)
+    row = _row(prompt=(4, 4), generated=(1, 1, 1, 2), presence_penalty=0.5, frequency_penalty=0.25)
+    apply_penalties(logits, [row])
+    assert logits.tolist() == [[0.0, -(0.5 + 0.75), -(0.5 + 0.25), 0.0, 0.0]]
+
+
+def test_penalties_leave_rows_without_them_untouched():
+    logits = torch.ones(2, 5)
+    apply_penalties(logits, [_row(generated=(1,)), _row(generated=(1,), repetition_penalty=2.0, presence_penalty=1.0)])
+    assert logits[0].tolist() == [1.0] * 5
+    assert logits[1].tolist() == [1.0, -0.5, 0.5, 0.5, 1.0]
+
+
+def test_min_tokens_blocks_stop_ids_until_reached():
+    logits = torch.tensor([[0.0, 0.0, 9.0, 1.0]]).repeat(2, 1)
+    early = _row(generated=(3,), min_tokens=2, stop_token_ids=[2])
+    due = _row(generated=(3, 3), min_tokens=2, stop_token_ids=[2])
+    blocked = logits.clone()
+    apply_min_tokens(blocked, [early, due])
+    assert blocked[0, 2].item() == -math.inf and blocked[1, 2].item() == 9.0
+    assert sample(logits, [early, due]).token_ids == [3, 2]
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(3))
+    rows = [
+        _row(seed=1, temperature=0.7, top_k=5, repetition_penalty=1.5, logprobs=3),
+        _row(temperature=0.0, logprobs=0),
+        _row(temperature=0.0),
+    ]
+    out = sample(logits, rows)
+    ref = torch.log_softmax(logits, dim=1)
+    first = out.logprobs[0]
+    assert abs(first.logprob - ref[0, out.token_ids[0]].item()) < 1e-6
+    assert first.top_ids == ref[0].topk(3).indices.tolist()
+    assert torch.allclose(torch.tensor(first.top_logprobs), ref[0].topk(3).values, atol=1e-6)
+    assert out.logprobs[1].top_ids == [] and abs(out.logprobs[1].logprob - ref[1].max().item()) < 1e-6
+    assert out.logprobs[2] is None

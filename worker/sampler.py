@@ -1,0 +1,230 @@
+"""Picks each request's next token from the model's logits: penalties, min_tokens, greedy or seeded sampling, logprobs.
+
+Design decision: randomness is a pure function of (seed, index of the token being generated, vocabulary id).
+Each sampled row draws u in (0, 1) for every vocabulary entry from a counter-based hash (splitmix64 mixing on
+int64 tensors), turns it into an exponential variate q = -log(u), and picks argmax(probs / q). This
+"exponential race" selects token i with probability probs[i]. There is no generator state, so:
+- a request's tokens do not depend on what else is in the batch or on its row order;
+- after a preemption the request resumes with the same draws (the index is the number of tokens it generated
+  before, which the resumed request carries);
+- every tensor-parallel rank holds the full logits and computes the same draws, so all ranks sample the same token
+  with no broadcast of sampled tokens.
+
+Order of transforms (vLLM/HF semantics): repetition penalty (prompt + generated tokens), presence/frequency
+penalties (generated tokens), min_tokens (stop ids masked), then greedy rows take the argmax; sampled rows apply
+temperature, top-k, top-p, min-p and the race. Logprobs come from the raw logits, before any of this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from shardserve.proto.plan import SamplingSpec, TokenLogprobs
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX1 = 0xBF58476D1CE4E5B9
+_MIX2 = 0x94D049BB133111EB
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One row of the logits: the request's settings and its tokens so far."""
+
+    spec: SamplingSpec
+    token_ids: Sequence[int]  # prompt + generated (the sampled token is not in it yet)
+    num_prompt_tokens: int
+
+    @property
+    def output_index(self) -> int:
+        """Index of the token being generated (0 for the first): the counter of the random draws."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+# ---------------------------------------------------------------------------------------------- random draws
+
+
+def _to_signed(x: int) -> int:
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def splitmix64(x: int) -> int:
+    """The splitmix64 finalizer on a Python int (the host-side twin of _mix_tensor, used for per-row keys)."""
+    z = (x + _GOLDEN) & _MASK64
+    z = ((z ^ (z >> 30)) * _MIX1) & _MASK64
+    z = ((z ^ (z >> 27)) * _MIX2) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _shr(z: torch.Tensor, s: int) -> torch.Tensor:
+    # torch's >> on int64 is arithmetic: mask off the copied sign bits to get a logical shift.
+    return (z >> s) & ((1 << (64 - s)) - 1)
+
+
+def _mix_tensor(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64 on int64 tensors; int64 multiplication wraps modulo 2**64, as the algorithm needs."""
+    z = z + _to_signed(_GOLDEN)
+    z = (z ^ _shr(z, 30)) * _to_signed(_MIX1)
+    z = (z ^ _shr(z, 27)) * _to_signed(_MIX2)
+    return z ^ _shr(z, 31)
+
+
+def row_key(seed: int, output_index: int) -> int:
+    """The per-(request, token index) key from which every vocabulary entry's draw is hashed."""
+    return splitmix64(splitmix64(seed) ^ (output_index & _MASK64))
+
+
+def uniform_draws(keys: list[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[len(keys), vocab_size] float64 uniforms in (0, 1): entry (r, v) = hash(keys[r] + (v + 1) * golden)."""
+    key = torch.tensor([_to_signed(k) for k in keys], dtype=torch.int64, device=device).unsqueeze(1)
+    vocab = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * _to_signed(_GOLDEN)
+    bits = _shr(_mix_tensor(key + vocab), 11)  # top 53 bits
+    return (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
+
+
+# ---------------------------------------------------------------------------------------------- transforms
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition (prompt + generated), presence and frequency (generated) penalties, in place."""
+    vocab = logits.shape[1]
+    rep_rows, rep_cols, rep_vals = [], [], []
+    cnt_rows, cnt_cols, freq, pres, cnt_row_ids = [], [], [], [], []
+    for i, row in enumerate(rows):
+        spec = row.spec
+        if spec.repetition_penalty != 1.0:
+            ids = list(row.token_ids)
+            rep_rows.extend([i] * len(ids))
+            rep_cols.extend(ids)
+            rep_vals.append((i, spec.repetition_penalty))
+        if spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0:
+            generated = list(row.token_ids[row.num_prompt_tokens :])
+            if generated:
+                k = len(cnt_row_ids)
+                cnt_row_ids.append(i)
+                cnt_rows.extend([k] * len(generated))
+                cnt_cols.extend(generated)
+                freq.append(spec.frequency_penalty)
+                pres.append(spec.presence_penalty)
+    device = logits.device
+    if rep_rows:
+        seen = torch.zeros_like(logits, dtype=torch.bool)
+        seen[torch.tensor(rep_rows, device=device), torch.tensor(rep_cols, device=device)] = True
+        penalty = torch.ones(logits.shape[0], 1, dtype=logits.dtype, device=device)
+        penalty[[i for i, _ in rep_vals], 0] = torch.tensor([p for _, p in rep_vals], dtype=logits.dtype)
+        penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+        logits.copy_(torch.where(seen, penalized, logits))
+    if cnt_row_ids:
+        counts = torch.zeros(len(cnt_row_ids), vocab, dtype=logits.dtype, device=device)
+        ones = torch.ones(len(cnt_rows), dtype=logits.dtype, device=device)
+        counts.index_put_((torch.tensor(cnt_rows, device=device), torch.tensor(cnt_cols, device=device)), ones, accumulate=True)
+        f = torch.tensor(freq, dtype=logits.dtype, device=device).unsqueeze(1)
+        p = torch.tensor(pres, dtype=logits.dtype, device=device).unsqueeze(1)
+        idx = torch.tensor(cnt_row_ids, device=device)
+        logits[idx] -= f * counts + p * (counts > 0).to(logits.dtype)
+
+
+def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Until a request has generated min_tokens tokens, its stop token ids cannot be picked."""
+    r, c = [], []
+    for i, row in enumerate(rows):
+        spec = row.spec
+        if spec.stop_token_ids and row.output_index < spec.min_tokens:
+            r.extend([i] * len(spec.stop_token_ids))
+            c.extend(spec.stop_token_ids)
+    if r:
+        logits[torch.tensor(r, device=logits.device), torch.tensor(c, device=logits.device)] = float("-inf")
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Masks (to -inf) what top-k and top-p exclude. top_k 0 and top_p 1 leave a row untouched."""
+    n, vocab = logits.shape
+    device = logits.device
+    need_p = any(p < 1.0 for p in top_p)
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=device)
+    if not need_p:
+        # top-k only: the k-th largest value is the threshold (ties with it are kept).
+        active = [kk for kk in top_k if 0 < kk < vocab]
+        if not active:
+            return logits
+        kmax = max(active)
+        top_vals = torch.topk(logits, kmax, dim=1).values
+        threshold = top_vals.gather(1, (k.clamp(max=kmax) - 1).unsqueeze(1))
+        threshold = torch.where(k.unsqueeze(1) >= vocab, torch.full_like(threshold, float("-inf")), threshold)
+        return logits.masked_fill(logits < threshold, float("-inf"))
+    sorted_logits, order = torch.sort(logits, dim=1, descending=True)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
+    sorted_logits = sorted_logits.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=1)
+    mass_before = torch.cumsum(probs, dim=1) - probs
+    p = torch.tensor(top_p, dtype=probs.dtype, device=device).unsqueeze(1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token once the tokens before it already do.
+    sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+
+
+def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then the seeded exponential race. Returns [n] int64 token ids."""
+    device = logits.device
+    temps = torch.tensor([r.spec.temperature for r in rows], dtype=logits.dtype, device=device).unsqueeze(1)
+    logits = logits / temps
+    top_k = [r.spec.top_k for r in rows]
+    top_p = [r.spec.top_p for r in rows]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _filter_top_k_top_p(logits, top_k, top_p)
+    probs = torch.softmax(logits, dim=1)
+    min_p = [r.spec.min_p for r in rows]
+    if any(m > 0.0 for m in min_p):
+        m = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
+        keep = probs >= m * probs.max(dim=1, keepdim=True).values
+        probs = torch.where(keep, probs, torch.zeros_like(probs))
+    keys = [row_key(r.spec.seed, r.output_index) for r in rows]
+    exponential = (-torch.log(uniform_draws(keys, logits.shape[1], device))).to(probs.dtype)
+    return torch.argmax(probs / exponential, dim=1)
+
+
+def _logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+    wanted = [i for i, r in enumerate(rows) if r.spec.logprobs >= 0]
+    out: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return out
+    idx = torch.tensor(wanted, device=raw_logits.device)
+    logp = torch.log_softmax(raw_logits[idx].float(), dim=1)
+    chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
+    n_max = max(rows[i].spec.logprobs for i in wanted)
+    top_vals, top_ids = (logp.topk(n_max, dim=1) if n_max > 0 else (logp[:, :0], logp[:, :0].long()))
+    top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    for j, i in enumerate(wanted):
+        n = rows[i].spec.logprobs
+        out[i] = TokenLogprobs(logprob=chosen[j], top_ids=top_ids[j][:n], top_logprobs=top_vals[j][:n])
+    return out
+
+
+@torch.inference_mode()
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+    """logits: [N, V] float32 (full vocabulary), one row per SamplingRow. Returns one token (and logprobs) per row."""
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
+    raw = logits
+    logits = logits.float().clone()
+    apply_penalties(logits, rows)
+    apply_min_tokens(logits, rows)
+    tokens = torch.argmax(logits, dim=1)
+    sampled = [i for i, r in enumerate(rows) if r.spec.temperature > 0.0]
+    if sampled:
+        if len(sampled) == len(rows):
+            tokens = _sample_rows(logits, rows)
+        else:
+            idx = torch.tensor(sampled, device=logits.device)
+            tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
+    return SamplerOutput(token_ids=tokens.tolist(), logprobs=_logprobs(raw, rows, tokens))
