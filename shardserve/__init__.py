@@ -1,1 +1,21 @@
-"""shardserve: a distributed tensor-parallel LLM inference cluster."""
+"""shardserve: a distributed tensor-parallel LLM inference cluster.
+
+    from shardserve import LLM, SamplingParams
+    llm = LLM()  # the default model, SmolLM2-135M-Instruct
+    print(llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))[0].text)
+"""
+
+from shardserve.cluster.outputs import RequestOutput
+from shardserve.cluster.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    # LLM pulls in torch and the engine: import it only when asked for, so `shardserve.client` stays light.
+    if name == "LLM":
+        from shardserve.llm import LLM
+
+        return LLM
+    raise AttributeError(name)
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput"]

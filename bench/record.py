@@ -1,0 +1,82 @@
+"""The one JSON record every benchmark writes (`--json-out`); docs/results/ keeps the ones docs/performance.md quotes."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    mean: float
+    p50: float
+    p99: float
+
+    @classmethod
+    def of(cls, values: list[float]) -> "Stats | None":
+        if not values:
+            return None
+        ordered = sorted(values)
+
+        def pct(q: float) -> float:
+            return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+        return cls(mean=sum(ordered) / len(ordered), p50=pct(0.5), p99=pct(0.99))
+
+
+@dataclass
+class BenchRecord:
+    benchmark: str  # "offline", "latency", "serve" or "scaling"
+    model: str
+    load_format: str
+    device: str
+    num_gpus: int
+    tp: int
+    replicas: int | None = None
+    workload: dict = field(default_factory=dict)  # num_prompts, input_len, output_len, rate or concurrency
+    output_tokens_per_s: float | None = None
+    total_tokens_per_s: float | None = None
+    ceiling_output_tokens_per_s: float | None = None
+    ms_per_token: float | None = None
+    ratio_vs_hf: float | None = None
+    control_plane_share: float | None = None
+    speedup_vs_1: float | None = None
+    ttft_ms: Stats | None = None
+    tpot_ms: Stats | None = None
+    itl_ms: Stats | None = None
+    e2e_ms: Stats | None = None
+    peak_memory_gb: float | None = None
+    command: str = field(default_factory=lambda: "shardserve " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
+    date: str = field(default_factory=lambda: datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    commit: str | None = field(default_factory=lambda: _git_commit())
+    notes: dict = field(default_factory=dict)  # benchmark-specific extras (the ceiling arithmetic, ...)
+
+    def write(self, path: str | None) -> None:
+        text = json.dumps(asdict(self), indent=2)
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                f.write(text + "\n")
+
+
+def _git_commit() -> str | None:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def device_name(device: str) -> str:
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
