@@ -1,0 +1,104 @@
+"""The pure-torch attention backend (CPU production path, CUDA fallback, and the reference the kernels test against).
+
+Each step: store the new K/V at their slots (slot -1 skipped), then attend. Sequences with one query token
+(decodes) are attended together in one batched gather over their block tables; sequences with several
+(prefills, chunks, the rest after a prefix-cache hit) go one by one through scaled_dot_product_attention
+with a causal mask offset by the cached prefix: query i of a sequence with q new tokens and context L sits
+at position L - q + i and sees keys 0 .. L - q + i.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
+
+
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Writes k/v [T, kv_heads, head_dim] into the flattened caches at slot_mapping [T]; slot -1 is skipped."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[keep].to(k_cache.dtype))
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` cached positions of one sequence: [length, kv_heads, head_dim]."""
+    block_size = cache.shape[1]
+    num_blocks = -(-length // block_size)
+    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, head_dim]
+    return blocks.reshape(-1, *cache.shape[2:])[:length]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        query_lens = meta.query_lens_cpu
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
+        if decode_seqs:
+            self._decode(q, out, k_cache, v_cache, meta, scale, decode_seqs, starts)
+        for i, n in enumerate(query_lens):
+            if n > 1:
+                self._prefill_one(q, out, k_cache, v_cache, meta, scale, i, starts[i], n)
+        return out
+
+    def _prefill_one(self, q, out, k_cache, v_cache, meta, scale, seq: int, start: int, q_len: int) -> None:
+        context = meta.seq_lens_cpu[seq]
+        table = meta.block_tables[seq]
+        keys = gather_context(k_cache, table, context)  # [L, kv_heads, D]
+        values = gather_context(v_cache, table, context)
+        query = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
+        keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
+        if q_len == context:  # no cached prefix: plain causal
+            result = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            query_pos = torch.arange(context - q_len, context, device=q.device)
+            key_pos = torch.arange(context, device=q.device)
+            mask = key_pos.unsqueeze(0) <= query_pos.unsqueeze(1)  # [q_len, L], True = attend
+            result = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[start : start + q_len] = result.squeeze(0).transpose(0, 1)
+
+    def _decode(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
+        """One query per sequence, all sequences at once: gather their blocks, mask past each seq_len."""
+        device = q.device
+        token_idx = torch.tensor([starts[i] for i in seqs], device=device)
+        seq_idx = torch.tensor(seqs, device=device)
+        lens_cpu = [meta.seq_lens_cpu[i] for i in seqs]
+        max_len = max(lens_cpu)
+        block_size = k_cache.shape[1]
+        num_blocks = -(-max_len // block_size)
+        tables = meta.block_tables[seq_idx, :num_blocks].long()  # [B, nb]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        batch = len(seqs)
+        keys = k_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]  # [B, S, kvh, D]
+        values = v_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
+        num_heads = q.shape[1]
+        group = num_heads // num_kv_heads
+        query = q[token_idx].reshape(batch, num_kv_heads, group, head_dim).float()
+        scores = torch.einsum("bkgd,bskd->bkgs", query, keys.float()) * scale  # [B, kvh, g, S]
+        lens = torch.tensor(lens_cpu, device=device)
+        beyond = torch.arange(max_len, device=device).unsqueeze(0) >= lens.unsqueeze(1)  # [B, S]
+        scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
+        probs = scores.softmax(dim=-1)
+        result = torch.einsum("bkgs,bskd->bkgd", probs, values.float())
+        out[token_idx] = result.reshape(batch, num_heads, head_dim).to(out.dtype)

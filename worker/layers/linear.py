@@ -1,0 +1,152 @@
+"""Tensor-parallel linear layers (Megatron style).
+
+Column-parallel layers split the output features across ranks (no communication); row-parallel layers
+split the input features and all-reduce the partial sums. An MLP or attention block is column -> row,
+so it costs one all-reduce. Weights are [out_features, in_features] as in nn.Linear / HF checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardserve.worker.distributed import all_reduce, tp_rank, tp_size
+from shardserve.worker.layers._sharding import attach_loader, copy_into, narrow_loaded
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) must be divisible by tensor_parallel_size ({denominator})")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by rows (output features): each rank returns its slice of y."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.in_features = in_features
+        self.out_per_rank = _divide(out_features, self.tp_size, "output features")
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
+        attach_loader(self.weight, self.weight_loader, {None: (out_features, in_features)})
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
+            attach_loader(self.bias, self.weight_loader, {None: (out_features,)})
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        size = param.shape[0]
+        copy_into(param.data, narrow_loaded(loaded, 0, self.tp_rank * size, size), "column-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate_proj + up_proj).
+
+    shard_id i loads the i-th projection; each rank's weight is [its slice of proj 0; its slice of proj 1; ...].
+    """
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(out_sizes), bias)
+        self.out_sizes_per_rank = [_divide(s, self.tp_size, "merged output features") for s in out_sizes]
+        attach_loader(self.weight, self.weight_loader, {i: (s, in_features) for i, s in enumerate(out_sizes)})
+        if self.bias is not None:
+            attach_loader(self.bias, self.weight_loader, {i: (s,) for i, s in enumerate(out_sizes)})
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if not isinstance(shard_id, int):
+            raise ValueError(f"merged linear needs an integer shard_id, got {shard_id!r}")
+        size = self.out_sizes_per_rank[shard_id]
+        offset = sum(self.out_sizes_per_rank[:shard_id])
+        src = narrow_loaded(loaded, 0, self.tp_rank * size, size)
+        copy_into(param.data.narrow(0, offset, size), src, f"merged shard {shard_id}")
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection with grouped-query attention, split by heads.
+
+    Each rank holds num_heads / tp query heads and num_kv_heads / tp KV heads. When tp > num_kv_heads
+    (tp a multiple of it) every rank holds one KV head, replicated: rank r uses KV head r // (tp / num_kv_heads),
+    the one its query heads attend to.
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False) -> None:
+        tp = tp_size()
+        heads_per_rank = _divide(num_heads, tp, "num_attention_heads")
+        if tp >= num_kv_heads:
+            if tp % num_kv_heads:
+                raise ValueError(
+                    f"tensor_parallel_size ({tp}) exceeds num_key_value_heads ({num_kv_heads}) "
+                    "and must then be a multiple of it"
+                )
+            kv_heads_per_rank = 1
+        else:
+            kv_heads_per_rank = _divide(num_kv_heads, tp, "num_key_value_heads")
+        super().__init__(hidden_size, (heads_per_rank + 2 * kv_heads_per_rank) * head_dim * tp, bias)
+        self.num_heads_per_rank = heads_per_rank
+        self.num_kv_heads_per_rank = kv_heads_per_rank
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        shapes = {"q": num_heads * head_dim, "k": num_kv_heads * head_dim, "v": num_kv_heads * head_dim}
+        attach_loader(self.weight, self.weight_loader, {s: (n, hidden_size) for s, n in shapes.items()})
+        if self.bias is not None:
+            attach_loader(self.bias, self.weight_loader, {s: (n,) for s, n in shapes.items()})
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads_per_rank * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads_per_rank * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        if shard_id == "q":
+            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
+        elif shard_id in ("k", "v"):
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            size = self.kv_size
+            if self.tp_size >= self.num_kv_heads:  # replicated KV heads
+                kv_head = self.tp_rank // (self.tp_size // self.num_kv_heads)
+            else:
+                kv_head = self.tp_rank * self.num_kv_heads_per_rank
+            start = kv_head * self.head_dim
+        else:
+            raise ValueError(f"qkv shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+        src = narrow_loaded(loaded, 0, start, size)
+        copy_into(param.data.narrow(0, offset, size), src, f"qkv shard {shard_id}")
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by columns (input features); partial sums are all-reduced, then b added once."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        super().__init__()
+        self.tp_rank, self.tp_size = tp_rank(), tp_size()
+        self.in_per_rank = _divide(in_features, self.tp_size, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
+        attach_loader(self.weight, self.weight_loader, {None: (out_features, in_features)})
+        self.bias = None
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
+            attach_loader(self.bias, self.bias_loader, {None: (out_features,)})
+
+    def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        size = self.in_per_rank
+        copy_into(param.data, narrow_loaded(loaded, 1, self.tp_rank * size, size), "row-parallel weight")
+
+    def bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
+        copy_into(param.data, narrow_loaded(loaded, 0, 0, param.shape[0]), "row-parallel bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y

@@ -1,0 +1,31 @@
+"""RMSNorm (as HF Llama/Qwen: normalise in float32, scale in the model dtype), with an optional fused residual add."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from shardserve.worker.layers._sharding import attach_loader, default_weight_loader
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        attach_loader(self.weight, default_weight_loader, {None: (hidden_size,)})
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s), the new residual."""
+        if residual is None:
+            return self._norm(x)
+        summed = x + residual
+        return self._norm(summed), summed

@@ -1,0 +1,14 @@
+"""Qwen3ForCausalLM: the Llama decoder with per-head RMSNorm on q and k before RoPE, and no q/k/v bias by default."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardserve.worker.models.llama import DecoderVariant, LlamaForCausalLM
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    @classmethod
+    def variant_for(cls, hf_config: Any) -> DecoderVariant:
+        attention_bias = bool(getattr(hf_config, "attention_bias", False))
+        return DecoderVariant(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False, qk_norm=True)
