@@ -1,0 +1,241 @@
+"""ModelRunner: one rank's model and KV cache, and the step: plan -> input tensors -> forward -> logits -> tokens.
+
+It keeps each request's state as proto/plan.py specifies (token ids, computed count, block table, sampling
+settings), so plans carry only deltas. Every rank runs the same steps on the same state and samples the same
+token (the sampler is deterministic given the seed), so rank 0's result speaks for all.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from shardserve.kernels.backends import AttentionMetadata, get_backend
+from shardserve.proto.config import EngineConfig
+from shardserve.proto.plan import SamplingSpec, StepPlan, StepResult
+from shardserve.worker import kv_cache
+from shardserve.worker.sampler import SamplingRow, sample
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+    return _DTYPES[name]
+
+
+def resolve_device(name: str, rank: int) -> torch.device:
+    if name == "cuda":
+        # Local processes see every GPU (rank i takes GPU i); a Ray actor sees only its own (index 0).
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device(name)
+
+
+@dataclass(slots=True)
+class RequestState:
+    token_ids: list[int]  # prompt + generated, including the tokens sampled here
+    num_prompt_tokens: int
+    num_computed: int  # positions whose KV is in the cache
+    block_ids: list[int]
+    sampling: SamplingSpec
+
+
+@dataclass(slots=True)
+class _Scheduled:
+    state: RequestState
+    start: int  # first position computed this step
+    end: int  # one past the last
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        from transformers import AutoConfig
+
+        from shardserve.worker.loader import init_dummy_weights, load_weights
+        from shardserve.worker.models.registry import build_model
+
+        self.config = config
+        self.rank = rank
+        self.device = resolve_device(config.device, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.block_size = config.block_size
+        self.hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+        self.attn_backend = get_backend(config.attention_backend, self.device.type)
+        self.model = build_model(self.hf_config, self.dtype, self.device, self.attn_backend)
+        with torch.inference_mode():
+            if config.load_format == "dummy":
+                init_dummy_weights(self.model, config.seed)
+            else:
+                load_weights(self.model, config.model)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+        self.requests: dict[str, RequestState] = {}
+        self.last_step_id = 0
+        self._pin = self.device.type == "cuda"
+
+    # ------------------------------------------------------------------------------------------ cache
+
+    def profile_num_blocks(self) -> int:
+        return kv_cache.profile_num_blocks(self.config, self.model, self.dtype, self.device, self._profile_forward)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = []  # drop an earlier cache before allocating the new one
+        self.kv_caches = kv_cache.allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
+        self.num_blocks = num_blocks
+
+    @torch.inference_mode()
+    def _profile_forward(self) -> None:
+        """The largest step the scheduler may plan: max_num_batched_tokens of prefill, then logits and sampling
+        for up to max_num_seqs rows, on a throwaway cache just big enough for one sequence."""
+        total = self.config.max_num_batched_tokens
+        seq_len = min(total, self.config.max_model_len)
+        blocks = list(range(-(-seq_len // self.block_size)))
+        scratch = kv_cache.allocate_kv_cache(self.model, len(blocks), self.block_size, self.dtype, self.device)
+        batch, left = [], total
+        while left > 0:
+            n = min(seq_len, left)
+            state = RequestState([0] * n, n, 0, blocks, SamplingSpec(temperature=1.0, top_p=0.9))
+            batch.append(_Scheduled(state, 0, n))
+            left -= n
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, scratch, meta)
+        rows = min(self.config.max_num_seqs, total)
+        logits = self.model.compute_logits(hidden[-rows:])
+        state = batch[0].state
+        sample(logits, [SamplingRow(state.sampling, state.token_ids, 0)] * rows)
+        del scratch, hidden, logits
+
+    # ------------------------------------------------------------------------------------------ step
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        started = time.perf_counter()
+        self._apply_deltas(plan)
+        batch = self._schedule(plan)
+        result = StepResult(step_id=plan.step_id)
+        if batch:
+            input_ids, positions, meta = self._prepare(batch)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            sampling_rows = [i for i, s in enumerate(batch) if s.end == len(s.state.token_ids)]
+            if sampling_rows:
+                ends = meta.query_start_loc[1:].long() - 1
+                index = ends[torch.tensor(sampling_rows, device=self.device)] if len(sampling_rows) < len(batch) else ends
+                logits = self.model.compute_logits(hidden[index])
+                rows = [self._sampling_row(batch[i].state) for i in sampling_rows]
+                out = sample(logits, rows)
+                for i, token in zip(sampling_rows, out.token_ids):
+                    batch[i].state.token_ids.append(token)
+                result.req_ids = [plan.req_ids[i] for i in sampling_rows]
+                result.token_ids = out.token_ids
+                result.logprobs = out.logprobs
+            for s in batch:
+                s.state.num_computed = s.end
+        result.forward_ms = (time.perf_counter() - started) * 1e3
+        return result
+
+    @staticmethod
+    def _sampling_row(state: RequestState) -> SamplingRow:
+        return SamplingRow(spec=state.sampling, token_ids=state.token_ids, num_prompt_tokens=state.num_prompt_tokens)
+
+    def _apply_deltas(self, plan: StepPlan) -> None:
+        """Drop finished/preempted, add new requests, append new blocks (plan.py's order)."""
+        if plan.step_id != self.last_step_id + 1:
+            raise RuntimeError(f"step plan {plan.step_id} after {self.last_step_id}: plans must arrive in order")
+        self.last_step_id = plan.step_id
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in plan.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        new_ids = set()
+        for req in plan.new_requests:
+            self.requests[req.req_id] = RequestState(
+                token_ids=list(req.token_ids),
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_computed=req.num_computed_tokens,
+                block_ids=list(req.block_ids),
+                sampling=req.sampling,
+            )
+            new_ids.add(req.req_id)
+        for req_id, blocks in plan.new_block_ids.items():
+            if req_id in new_ids:
+                continue  # a new request's block_ids is already its whole table at this step
+            self._state(req_id).block_ids.extend(blocks)
+
+    def _state(self, req_id: str) -> RequestState:
+        state = self.requests.get(req_id)
+        if state is None:
+            raise KeyError(f"request {req_id!r} is scheduled but the worker has no state for it (never sent or dropped)")
+        return state
+
+    def _schedule(self, plan: StepPlan) -> list[_Scheduled]:
+        if len(plan.req_ids) != len(plan.num_tokens):
+            raise ValueError(f"plan {plan.step_id}: {len(plan.req_ids)} req_ids but {len(plan.num_tokens)} num_tokens")
+        batch = []
+        for req_id, n in zip(plan.req_ids, plan.num_tokens):
+            state = self._state(req_id)
+            end = state.num_computed + n
+            if n < 1 or end > len(state.token_ids):
+                raise ValueError(
+                    f"request {req_id!r}: {n} tokens from {state.num_computed} exceed its {len(state.token_ids)} tokens"
+                )
+            if -(-end // self.block_size) > len(state.block_ids):
+                raise ValueError(f"request {req_id!r}: {len(state.block_ids)} blocks cannot hold {end} tokens")
+            batch.append(_Scheduled(state, state.num_computed, end))
+        return batch
+
+    def _prepare(self, batch: list[_Scheduled]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Host lists -> one int64 tensor -> one copy to the device -> views (input ids, positions, metadata)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        for s in batch:
+            input_ids.extend(s.state.token_ids[s.start : s.end])
+            positions.extend(range(s.start, s.end))
+            query_lens.append(s.end - s.start)
+            seq_lens.append(s.end)
+            tables.append(s.state.block_ids[: -(-s.end // bs)])
+        num_tokens, num_seqs = len(input_ids), len(batch)
+        width = max(len(t) for t in tables)
+        flat = input_ids + positions + [0] * (num_seqs + 1) + seq_lens
+        for t in tables:
+            flat.extend(t)
+            flat.extend([0] * (width - len(t)))
+        host = torch.tensor(flat, dtype=torch.int64)
+        host[2 * num_tokens + 1 : 2 * num_tokens + 1 + num_seqs] = torch.tensor(query_lens).cumsum(0)
+        if self._pin:
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        ids_t = dev[:num_tokens]
+        pos_t = dev[num_tokens : 2 * num_tokens]
+        offset = 2 * num_tokens
+        query_start_loc = dev[offset : offset + num_seqs + 1].to(torch.int32)
+        offset += num_seqs + 1
+        seq_lens_t = dev[offset : offset + num_seqs].to(torch.int32)
+        offset += num_seqs
+        block_tables = dev[offset:].view(num_seqs, width)
+        # slot of token j of sequence i: its block (from the table, by position) * block_size + offset in block.
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(num_seqs, device=self.device), query_start_loc.diff(), output_size=num_tokens
+        )
+        slot_mapping = block_tables[seq_of_token, pos_t // bs] * bs + pos_t % bs
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens_t,
+            block_tables=block_tables.to(torch.int32),
+            query_lens_cpu=query_lens,
+            seq_lens_cpu=seq_lens,
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return ids_t, pos_t, meta
