@@ -1,0 +1,172 @@
+"""Conversions between the dataclasses of proto/plan.py and proto/config.py and their worker.proto messages.
+
+Both sides of the Step stream call these every step (the controller encodes plans and decodes results, the
+workers decode plans and encode results), so they stay flat: repeated scalar fields are filled and read in
+one call each (protobuf does that loop in C), and messages are built with keyword arguments, not field by field.
+Round trips are exact: floats travel as doubles, and the conversions carry every field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+
+from shardserve.proto import worker_pb2 as pb
+from shardserve.proto.config import EngineConfig
+from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
+
+
+def sampling_spec_to_proto(spec: SamplingSpec) -> pb.SamplingSpec:
+    return pb.SamplingSpec(
+        temperature=spec.temperature,
+        top_k=spec.top_k,
+        top_p=spec.top_p,
+        min_p=spec.min_p,
+        repetition_penalty=spec.repetition_penalty,
+        presence_penalty=spec.presence_penalty,
+        frequency_penalty=spec.frequency_penalty,
+        seed=spec.seed,
+        logprobs=spec.logprobs,
+        min_tokens=spec.min_tokens,
+        stop_token_ids=spec.stop_token_ids,
+    )
+
+
+def sampling_spec_from_proto(msg: pb.SamplingSpec) -> SamplingSpec:
+    return SamplingSpec(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p,
+        min_p=msg.min_p,
+        repetition_penalty=msg.repetition_penalty,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        seed=msg.seed,
+        logprobs=msg.logprobs,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=list(msg.stop_token_ids),
+    )
+
+
+def _new_request_to_proto(req: NewRequest) -> pb.NewRequest:
+    return pb.NewRequest(
+        req_id=req.req_id,
+        token_ids=req.token_ids,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_computed_tokens=req.num_computed_tokens,
+        block_ids=req.block_ids,
+        sampling=sampling_spec_to_proto(req.sampling),
+    )
+
+
+def _new_request_from_proto(msg: pb.NewRequest) -> NewRequest:
+    return NewRequest(
+        req_id=msg.req_id,
+        token_ids=list(msg.token_ids),
+        num_prompt_tokens=msg.num_prompt_tokens,
+        num_computed_tokens=msg.num_computed_tokens,
+        block_ids=list(msg.block_ids),
+        sampling=sampling_spec_from_proto(msg.sampling),
+    )
+
+
+def step_plan_to_proto(plan: StepPlan) -> pb.StepPlan:
+    msg = pb.StepPlan(
+        step_id=plan.step_id,
+        req_ids=plan.req_ids,
+        num_tokens=plan.num_tokens,
+        finished_req_ids=plan.finished_req_ids,
+        preempted_req_ids=plan.preempted_req_ids,
+    )
+    if plan.new_requests:
+        msg.new_requests.extend([_new_request_to_proto(r) for r in plan.new_requests])
+    if plan.new_block_ids:
+        add_blocks = msg.new_block_ids.add
+        for req_id, block_ids in plan.new_block_ids.items():
+            add_blocks(req_id=req_id, block_ids=block_ids)
+    return msg
+
+
+def step_plan_from_proto(msg: pb.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=msg.step_id,
+        new_requests=[_new_request_from_proto(r) for r in msg.new_requests],
+        req_ids=list(msg.req_ids),
+        num_tokens=list(msg.num_tokens),
+        new_block_ids={b.req_id: list(b.block_ids) for b in msg.new_block_ids},
+        finished_req_ids=list(msg.finished_req_ids),
+        preempted_req_ids=list(msg.preempted_req_ids),
+    )
+
+
+def step_result_to_proto(result: StepResult, rank: int = 0, error: str = "") -> pb.StepResult:
+    """`rank` and `error` are wire-only: which rank acknowledges the step, and why it refused it (if it did)."""
+    msg = pb.StepResult(
+        step_id=result.step_id,
+        rank=rank,
+        req_ids=result.req_ids,
+        token_ids=result.token_ids,
+        forward_ms=result.forward_ms,
+        error=error,
+    )
+    if any(lp is not None for lp in result.logprobs):
+        msg.logprobs.CopyFrom(_logprobs_to_columns(result.logprobs))
+    return msg
+
+
+def _logprobs_to_columns(logprobs: list[TokenLogprobs | None]) -> pb.StepLogprobs:
+    index: list[int] = []
+    logprob: list[float] = []
+    top_counts: list[int] = []
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+    for i, lp in enumerate(logprobs):
+        if lp is None:
+            continue
+        if len(lp.top_ids) != len(lp.top_logprobs):
+            raise ValueError(f"entry {i}: {len(lp.top_ids)} top ids but {len(lp.top_logprobs)} top logprobs")
+        index.append(i)
+        logprob.append(lp.logprob)
+        top_counts.append(len(lp.top_ids))
+        top_ids += lp.top_ids
+        top_logprobs += lp.top_logprobs
+    return pb.StepLogprobs(
+        index=index, logprob=logprob, top_counts=top_counts, top_ids=top_ids, top_logprobs=top_logprobs
+    )
+
+
+def step_result_from_proto(msg: pb.StepResult) -> StepResult:
+    """The dataclass view (read `msg.rank` and `msg.error` on the message). `logprobs` always has one entry
+    per request id, None where there are none, as plan.py asks: a result encoded with an empty list decodes so."""
+    req_ids = list(msg.req_ids)
+    logprobs: list[TokenLogprobs | None] = [None] * len(req_ids)
+    columns = msg.logprobs
+    if columns.index:
+        top_ids = list(columns.top_ids)
+        top_logprobs = list(columns.top_logprobs)
+        start = 0
+        for i, logprob, count in zip(columns.index, columns.logprob, columns.top_counts):
+            end = start + count
+            logprobs[i] = TokenLogprobs(logprob, top_ids[start:end], top_logprobs[start:end])
+            start = end
+    return StepResult(
+        step_id=msg.step_id,
+        req_ids=req_ids,
+        token_ids=list(msg.token_ids),
+        logprobs=logprobs,
+        forward_ms=msg.forward_ms,
+    )
+
+
+def engine_config_to_proto(config: EngineConfig) -> pb.EngineConfig:
+    # Every EngineConfig field has a same-named proto field (a test checks it); None stays unset.
+    return pb.EngineConfig(**{f.name: v for f in fields(config) if (v := getattr(config, f.name)) is not None})
+
+
+def engine_config_from_proto(msg: pb.EngineConfig) -> EngineConfig:
+    kwargs = {}
+    for f in fields(EngineConfig):
+        field_desc = msg.DESCRIPTOR.fields_by_name[f.name]
+        if field_desc.has_presence and not msg.HasField(f.name):
+            continue  # an `optional` field left unset: the dataclass default (None)
+        kwargs[f.name] = getattr(msg, f.name)
+    return EngineConfig(**kwargs)
