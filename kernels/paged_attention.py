@@ -1,0 +1,177 @@
+"""Triton paged decode attention: one query token per sequence, GQA-aware, split-K over long contexts.
+
+Each program owns one (sequence, KV head, split): it loads the split's K/V tiles once and attends the whole
+group of query heads that share that KV head (padded to 16 rows so the tile products run on tensor cores).
+With more than one split, each writes a normalised partial output and its log-sum-exp, and a second kernel
+merges the splits. Split ranges are computed on the device from seq_lens, so a fixed num_splits is correct
+for any context length (what CUDA-graph replay needs); it only changes how the work is spread.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+_LOG2E = 1.4426950408889634
+_NEG_BIG = -1.0e30  # finite "minus infinity": keeps empty splits and masked tiles free of NaN
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2e,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cp, stride_ch, stride_bt,
+    block_size,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """Grid (num_seqs, num_kv_heads, NUM_SPLITS). Program (s, h, j) attends the query heads h*GROUP ..
+    h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    start = split * tiles_per_split * BLOCK_N
+    end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + g
+    head_ok = g < GROUP
+    dim_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    m = tl.full([BLOCK_G], _NEG_BIG, dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
+        s = tl.where(valid[None, :], s, _NEG_BIG)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    has_keys = l > 0.0
+    result = acc / tl.where(has_keys, l, 1.0)[:, None]
+    out_mask = head_ok[:, None] & dim_ok[None, :]
+    if NUM_SPLITS == 1:
+        tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 result.to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        # partials: part_out [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM], part_lse [num_seqs, num_heads, NUM_SPLITS]
+        row = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], result, mask=out_mask)
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), _NEG_BIG)
+        tl.store(part_lse_ptr + row, lse, mask=head_ok)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr,
+    stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Grid (num_seqs, num_heads). Merges one head's split partials by their log-sum-exp (log2 domain)."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row0 = (seq * tl.num_programs(1) + head) * NUM_SPLITS
+    split_ok = splits < NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row0 + splits, mask=split_ok, other=_NEG_BIG)
+    weight = tl.exp2(lse - tl.max(lse, 0))
+    weight = tl.where(split_ok, weight, 0.0)
+    parts = tl.load(part_out_ptr + (row0 + splits)[:, None] * HEAD_DIM + d[None, :],
+                    mask=split_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
+    result = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_programs: int = 264,
+                      min_tokens_per_split: int = 256, max_splits: int = 16) -> int:
+    """Enough splits to fill ~2 waves of an H200's 132 SMs, but never splits shorter than min_tokens_per_split."""
+    by_length = max(1, math.ceil(max_seq_len / min_tokens_per_split))
+    by_occupancy = max(1, target_programs // max(1, num_seqs * num_kv_heads))
+    return max(1, min(max_splits, by_length, by_occupancy))
+
+
+def paged_decode_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, head_dim]: one query token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, context length including the query token
+    scale: float,
+    num_splits: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if k_cache.stride() != v_cache.stride() or q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need head_dim contiguous, and k_cache/v_cache the same strides")
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if num_splits > 1:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = out  # unused when NUM_SPLITS == 1
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        scale * _LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        k_cache.shape[1],
+        GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
+        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32,
+    )
+    if num_splits > 1:
+        _merge_splits_kernel[(num_seqs, num_heads)](
+            part_out, part_lse, out, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+        )
+    return out
+
+
+def paged_decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, scale: float,
+) -> torch.Tensor:
+    """The torch reference: per sequence, gather its context from the blocks and attend in float32."""
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    for i in range(num_seqs):
+        length = int(seq_lens[i])
+        blocks = block_tables[i, : -(-length // block_size)].long()
+        keys = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        values = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length].float()
+        keys = keys.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [L, heads, D]
+        values = values.repeat_interleave(num_heads // num_kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), keys) * scale
+        out[i] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(q.dtype)
+    return out

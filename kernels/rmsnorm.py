@@ -1,0 +1,74 @@
+"""Triton RMSNorm, with the residual add fused in (as HF Llama/Qwen: normalise in float32, scale in the model dtype).
+
+rms_norm(x, w) = w * (x / sqrt(mean(x^2) + eps)).to(x.dtype); add_rms_norm also returns s = x + residual
+(rounded to the model dtype, as the unfused model computes it) and normalises s.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x, stride_r, stride_o, stride_ro,
+    hidden, eps,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """Grid (rows,). Program r normalises row r (adding its residual first when HAS_RESIDUAL)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
+    normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden}")
+    rows = x.reshape(-1, hidden)  # a view when x is contiguous in its last dim's rows (the usual case)
+    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    res_rows = residual.reshape(-1, hidden) if residual is not None else rows
+    res_out = torch.empty_like(rows) if residual is not None else rows
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, res_rows, weight, out, res_out,
+            rows.stride(0), res_rows.stride(0), out.stride(0), res_out.stride(0),
+            hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+        )
+    return out.view(x.shape), res_out.view(x.shape)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim of x [..., hidden]; works for per-head norms ([T, heads, head_dim]) too."""
+    return _launch(x, None, weight, eps)[0]
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): the new hidden state and the new residual, in one pass."""
+    return _launch(x, residual, weight, eps)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The torch reference, written as HF's LlamaRMSNorm (plus the unfused residual add)."""
+    summed = x if residual is None else x + residual
+    xf = summed.float()
+    normed = weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return normed if residual is None else (normed, summed)
