@@ -1,0 +1,89 @@
+"""Incremental detokenization and stop strings.
+
+Decoding the whole output after every token costs O(tokens) per step; instead each new token decodes a small
+window (the prefix/read offset approach): `prefix` marks where the last emitted window started, `read` where the
+already-emitted text ends. The new text is decode(ids[prefix:]) minus decode(ids[prefix:read]). A token that
+ends in the middle of a multi-byte character decodes to U+FFFD; then nothing is emitted until the character
+completes. The window starts a few prompt tokens back so that tokenizers which drop a leading space when
+decoding a sequence's first token (SentencePiece) still produce the right first characters.
+
+Stop strings are searched only in the newly decoded area (plus the longest stop string's length before it). The
+text is truncated before the first match, so a stop string never appears in the output; while streaming, the last
+len(longest stop) - 1 characters are held back because they might still turn into a stop string.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output, for the first tokens' spacing
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    def __init__(
+        self,
+        tokenizer: Any,
+        prompt_token_ids: list[int],
+        stop: list[str] | None = None,
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.tokenizer = tokenizer  # anything with decode(ids, skip_special_tokens=...): transformers or tokenizers
+        self.skip_special_tokens = skip_special_tokens
+        self.stop = list(stop or [])
+        self.hold_back = max((len(s) for s in self.stop), default=1) - 1
+        self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.text = ""  # the output text so far (truncated before a stop string once one matched)
+        self.num_emitted_chars = 0  # text[:n] already handed out as deltas
+        self.stopped_by: str | None = None  # the stop string that matched
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def add_token(self, token_id: int, check_stop: bool = True) -> bool:
+        """Decodes one generated token. Returns True when the text now contains a stop string (then `text`
+        ends right before it and later tokens must not be added). check_stop=False (min_tokens not reached
+        yet) only decodes."""
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return False  # nothing printable yet (special token skipped, or a character still incomplete)
+        return self._append_text(new_text[len(prefix_text) :], check_stop)
+
+    def flush(self) -> None:
+        """At the end: emit whatever is still held in the window, even an incomplete character."""
+        if self.stopped_by is not None or self._read == len(self._ids):
+            return
+        prefix_text = self._decode(self._ids[self._prefix : self._read])
+        new_text = self._decode(self._ids[self._prefix :])
+        if len(new_text) > len(prefix_text):
+            self._append_text(new_text[len(prefix_text) :], check_stop=False)
+
+    def _append_text(self, delta: str, check_stop: bool) -> bool:
+        self._prefix, self._read = self._read, len(self._ids)
+        start = len(self.text)
+        self.text += delta
+        if not self.stop or not check_stop:
+            return False
+        search_from = max(start - self.hold_back, 0)
+        best = -1
+        for s in self.stop:
+            idx = self.text.find(s, search_from)
+            if idx != -1 and (best == -1 or idx < best):
+                best, self.stopped_by = idx, s
+        if best == -1:
+            return False
+        self.text = self.text[:best]
+        return True
+
+    def take_delta(self, final: bool) -> str:
+        """Text not handed out yet that is safe to show: all of it when final, else all but the held-back tail."""
+        end = len(self.text) if final or self.stopped_by is not None else len(self.text) - self.hold_back
+        if end <= self.num_emitted_chars:
+            return ""
+        delta = self.text[self.num_emitted_chars : end]
+        self.num_emitted_chars = end
+        return delta

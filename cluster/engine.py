@@ -1,0 +1,210 @@
+"""Engine: the step loop. schedule -> executor.execute(plan) -> update -> stop checks -> deltas.
+
+It owns the scheduler, the block manager and the detokenizers; the executor (in-process, local processes or
+gRPC workers) owns every tensor. Per step the work is O(requests in the batch): no pass over all tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+from shardserve.cluster.block_manager import BlockManager
+from shardserve.cluster.detokenizer import IncrementalDetokenizer
+from shardserve.cluster.outputs import RequestDelta, RequestOutput
+from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.cluster.scheduler import Scheduler
+from shardserve.cluster.sequence import Sequence
+from shardserve.proto.config import EngineConfig
+from shardserve.proto.plan import Executor
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_kv_blocks: int
+    num_kv_blocks_used: int
+    num_kv_blocks_cached: int  # findable by prefix lookup (in use or free)
+    kv_usage: float
+    num_steps: int
+    num_preemptions: int
+    num_prompt_tokens: int  # prompt tokens of admitted requests
+    num_cached_prompt_tokens: int  # prefix-cache hits at first admission
+    num_computed_tokens: int  # positions computed by the workers (prefill, recompute and decode)
+    num_generated_tokens: int
+    num_finished: int
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        tokenizer: Any = None,
+        eos_token_ids: Seq[int] = (),
+        *,
+        vocab_size: int,
+    ) -> None:
+        self.config = config
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.eos_token_ids = list(eos_token_ids)
+        self.vocab_size = vocab_size
+        self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self._arrivals = itertools.count()
+        self._finished: dict[str, RequestOutput] = {}  # final outputs not yet taken
+        self._pending_deltas: list[RequestDelta] = []  # aborts between steps, reported by the next step()
+        self.num_steps = 0
+        self.num_prompt_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_generated_tokens = 0
+        self.num_finished = 0
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+    ) -> None:
+        """Queues a request; raises ValueError (never later in the loop) when it is malformed or can never fit."""
+        if not isinstance(req_id, str) or not req_id:
+            raise ValueError(f"request id must be a non-empty string, got {req_id!r}")
+        if req_id in self.scheduler.requests or req_id in self._finished:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty")
+        ids = list(prompt_token_ids)
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
+        self.scheduler.check_fits(len(ids), params.max_tokens)
+        spec = params.to_spec(self.eos_token_ids, self.vocab_size)
+        seq = Sequence(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=prompt)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        self.scheduler.add(seq)
+        self.num_prompt_tokens += len(ids)
+
+    def abort(self, req_id: str) -> bool:
+        """Ends a live request with finish_reason "abort"; its final delta comes with the next step().
+        Returns False when the id is unknown or already finished."""
+        seq = self.scheduler.requests.get(req_id)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq, "abort")
+        self._pending_deltas.append(self._on_finished(seq))
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending_deltas)
+
+    # ---- the loop ------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestDelta]:
+        deltas, self._pending_deltas = self._pending_deltas, []
+        plan = self.scheduler.schedule()
+        if plan is None:
+            if self.scheduler.waiting and not self.scheduler.running:
+                raise RuntimeError("scheduler bug: requests are waiting but none could be scheduled")
+            return deltas
+        result = self.executor.execute(plan)
+        self.num_steps += 1
+        self.num_computed_tokens += plan.num_batched_tokens
+        for seq in self.scheduler.update(plan, result):
+            self.num_generated_tokens += 1
+            reason = self._check_stop(seq)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+                deltas.append(self._on_finished(seq))
+            else:
+                deltas.append(self._delta(seq, final=False))
+        return deltas
+
+    def _check_stop(self, seq: Sequence) -> str | None:
+        token = seq.output_token_ids[-1]
+        n = len(seq.output_token_ids)
+        min_tokens = seq.params.min_tokens
+        # The workers mask stop ids for the first min_tokens tokens; the check here mirrors that.
+        if token in seq.stop_token_set and n > min_tokens:
+            return "stop"  # the stop token stays in token_ids; its text is never added
+        if seq.detokenizer is not None and seq.detokenizer.add_token(token, check_stop=n >= min_tokens):
+            return "stop"
+        if n >= seq.params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+            return "length"
+        return None
+
+    # ---- outputs -------------------------------------------------------------------------------------------
+    def _delta(self, seq: Sequence, final: bool) -> RequestDelta:
+        start = seq.num_emitted_tokens
+        seq.num_emitted_tokens = len(seq.output_token_ids)
+        return RequestDelta(
+            request_id=seq.req_id,
+            text=seq.detokenizer.take_delta(final) if seq.detokenizer is not None else "",
+            token_ids=seq.output_token_ids[start:],
+            logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
+            finished=final,
+            finish_reason=seq.finish_reason if final else None,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_generated=len(seq.output_token_ids),
+        )
+
+    def _on_finished(self, seq: Sequence) -> RequestDelta:
+        if seq.detokenizer is not None and seq.finish_reason != "stop":
+            seq.detokenizer.flush()
+        self.num_finished += 1
+        self._finished[seq.req_id] = self._output(seq)
+        return self._delta(seq, final=True)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.req_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=seq.detokenizer.text if seq.detokenizer is not None else "",
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            finished=seq.is_finished,
+            num_cached_tokens=seq.num_cached_tokens,
+        )
+
+    def get_output(self, req_id: str) -> RequestOutput | None:
+        """The final output of a finished request (kept until taken), or a snapshot of a live one."""
+        if req_id in self._finished:
+            return self._finished[req_id]
+        seq = self.scheduler.requests.get(req_id)
+        return self._output(seq) if seq is not None else None
+
+    def take_output(self, req_id: str) -> RequestOutput | None:
+        """Removes and returns a finished request's output (its id becomes reusable)."""
+        return self._finished.pop(req_id, None)
+
+    def take_finished(self) -> list[RequestOutput]:
+        """Removes and returns every finished output, in finishing order."""
+        outputs = list(self._finished.values())
+        self._finished.clear()
+        return outputs
+
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            num_waiting=len(self.scheduler.waiting),
+            num_running=len(self.scheduler.running),
+            num_kv_blocks=bm.num_blocks,
+            num_kv_blocks_used=bm.num_used_blocks,
+            num_kv_blocks_cached=bm.num_cached_blocks,
+            kv_usage=bm.usage,
+            num_steps=self.num_steps,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens,
+            num_computed_tokens=self.num_computed_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            num_finished=self.num_finished,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,217 @@
+"""Scheduler: decides, each step, which requests compute how many tokens; emits the StepPlan deltas.
+
+Policy (continuous batching, FCFS):
+1. Running requests first, oldest arrival first: a decode computes 1 token, an unfinished (chunked) prefill the
+   rest of its tokens up to the remaining token budget. When a running request needs a block and none is free,
+   the latest-arrived running request not yet scheduled this step is preempted by recompute (possibly the
+   request itself): its blocks are freed, it goes back to the front of the waiting queue and its KV is later
+   recomputed from prompt + generated tokens.
+2. Then waiting requests, in order, while max_num_seqs, the token budget and free blocks allow; a prompt longer
+   than the remaining budget gets a chunk of it, so prefills share a step with decodes. Nothing is admitted in a
+   step that preempted.
+
+Planning ahead: `num_computed_tokens` advances when a plan is made, and a plan that reaches the end of a
+request's token list counts one pending sampled token. So step N+1 can be planned before step N's result is
+applied; `update` then appends tokens one step late, discards tokens of requests finished meanwhile, and
+registers blocks in the prefix cache only once the plan that computed them has run.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+
+from shardserve.cluster.block_manager import BlockManager
+from shardserve.cluster.sequence import RequestStatus, Sequence
+from shardserve.proto.config import EngineConfig
+from shardserve.proto.plan import NewRequest, StepPlan, StepResult
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.requests: dict[str, Sequence] = {}  # every live (not finished) request
+        self.step_id = 0
+        self.num_preemptions = 0
+        self.num_cached_prompt_tokens = 0  # prefix-cache hits at first admission
+        self._finished_ids: list[str] = []  # to tell the workers in the next plan
+        self._preempted_ids: list[str] = []
+        # step id -> (seq, its epoch when planned, num_computed_tokens after that step): what update() confirms
+        self._in_flight: dict[int, list[tuple[Sequence, int, int]]] = {}
+
+    # ---- admission -----------------------------------------------------------------------------------------
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raises ValueError for a request that could never run, so it is never left waiting forever."""
+        total = num_prompt_tokens + max_tokens
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+                f"max_model_len ({self.config.max_model_len})"
+            )
+        # The last sampled token is never fed back, so its KV is never stored.
+        needed = self.block_manager.blocks_for(total - 1)
+        if needed > self.block_manager.num_blocks:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks of "
+                f"{self.block_manager.block_size} tokens, but the cache has only {self.block_manager.num_blocks}"
+            )
+
+    def add(self, seq: Sequence) -> None:
+        if seq.req_id in self.requests:
+            raise ValueError(f"request id {seq.req_id!r} is already in use")
+        self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
+        seq.status = RequestStatus.WAITING
+        self.requests[seq.req_id] = seq
+        self.waiting.append(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Ends a live request (stop, length or abort): frees its blocks and tells the workers next plan."""
+        if seq.is_finished:
+            return
+        if seq.status is RequestStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        if seq.known_to_workers:
+            self._finished_ids.append(seq.req_id)
+            seq.known_to_workers = False
+        seq.status = RequestStatus.FINISHED
+        seq.finish_reason = reason
+        del self.requests[seq.req_id]
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # ---- planning ------------------------------------------------------------------------------------------
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.epoch += 1
+        seq.status = RequestStatus.PREEMPTED
+        if seq.known_to_workers:
+            self._preempted_ids.append(seq.req_id)
+            seq.known_to_workers = False
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def _wants_tokens(self, seq: Sequence) -> int:
+        """Tokens seq could compute now: the rest of its list, or 0 when it is done once pending tokens land."""
+        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return 0
+        return seq.num_tokens - seq.num_computed_tokens
+
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan, or None when nothing can run (then nothing is consumed)."""
+        budget = self.config.max_num_batched_tokens
+        req_ids: list[str] = []
+        num_tokens: list[int] = []
+        new_block_ids: dict[str, list[int]] = {}
+        new_requests: list[NewRequest] = []
+        scheduled: list[Sequence] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(self._wants_tokens(seq), budget)
+            if n <= 0:
+                i += 1
+                continue
+            new = self.block_manager.append_slots(seq, seq.num_computed_tokens + n)
+            while new is None:  # out of blocks: preempt the latest arrival not yet scheduled
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+                new = self.block_manager.append_slots(seq, seq.num_computed_tokens + n)
+            if new is None:
+                break  # seq preempted itself; everything after it is gone too
+            if new:
+                new_block_ids[seq.req_id] = new
+            req_ids.append(seq.req_id)
+            num_tokens.append(n)
+            scheduled.append(seq)
+            budget -= n
+            i += 1
+
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if seq.num_pending_tokens:  # a token from a plan made before its preemption is still to land
+                break
+            hits = self.block_manager.find_cached_prefix(seq)
+            num_cached = len(hits) * self.block_manager.block_size
+            n = min(len(seq.token_ids) - num_cached, budget)
+            if not self.block_manager.allocate(seq, hits, num_cached + n):
+                break
+            self.waiting.popleft()
+            if seq.status is RequestStatus.WAITING:
+                seq.num_cached_tokens = num_cached
+                self.num_cached_prompt_tokens += num_cached
+            seq.status = RequestStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            new_requests.append(
+                NewRequest(
+                    req_id=seq.req_id,
+                    token_ids=list(seq.token_ids),
+                    num_prompt_tokens=seq.num_prompt_tokens,
+                    num_computed_tokens=num_cached,
+                    block_ids=list(seq.block_ids),
+                    sampling=seq.spec,
+                )
+            )
+            seq.known_to_workers = True
+            req_ids.append(seq.req_id)
+            num_tokens.append(n)
+            scheduled.append(seq)
+            budget -= n
+
+        if not req_ids:
+            return None
+        self.step_id += 1
+        in_flight = []
+        for seq, n in zip(scheduled, num_tokens):
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:  # reaches the end: the workers sample one token
+                seq.num_pending_tokens += 1
+            in_flight.append((seq, seq.epoch, seq.num_computed_tokens))
+        self._in_flight[self.step_id] = in_flight
+        plan = StepPlan(
+            step_id=self.step_id,
+            new_requests=new_requests,
+            req_ids=req_ids,
+            num_tokens=num_tokens,
+            new_block_ids=new_block_ids,
+            finished_req_ids=self._finished_ids,
+            preempted_req_ids=self._preempted_ids,
+        )
+        self._finished_ids, self._preempted_ids = [], []
+        return plan
+
+    # ---- results -------------------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+        """Applies a plan's result: appends sampled tokens and registers blocks now full of computed KV.
+
+        Returns the live requests that got a token (in result order), for the engine's stop checks.
+        """
+        if result.step_id != plan.step_id:
+            raise RuntimeError(f"result for step {result.step_id} does not match plan {plan.step_id}")
+        for seq, epoch, computed in self._in_flight.pop(plan.step_id):
+            if epoch == seq.epoch and not seq.is_finished:
+                self.block_manager.register_full_blocks(seq, computed)
+        got_token: list[Sequence] = []
+        logprobs = result.logprobs or [None] * len(result.req_ids)
+        for req_id, token, lp in zip(result.req_ids, result.token_ids, logprobs):
+            seq = self.requests.get(req_id)
+            if seq is None:  # finished or aborted after this plan was made: the token is discarded
+                continue
+            seq.num_pending_tokens -= 1
+            seq.append_token(token, lp)
+            got_token.append(seq)
+        return got_token

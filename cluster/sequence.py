@@ -1,0 +1,89 @@
+"""A request's state on the controller: its tokens, block table, status and what has been streamed so far.
+
+One `Sequence` per request, owned by the scheduler while the request is live. Token lists only grow by appends,
+so everything per step is O(1) per request; the only O(tokens) work happens at admission (hashing the prompt's
+blocks once) and when a preempted request is resent to the workers in full.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.proto.plan import SamplingSpec, TokenLogprobs
+
+if TYPE_CHECKING:
+    from shardserve.cluster.detokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # never scheduled yet
+    RUNNING = "running"  # holds blocks; scheduled each step while budget allows
+    PREEMPTED = "preempted"  # blocks taken away; waits at the front of the queue to be recomputed
+    FINISHED = "finished"  # done or aborted; its blocks are free
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    spec: SamplingSpec = field(default_factory=SamplingSpec)  # params.to_spec(eos, vocab) at admission
+    arrival: int = 0  # FCFS order; preemption picks the highest
+    prompt: str | None = None
+    stop_token_set: frozenset[int] = frozenset()  # spec.stop_token_ids, for O(1) checks each step
+
+    status: RequestStatus = RequestStatus.WAITING
+    token_ids: list[int] = field(default_factory=list)  # prompt + generated (tokens whose value is known)
+    output_token_ids: list[int] = field(default_factory=list)  # generated only
+    logprobs: list[TokenLogprobs | None] | None = None  # one per generated token when asked for
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+
+    # KV bookkeeping
+    num_computed_tokens: int = 0  # positions scheduled for computation (advanced when a plan is made)
+    num_pending_tokens: int = 0  # sampled by the workers (a plan reached the end of the list) but not yet reported
+    num_cached_tokens: int = 0  # prefix-cache hit at first admission (for stats)
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of the full blocks of token_ids known so far
+    num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    known_to_workers: bool = False  # False: the next plan must send it as a NewRequest (first time or resumed)
+    epoch: int = 0  # +1 per preemption: results of plans made before it must not touch the new block table
+
+    # streaming
+    detokenizer: IncrementalDetokenizer | None = None
+    num_emitted_tokens: int = 0  # output_token_ids[:n] (and logprobs[:n]) already sent as deltas
+    finished_reported: bool = False  # the final delta has been produced
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        if not self.stop_token_set:
+            self.stop_token_set = frozenset(self.spec.stop_token_ids)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the workers will know once every sent plan has run (known + pending samples)."""
+        return len(self.token_ids) + self.num_pending_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, counting those sampled but not yet reported."""
+        return len(self.output_token_ids) + self.num_pending_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+        if self.logprobs is not None:
+            self.logprobs.append(logprobs)

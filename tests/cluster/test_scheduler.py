@@ -1,0 +1,202 @@
+import pytest
+from _fake_executor import FakeExecutor, expected_output
+
+from shardserve.cluster.block_manager import BlockManager
+from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.cluster.scheduler import Scheduler
+from shardserve.cluster.sequence import RequestStatus, Sequence
+from shardserve.proto.config import EngineConfig
+
+BS = 4
+VOCAB = 1000
+
+
+class Harness:
+    """Scheduler + fake workers; finishes requests at max_tokens like the engine does."""
+
+    def __init__(self, num_blocks=64, prefix_caching=True, **config):
+        config.setdefault("max_model_len", 512)
+        self.config = EngineConfig(model="fake", block_size=BS, enable_prefix_caching=prefix_caching, **config)
+        self.bm = BlockManager(num_blocks, BS, prefix_caching)
+        self.sched = Scheduler(self.config, self.bm)
+        self.ex = FakeExecutor(num_blocks, BS, VOCAB)
+        self.seqs: dict[str, Sequence] = {}
+        self.finish_order: list[str] = []
+        self._arrival = 0
+
+    def add(self, req_id, prompt, max_tokens=4):
+        seq = Sequence(req_id, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0), arrival=self._arrival)
+        self._arrival += 1
+        self.sched.add(seq)
+        self.seqs[req_id] = seq
+        return seq
+
+    def step(self):
+        plan = self.sched.schedule()
+        if plan is None:
+            return None
+        for seq in self.sched.update(plan, self.ex.execute(plan)):
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                self.sched.finish(seq, "length")
+                self.finish_order.append(seq.req_id)
+        return plan
+
+    def run(self, max_steps=500):
+        plans = []
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished():
+                return plans
+            plan = self.step()
+            assert plan is not None, "no progress"
+            plans.append(plan)
+        raise AssertionError("did not finish")
+
+    def assert_outputs_exact(self):
+        for req_id, seq in self.seqs.items():
+            assert seq.output_token_ids == expected_output(seq.prompt_token_ids, seq.params.max_tokens, VOCAB), req_id
+
+
+def test_token_budget_and_max_num_seqs_bound_every_step():
+    h = Harness(max_num_seqs=2, max_num_batched_tokens=6)
+    for i in range(5):
+        h.add(f"r{i}", [10 + i] * 5, max_tokens=3)
+    plans = h.run()
+    assert plans[0].req_ids == ["r0", "r1"] and plans[0].num_tokens == [5, 1]  # r1 gets a chunk of the budget
+    assert all(p.num_batched_tokens <= 6 for p in plans)
+    assert all(len(p.req_ids) <= 2 for p in plans)
+    h.assert_outputs_exact()
+    assert h.bm.all_free()
+
+
+def test_long_prompt_is_chunked_and_shares_steps_with_decodes():
+    h = Harness(max_num_batched_tokens=8)
+    h.add("short", [1, 2, 3], max_tokens=6)
+    h.step()
+    h.add("long", list(range(100, 120)), max_tokens=2)
+    p2, p3, p4 = h.step(), h.step(), h.step()
+    assert (p2.req_ids, p2.num_tokens) == (["short", "long"], [1, 7])
+    assert (p3.req_ids, p3.num_tokens) == (["short", "long"], [1, 7])
+    assert (p4.req_ids, p4.num_tokens) == (["short", "long"], [1, 6])
+    assert [n.req_id for n in p2.new_requests] == ["long"] and not p3.new_requests
+    assert "long" in p3.new_block_ids  # the chunk crossed into new blocks: only those are sent
+    assert len(h.seqs["long"].output_token_ids) == 1  # sampled only after the last chunk
+    h.run()
+    h.assert_outputs_exact()
+    assert h.bm.all_free()
+
+
+def test_waiting_requests_are_served_first_come_first_served():
+    h = Harness(max_num_seqs=1)
+    for name in ["c", "a", "d", "b"]:
+        h.add(name, [7, 8, 9], max_tokens=2)
+    h.run()
+    assert h.finish_order == ["c", "a", "d", "b"]
+
+
+def test_preemption_takes_the_latest_arrival_and_resends_all_its_tokens():
+    h = Harness(num_blocks=6, prefix_caching=False)
+    for name in ["a", "b", "c"]:
+        h.add(name, [ord(name)] * 7, max_tokens=8)  # 2 blocks each: the cache is full after admission
+    h.step()  # prefill: positions 0-6
+    h.step()  # decode position 7: still in block 2
+    plan = h.step()  # position 8 needs a third block each: c (latest) is preempted for a, then b
+    assert h.seqs["c"].status is RequestStatus.PREEMPTED and h.sched.waiting[0] is h.seqs["c"]
+    assert plan.req_ids == ["a", "b"]
+    assert plan.preempted_req_ids == ["c"]  # the workers drop it before running this very step
+    assert h.ex.dropped_preempted == ["c"] and "c" not in h.ex.requests
+    c_before = list(h.seqs["c"].token_ids)
+    plans = h.run()
+    resumed = [n for p in plans for n in p.new_requests if n.req_id == "c"]
+    assert len(resumed) == 1 and resumed[0].token_ids == c_before and len(c_before) == 9
+    assert resumed[0].num_computed_tokens == 0  # recomputed in full
+    h.assert_outputs_exact()
+    assert h.bm.all_free() and h.sched.num_preemptions >= 1
+
+
+def test_recompute_after_preemption_reuses_its_own_cached_blocks():
+    h = Harness(num_blocks=7, prefix_caching=True)
+    for name in ["a", "b", "c"]:
+        h.add(name, [ord(name)] * 7, max_tokens=4)  # 2 blocks each, one spare
+    plans = h.run()
+    # step 3: a takes the spare block, b preempts c and takes c's freed tail block; c's head stays cached
+    assert plans[2].req_ids == ["a", "b"] and h.sched.num_preemptions == 1
+    resumed = [n for p in plans for n in p.new_requests if n.req_id == "c" and p.step_id > 1]
+    assert len(resumed) == 1 and len(resumed[0].token_ids) == 9
+    assert resumed[0].num_computed_tokens == BS  # its first block survived in the prefix cache
+    h.assert_outputs_exact()
+    assert h.bm.all_free()
+
+
+def test_request_that_can_never_fit_is_rejected_at_admission():
+    h = Harness(num_blocks=4, max_model_len=32)
+    with pytest.raises(ValueError, match="max_model_len"):
+        h.add("too-long", [1] * 30, max_tokens=3)
+    with pytest.raises(ValueError, match="KV blocks"):
+        h.add("too-big", [1] * 14, max_tokens=4)  # 17 stored positions need 5 blocks of 4; 4 exist
+    h.add("fits", [1] * 13, max_tokens=4)  # 16 stored positions: exactly 4 blocks
+    assert not h.sched.waiting or h.sched.waiting[0].req_id == "fits"
+    h.run()
+    assert h.bm.all_free()
+
+
+def test_step_ids_count_plans_and_an_idle_schedule_consumes_nothing():
+    h = Harness()
+    assert h.sched.schedule() is None and h.sched.step_id == 0
+    h.add("a", [1, 2], max_tokens=3)
+    plans = h.run()
+    assert [p.step_id for p in plans] == [1, 2, 3]
+    assert h.sched.schedule() is None and h.sched.step_id == 3
+
+
+def test_finished_ids_reach_the_workers_only_for_requests_they_hold():
+    h = Harness(max_num_seqs=1)
+    h.add("a", [1, 2], max_tokens=1)
+    h.add("never-sent", [3, 4], max_tokens=1)
+    h.step()  # a prefills, samples its only token, finishes
+    h.sched.finish(h.seqs["never-sent"], "abort")
+    h.add("b", [5], max_tokens=1)
+    plan = h.step()
+    assert plan.finished_req_ids == ["a"] and "a" not in h.ex.requests
+    h.step()
+    assert h.ex.dropped_finished == ["a"]  # b's drop is still pending: there was no later plan
+    assert h.bm.all_free()
+
+
+def test_prefix_hit_skips_the_cached_blocks():
+    h = Harness()
+    h.add("a", list(range(12)), max_tokens=2)
+    h.run()
+    h.add("b", list(range(8)) + [50, 51, 52], max_tokens=2)
+    plan = h.step()
+    assert plan.new_requests[0].num_computed_tokens == 8 and plan.num_tokens == [3]
+    assert h.seqs["b"].num_cached_tokens == 8
+    h.run()
+    h.assert_outputs_exact()
+
+
+def test_planning_a_step_ahead_discards_the_token_after_a_late_stop():
+    h = Harness()
+    a = h.add("a", [1, 2, 3], max_tokens=10)
+    plan1 = h.sched.schedule()
+    result1 = h.ex.execute(plan1)
+    plan2 = h.sched.schedule()  # before step 1's token is known: decode the pending token
+    assert plan2.req_ids == ["a"] and plan2.num_tokens == [1]
+    result2 = h.ex.execute(plan2)
+    assert h.sched.update(plan1, result1) == [a]
+    h.sched.finish(a, "stop")  # e.g. its first token was a stop token
+    assert h.sched.update(plan2, result2) == []  # the extra token is dropped
+    assert a.output_token_ids == expected_output([1, 2, 3], 1, VOCAB)
+    assert h.bm.all_free()
+
+
+def test_planning_ahead_never_schedules_past_max_tokens():
+    h = Harness()
+    h.add("b", [1, 2, 3], max_tokens=2)
+    plan1, plan2 = h.sched.schedule(), None
+    r1 = h.ex.execute(plan1)
+    plan2 = h.sched.schedule()
+    r2 = h.ex.execute(plan2)
+    assert h.sched.schedule() is None  # two tokens are already on their way
+    h.sched.update(plan1, r1)
+    h.sched.update(plan2, r2)
+    assert h.seqs["b"].output_token_ids == expected_output([1, 2, 3], 2, VOCAB)
