@@ -1,0 +1,56 @@
+"""MultiprocExecutor: TP=2 as two spawned processes over gloo gives TP=1's tokens; rank failures surface as errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardserve.proto.plan import SamplingSpec, StepPlan
+from shardserve.worker.inprocess import InProcessExecutor
+from shardserve.worker.multiproc import MultiprocExecutor, WorkerError
+from test_model_runner import PROMPTS, PlanDriver, assert_same_or_near_tie, engine_config, hf_greedy, save_tiny_llama
+
+NUM_NEW = 8
+SAMPLED = SamplingSpec(temperature=1.0, top_p=0.9, seed=2024)
+
+
+def _requests() -> dict:
+    return {
+        "g0": (PROMPTS[0], SamplingSpec(temperature=0.0)),
+        "g1": (PROMPTS[1], SamplingSpec(temperature=0.0)),
+        "s": (PROMPTS[1], SAMPLED),
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-tp"))  # 4 heads, 2 KV heads: TP 2 divides both
+
+
+@pytest.fixture(scope="module")
+def tp2(model_dir):
+    executor = MultiprocExecutor(engine_config(model_dir, tensor_parallel_size=2))
+    yield executor
+    executor.shutdown()
+
+
+def test_tp2_matches_tp1_greedy_and_seeded(model_dir, tp2):
+    single = InProcessExecutor(engine_config(model_dir))
+    tp1 = PlanDriver(single).prefill_and_decode(_requests(), NUM_NEW)
+    single.shutdown()
+    tp2_out = PlanDriver(tp2).prefill_and_decode(_requests(), NUM_NEW)
+    for rid, prompt in (("g0", PROMPTS[0]), ("g1", PROMPTS[1])):
+        ref_tokens, ref_logits = hf_greedy(model_dir, prompt, NUM_NEW)
+        assert_same_or_near_tie(tp1[rid], ref_tokens, ref_logits)
+        assert_same_or_near_tie(tp2_out[rid], ref_tokens, ref_logits)
+    assert tp2_out["s"] == tp1["s"]  # same seed, same tokens at any TP size
+    assert tp2.num_kv_blocks == 64
+
+
+def test_a_rank_error_in_a_step_surfaces_with_its_traceback(model_dir):
+    executor = MultiprocExecutor(engine_config(model_dir, tensor_parallel_size=2))
+    with pytest.raises(WorkerError, match=r"(?s)rank \d raised:.*KeyError.*no state"):
+        executor.execute(StepPlan(1, req_ids=["ghost"], num_tokens=[1]))
+    with pytest.raises(WorkerError, match="failed earlier"):
+        executor.execute(StepPlan(2))
+    assert executor._procs == []  # every rank was ended
+
