@@ -213,3 +213,19 @@ def test_logprobs_match_transformers_log_softmax(driver, reference):
 def test_a_plan_naming_an_unknown_request_is_an_error(driver):
     with pytest.raises(KeyError, match="no state"):
         driver.executor.execute(StepPlan(1, req_ids=["ghost"], num_tokens=[1]))
+
+
+def test_kv_cache_size_follows_the_config(model_dir):
+    from shardserve.worker import kv_cache
+
+    executor = InProcessExecutor(engine_config(model_dir, num_kv_blocks=None, kv_cache_memory_gb=0.0002))
+    model = executor.runner.model
+    per_block = kv_cache.bytes_per_block(model, BLOCK_SIZE, torch.float32)
+    assert per_block == 2 * 2 * BLOCK_SIZE * 2 * 16 * 4  # K+V, 2 layers, 2 KV heads, head_dim 16, fp32
+    assert executor.num_kv_blocks == int(0.0002 * 2**30) // per_block < 264
+    k_cache, v_cache = executor.runner.kv_caches[0]
+    assert k_cache.shape == v_cache.shape == (executor.num_kv_blocks, BLOCK_SIZE, 2, 16)
+    # a 1 GiB default would be ~65k blocks; max_num_seqs full-length sequences need far fewer
+    capped = kv_cache.profile_num_blocks(engine_config(model_dir, num_kv_blocks=None), model, torch.float32,
+                                         torch.device("cpu"))
+    assert capped == kv_cache.max_useful_blocks(engine_config(model_dir)) == 8 * (128 // BLOCK_SIZE + 1)
