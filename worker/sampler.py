@@ -8,7 +8,8 @@ int64 tensors), turns it into an exponential variate q = -log(u), and picks argm
 - after a preemption the request resumes with the same draws (the index is the number of tokens it generated
   before, which the resumed request carries);
 - every tensor-parallel rank holds the full logits and computes the same draws, so all ranks sample the same token
-  with no broadcast of sampled tokens.
+  with no broadcast of sampled tokens. (This relies on the all-reduce and all-gather leaving bitwise-identical
+  tensors on every rank, which ring/tree collectives in gloo and NCCL do: each rank ends with the same copies.)
 
 Order of transforms (vLLM/HF semantics): repetition penalty (prompt + generated tokens), presence/frequency
 penalties (generated tokens), min_tokens (stop ids masked), then greedy rows take the argmax; sampled rows apply
@@ -219,12 +220,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     logits = logits.float().clone()
     apply_penalties(logits, rows)
     apply_min_tokens(logits, rows)
-    tokens = torch.argmax(logits, dim=1)
     sampled = [i for i, r in enumerate(rows) if r.spec.temperature > 0.0]
-    if sampled:
-        if len(sampled) == len(rows):
-            tokens = _sample_rows(logits, rows)
-        else:
+    if len(sampled) == len(rows):
+        tokens = _sample_rows(logits, rows)
+    else:
+        tokens = torch.argmax(logits, dim=1)
+        if sampled:
             idx = torch.tensor(sampled, device=logits.device)
             tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
     return SamplerOutput(token_ids=tokens.tolist(), logprobs=_logprobs(raw, rows, tokens))
