@@ -54,7 +54,6 @@ class Sequence:
     # streaming
     detokenizer: IncrementalDetokenizer | None = None
     num_emitted_tokens: int = 0  # output_token_ids[:n] (and logprobs[:n]) already sent as deltas
-    finished_reported: bool = False  # the final delta has been produced
 
     def __post_init__(self) -> None:
         if not self.token_ids:

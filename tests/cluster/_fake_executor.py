@@ -59,6 +59,7 @@ class FakeExecutor:
     dropped_finished: list[str] = field(default_factory=list)
     dropped_preempted: list[str] = field(default_factory=list)
     shut_down: bool = False
+    script: dict[str, list[int]] = field(default_factory=dict)  # req id -> the tokens it "samples", in order
 
     def execute(self, plan: StepPlan) -> StepResult:
         expected_step = self.plans[-1].step_id + 1 if self.plans else 1
@@ -96,7 +97,10 @@ class FakeExecutor:
             if req.num_computed == len(req.tokens):
                 spec = req.new.sampling
                 generated = len(req.tokens) - req.new.num_prompt_tokens
-                token = _sample(req.tokens[-1], self.vocab_size, spec.stop_token_ids, generated < spec.min_tokens)
+                if req_id in self.script:
+                    token = self.script[req_id][generated]
+                else:
+                    token = _sample(req.tokens[-1], self.vocab_size, spec.stop_token_ids, generated < spec.min_tokens)
                 req.tokens.append(token)
                 self.history[req_id].append(token)
                 result.req_ids.append(req_id)

@@ -134,7 +134,7 @@ def test_request_that_can_never_fit_is_rejected_at_admission():
     with pytest.raises(ValueError, match="KV blocks"):
         h.add("too-big", [1] * 14, max_tokens=4)  # 17 stored positions need 5 blocks of 4; 4 exist
     h.add("fits", [1] * 13, max_tokens=4)  # 16 stored positions: exactly 4 blocks
-    assert not h.sched.waiting or h.sched.waiting[0].req_id == "fits"
+    assert [s.req_id for s in h.sched.waiting] == ["fits"]  # the rejected ones left no trace
     h.run()
     assert h.bm.all_free()
 
@@ -192,7 +192,7 @@ def test_planning_a_step_ahead_discards_the_token_after_a_late_stop():
 def test_planning_ahead_never_schedules_past_max_tokens():
     h = Harness()
     h.add("b", [1, 2, 3], max_tokens=2)
-    plan1, plan2 = h.sched.schedule(), None
+    plan1 = h.sched.schedule()
     r1 = h.ex.execute(plan1)
     plan2 = h.sched.schedule()
     r2 = h.ex.execute(plan2)
@@ -200,3 +200,15 @@ def test_planning_ahead_never_schedules_past_max_tokens():
     h.sched.update(plan1, r1)
     h.sched.update(plan2, r2)
     assert h.seqs["b"].output_token_ids == expected_output([1, 2, 3], 2, VOCAB)
+
+
+def test_blocks_become_findable_only_once_their_kv_is_computed():
+    h = Harness(max_num_batched_tokens=7)
+    h.add("a", list(range(11)), max_tokens=2)
+    h.step()  # a's first chunk: positions 0-6, so block 1 (positions 4-7) is not complete yet
+    h.add("b", list(range(8)) + [90, 91], max_tokens=2)
+    plan = h.step()
+    assert plan.req_ids == ["a", "b"] and plan.new_requests[0].num_computed_tokens == 4
+    h.run()
+    h.assert_outputs_exact()
+    assert h.bm.all_free()
