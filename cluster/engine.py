@@ -178,9 +178,13 @@ class Engine:
         seq = self.scheduler.requests.get(req_id)
         return self._output(seq) if seq is not None else None
 
-    def take_output(self, req_id: str) -> RequestOutput | None:
-        """Removes and returns a finished request's output (its id becomes reusable)."""
+    def pop_output(self, req_id: str) -> RequestOutput | None:
+        """Removes and returns a finished request's output (its id becomes reusable); None if not finished."""
         return self._finished.pop(req_id, None)
+
+    def has_request(self, req_id: str) -> bool:
+        """True while the id is live or its final output has not been popped."""
+        return req_id in self.scheduler.requests or req_id in self._finished
 
     def take_finished(self) -> list[RequestOutput]:
         """Removes and returns every finished output, in finishing order."""

@@ -177,8 +177,10 @@ def test_invalid_requests_are_rejected_and_leave_no_trace():
     run(engine)
     with pytest.raises(ValueError, match="already in use"):  # its output has not been taken yet
         engine.add_request("ok", [3], greedy(2))
-    assert engine.take_output("ok").token_ids == expected_output([1, 2], 2, VOCAB)
+    assert engine.pop_output("ok").token_ids == expected_output([1, 2], 2, VOCAB)
+    assert not engine.has_request("ok")
     engine.add_request("ok", [3], greedy(2))  # taken: the id is free again
+    assert engine.has_request("ok")
 
 
 def test_stats_follow_queues_steps_and_cache():
