@@ -30,7 +30,8 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
     """The first `length` cached positions of one sequence: [length, kv_heads, head_dim]."""
     block_size = cache.shape[1]
     num_blocks = -(-length // block_size)
-    blocks = cache[block_table[:num_blocks].long()]  # [num_blocks, block_size, kv_heads, head_dim]
+    # index_select: several times faster on CPU than advanced indexing for this gather
+    blocks = cache.index_select(0, block_table[:num_blocks].long())  # [num_blocks, block_size, kv_heads, head_dim]
     return blocks.reshape(-1, *cache.shape[2:])[:length]
 
 
@@ -79,26 +80,38 @@ class TorchAttentionBackend(AttentionBackend):
         out[start : start + q_len] = result.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
-        """One query per sequence, all sequences at once: gather their blocks, mask past each seq_len."""
+        """One query per sequence: sequences of similar length are attended together (padding at most ~2x)."""
+        by_length = sorted(seqs, key=lambda i: meta.seq_lens_cpu[i], reverse=True)
+        group: list[int] = []
+        for i in by_length:
+            if group and meta.seq_lens_cpu[i] * 2 < meta.seq_lens_cpu[group[0]]:
+                self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts)
+                group = []
+            group.append(i)
+        self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts)
+
+    def _decode_group(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
+        """Gathers the group's blocks (padded to its longest sequence), masks past each seq_len, one SDPA call."""
         device = q.device
+        batch = len(seqs)
         token_idx = torch.tensor([starts[i] for i in seqs], device=device)
-        seq_idx = torch.tensor(seqs, device=device)
         lens_cpu = [meta.seq_lens_cpu[i] for i in seqs]
         max_len = max(lens_cpu)
         block_size = k_cache.shape[1]
         num_blocks = -(-max_len // block_size)
-        tables = meta.block_tables[seq_idx, :num_blocks].long()  # [B, nb]
+        tables = meta.block_tables[torch.tensor(seqs, device=device), :num_blocks].reshape(-1).long()
         num_kv_heads, head_dim = k_cache.shape[-2:]
-        batch = len(seqs)
-        keys = k_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]  # [B, S, kvh, D]
-        values = v_cache[tables].reshape(batch, -1, num_kv_heads, head_dim)[:, :max_len]
         num_heads = q.shape[1]
-        group = num_heads // num_kv_heads
-        query = q[token_idx].reshape(batch, num_kv_heads, group, head_dim).float()
-        scores = torch.einsum("bkgd,bskd->bkgs", query, keys.float()) * scale  # [B, kvh, g, S]
+
+        def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, kv_heads, max_len, head_dim]
+            blocks = cache.index_select(0, tables).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+            return blocks[:, :max_len].transpose(1, 2).to(q.dtype)
+
         lens = torch.tensor(lens_cpu, device=device)
-        beyond = torch.arange(max_len, device=device).unsqueeze(0) >= lens.unsqueeze(1)  # [B, S]
-        scores.masked_fill_(beyond[:, None, None, :], float("-inf"))
-        probs = scores.softmax(dim=-1)
-        result = torch.einsum("bkgs,bskd->bkgd", probs, values.float())
-        out[token_idx] = result.reshape(batch, num_heads, head_dim).to(out.dtype)
+        visible = torch.arange(max_len, device=device).unsqueeze(0) < lens.unsqueeze(1)  # [B, max_len]
+        # the query heads sharing a KV head become that head's "query rows": [B, kv_heads, group, head_dim]
+        query = q.index_select(0, token_idx).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        result = F.scaled_dot_product_attention(
+            query, gather(k_cache), gather(v_cache), attn_mask=visible[:, None, None, :], scale=scale
+        )
+        out.index_copy_(0, token_idx, result.reshape(batch, num_heads, head_dim))
