@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 _LOG2E = 1.4426950408889634
-_NEG_BIG = -1.0e30
+_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" (see paged_attention.py)
 
 
 @triton.jit
@@ -34,6 +34,38 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
         else:
             hi = mid
     return lo - 1
+
+
+@triton.jit
+def _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
+                    kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """One online-softmax step over keys tile_start .. tile_start + BLOCK_N - 1. Without CAUSAL every row sees
+    every key of the tile (keys before the query tile's first position), so loads and scores go unmasked."""
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    valid = pos <= last_q_pos
+    if CAUSAL:
+        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+    else:
+        block = tl.load(table + pos // block_size).to(tl.int64)
+    kv_off = (block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch)[:, None] + d[None, :]
+    if CAUSAL or HEAD_DIM != BLOCK_D:
+        kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + kv_off)
+        v = tl.load(v_cache_ptr + kv_off)
+    s = tl.dot(q, tl.trans(k)) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
+    if CAUSAL:
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, _NEG_BIG)
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l, acc
 
 
 @triton.jit(do_not_specialize=["num_seqs"])  # a batch of 1 must not compile a constexpr bound
@@ -76,23 +108,14 @@ def _prefill_kernel(
         last_q_pos = context_start + tl.minimum((local_tile + 1) * BLOCK_Q, q_len) - 1
         # keys before the tile's first query are seen by every row: no causal mask needed there
         unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N
-        for tile_start in range(0, last_q_pos + 1, BLOCK_N):
-            pos = tile_start + tl.arange(0, BLOCK_N)
-            valid = pos <= last_q_pos
-            block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-            kv_off = block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch
-            kv_mask = valid[:, None] & dim_ok[None, :]
-            k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
-            if tile_start >= unmasked_end:
-                s = tl.where(pos[None, :] <= q_pos[:, None], s, _NEG_BIG)
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m = m_new
+        for tile_start in range(0, unmasked_end, BLOCK_N):
+            m, l, acc = _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
+                                        kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, False)
+        for tile_start in range(unmasked_end, last_q_pos + 1, BLOCK_N):
+            m, l, acc = _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
+                                        kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, True)
 
         result = acc / tl.where(l > 0.0, l, 1.0)[:, None]
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -108,7 +131,10 @@ def paged_prefill_attention(
     block_tables: torch.Tensor,  # [B, max_blocks_per_seq] int32
     scale: float,
     out: torch.Tensor | None = None,
-    block_m: int = 64,
+    block_m: int = 128,
+    block_n: int | None = None,
+    num_warps: int = 8,
+    num_stages: int = 2,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
@@ -133,7 +159,8 @@ def paged_prefill_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim,
-        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=64 if block_d <= 128 else 32,
+        BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n or (64 if block_d <= 128 else 32),
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

@@ -69,6 +69,15 @@ def test_prefill_with_small_query_tiles_spans_many_tiles_per_sequence():
     torch.testing.assert_close(out, paged_prefill_attention_ref(*args), atol=1e-4, rtol=1e-4)
 
 
+def test_prefill_with_non_power_of_2_head_dim_over_long_prefix():
+    # head_dim 40 pads to 64 lanes; a 130-key prefix puts two whole key tiles before the chunk (unmasked path)
+    q, _, _, k_cache, v_cache, meta = make_batch(
+        [2, 9], [132, 9], num_heads=3, num_kv_heads=1, head_dim=40, block_size=16, dtype=torch.float16,
+        device=DEVICE, seed=7)
+    args = (q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, SCALE)
+    torch.testing.assert_close(paged_prefill_attention(*args), paged_prefill_attention_ref(*args), **TOL[torch.float16])
+
+
 def test_prefill_kernel_on_decode_only_batch_equals_decode_kernel():
     q, _, _, k_cache, v_cache, meta = make_batch(
         [1, 1, 1], [5, 64, 100], num_heads=4, num_kv_heads=1, head_dim=32, block_size=8, dtype=torch.float32,

@@ -1,0 +1,116 @@
+"""GPU suite: the Triton kernels in bf16 on realistic shapes (Qwen3-0.6B / Llama-3-8B attention per rank)
+against float32 torch references, within bf16 tolerance. Runs only on a CUDA host (make test-gpu)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # skip before importing triton kernels (CPU CI runs them interpreted elsewhere)
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+from _paged_batch import make_batch  # noqa: E402
+
+from shardserve.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from shardserve.kernels.prefill import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
+from shardserve.kernels.rmsnorm import add_rms_norm, rms_norm_ref  # noqa: E402
+from shardserve.kernels.rope import apply_rope_, rope_ref  # noqa: E402
+from shardserve.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
+from shardserve.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+BF16 = dict(atol=2e-2, rtol=2e-2)
+HEADS = {"qwen3-0.6b": (16, 8, 128), "llama-3-8b": (32, 8, 128), "llama-3-8b-tp2": (16, 4, 128)}
+
+
+def _float_ref(fn, *tensors, **kw):
+    """Runs a reference on float32 copies of bf16 inputs: the truth the bf16 kernel is held to."""
+    return fn(*[t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors], **kw)
+
+
+@pytest.mark.parametrize("model", list(HEADS))
+@pytest.mark.parametrize("num_splits", [1, 8])
+def test_decode_bf16_batch_64_mixed_contexts(model, num_splits):
+    heads, kv_heads, dim = HEADS[model]
+    seq_lens = [int(x) for x in torch.randint(1, 2048, (64,), generator=torch.Generator().manual_seed(0))]
+    q, _, _, kc, vc, meta = make_batch([1] * 64, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                                       block_size=16, dtype=torch.bfloat16, device="cuda")
+    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, dim**-0.5, num_splits=num_splits)
+    ref = _float_ref(paged_decode_attention_ref, q, kc, vc, meta.block_tables, meta.seq_lens, dim**-0.5)
+    torch.testing.assert_close(out.float(), ref, **BF16)
+
+
+def test_decode_bf16_long_context_split_k():
+    q, _, _, kc, vc, meta = make_batch([1, 1], [16384, 9000], num_heads=32, num_kv_heads=8, head_dim=128,
+                                       block_size=16, dtype=torch.bfloat16, device="cuda")
+    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 128**-0.5, num_splits=16)
+    ref = _float_ref(paged_decode_attention_ref, q, kc, vc, meta.block_tables, meta.seq_lens, 128**-0.5)
+    torch.testing.assert_close(out.float(), ref, **BF16)
+
+
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3-8b"])
+def test_prefill_bf16_mixed_batch(model):
+    heads, kv_heads, dim = HEADS[model]
+    query_lens = [1000, 300, 17, 1, 1, 1, 256]
+    seq_lens = [1000, 1500, 2048, 700, 1, 4000, 256]  # fresh, extend over a prefix, chunk, decodes
+    q, _, _, kc, vc, meta = make_batch(query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                                       block_size=16, dtype=torch.bfloat16, device="cuda")
+    args = (q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, dim**-0.5)
+    out = paged_prefill_attention(*args)
+    ref = _float_ref(paged_prefill_attention_ref, *args)
+    torch.testing.assert_close(out.float(), ref, **BF16)
+
+
+def test_backend_bf16_decode_and_mixed_steps_store_then_attend():
+    backend = TritonAttentionBackend()
+    for query_lens, seq_lens in (([1] * 32, [100 + 37 * i for i in range(32)]), ([128, 1, 1], [640, 90, 1])):
+        q, k, v, kc, vc, meta = make_batch(query_lens, seq_lens, num_heads=16, num_kv_heads=8, head_dim=128,
+                                           block_size=16, dtype=torch.bfloat16, device="cuda", seed=1)
+        kr, vr = kc.clone(), vc.clone()
+        store_kv_ref(k, v, kr, vr, meta.slot_mapping)
+        out = backend.forward(q, k, v, kc, vc, meta, 128**-0.5)
+        assert torch.equal(kc, kr) and torch.equal(vc, vr)
+        ref = _float_ref(paged_prefill_attention_ref, q, kr, vr, meta.query_start_loc, meta.seq_lens,
+                         meta.block_tables, 128**-0.5)
+        torch.testing.assert_close(out.float(), ref, **BF16)
+
+
+def test_store_kv_bf16_cache_past_int32_offsets():
+    blocks = 140_000  # 140000 * 16 * 8 * 128 elements > 2^31: slot offsets must be computed in int64
+    kc = torch.zeros(blocks, 16, 8, 128, dtype=torch.bfloat16, device="cuda")
+    vc = torch.zeros_like(kc)
+    k = torch.randn(512, 8, 128, dtype=torch.bfloat16, device="cuda")
+    v = torch.randn_like(k)
+    slots = torch.randperm(blocks * 16, device="cuda")[:512]
+    slots[0] = blocks * 16 - 1  # the very last slot
+    slots[1::7] = -1
+    store_kv(k, v, kc, vc, slots)
+    kept = slots >= 0
+    assert torch.equal(kc.view(-1, 8, 128)[slots[kept]], k[kept])
+    assert torch.equal(vc.view(-1, 8, 128)[slots[kept]], v[kept])
+    assert int((kc.view(-1, 1024) != 0).any(1).sum()) == int(kept.sum())  # nothing written elsewhere
+
+
+@pytest.mark.parametrize("hidden", [1024, 4096])
+def test_add_rms_norm_bf16(hidden):
+    x = torch.randn(257, hidden, dtype=torch.bfloat16, device="cuda")
+    res = torch.randn_like(x)
+    w = torch.randn(hidden, dtype=torch.bfloat16, device="cuda")
+    out, new_res = add_rms_norm(x, res, w, 1e-6)
+    ref_out, ref_res = rms_norm_ref(x, w, 1e-6, res)
+    assert torch.equal(new_res, ref_res)
+    torch.testing.assert_close(out, ref_out, **BF16)
+
+
+def test_rope_bf16_llama_shapes():
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, 128, 2, device="cuda").float() / 128)
+    freqs = torch.outer(torch.arange(8192, device="cuda").float(), inv_freq)
+    q = torch.randn(300, 32, 128, dtype=torch.bfloat16, device="cuda")
+    k = torch.randn(300, 8, 128, dtype=torch.bfloat16, device="cuda")
+    positions = torch.randint(0, 8192, (300,), device="cuda")
+    q_ref, k_ref = rope_ref(positions, q, k, freqs.cos(), freqs.sin())
+    apply_rope_(positions, q, k, freqs.cos(), freqs.sin())
+    torch.testing.assert_close(q, q_ref, **BF16)
+    torch.testing.assert_close(k, k_ref, **BF16)
