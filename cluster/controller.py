@@ -1,0 +1,341 @@
+"""Controller: one engine replica behind the client-facing gRPC server. `shardserve serve` runs it as a Ray actor
+(an asyncio actor: its methods run on the actor's event loop); tests may also run it in their own event loop.
+
+Threads: the event loop serves gRPC (Generate streams, health, stats) and never blocks; the EngineLoop thread owns
+the Engine and runs its steps (which block on the workers), then hands each step's deltas back to the event loop,
+where they go into one asyncio queue per live request. Lifecycle: STARTING (health NOT_SERVING while the workers
+load) -> SERVING -> DRAINING (SIGTERM: no new requests, in-flight ones may finish) -> STOPPED; FAILED when a
+worker fails (health NOT_SERVING, every live stream ends with UNAVAILABLE).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardserve.cluster.engine import Engine, EngineStats
+from shardserve.cluster.engine_loop import EngineLoop, StepReport
+from shardserve.cluster.metrics import ControllerMetrics
+from shardserve.cluster.outputs import RequestDelta
+from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.proto.config import EngineConfig
+from shardserve.proto.plan import Executor
+
+log = logging.getLogger(__name__)
+
+CHAT_ROLES = ("system", "user", "assistant")
+Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages ({"role", "content"})
+
+
+class ServerUnavailable(RuntimeError):
+    """Not serving now: starting, draining, stopped, or a worker failed (gRPC UNAVAILABLE)."""
+
+
+class UnknownRequest(KeyError):
+    """No live request has this id (gRPC NOT_FOUND)."""
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class ServedModel:
+    """The model facts clients see in GetModelInfo."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+
+
+@dataclass
+class ControllerConfig:
+    engine: EngineConfig
+    model: ServedModel
+    make_executor: Callable[[EngineConfig], Executor]  # runs in the controller; e.g. connects to the workers
+    load_tokenizer: Callable[[EngineConfig], Any]  # runs in the controller; None = token ids only
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port
+    metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
+    replica: str = "replica-0"  # named in every stream's last message
+
+
+@dataclass(slots=True)
+class StreamItem:
+    delta: RequestDelta
+    logprob_texts: dict[int, str]
+
+
+@dataclass
+class LiveRequest:
+    req_id: str
+    queue: asyncio.Queue  # StreamItem, or an exception that ends the stream
+    admitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_prompt_tokens: int = 0
+
+
+class Controller:
+    def __init__(self, config: ControllerConfig) -> None:
+        self.config = config
+        self.state = State.STARTING
+        self.metrics = ControllerMetrics()
+        self.address: str | None = None
+        self.metrics_address: str | None = None
+        self.has_chat_template = False
+        self._started_at = time.time()
+        self._live: dict[str, LiveRequest] = {}
+        self._idle = asyncio.Event()  # set while no request is live (drain waits on it)
+        self._idle.set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine_loop: EngineLoop | None = None
+        self._engine: Engine | None = None
+        self._server = None
+        self._health = None
+        self._load_task: asyncio.Task | None = None
+        self._load_error: BaseException | None = None
+        self._failure: BaseException | None = None
+        self.num_rejected = 0
+        self.num_aborted = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Serves gRPC at once (health NOT_SERVING) and loads the engine in the background; returns host:port."""
+        from shardserve.cluster.server import start_server  # grpc is only needed once serving
+
+        self._loop = asyncio.get_running_loop()
+        self._server, port, self._health = await start_server(self, self.config.host, self.config.port)
+        self.address = f"{self.config.host}:{port}"
+        if self.config.metrics_port is not None:
+            bound = self.metrics.serve(self.config.host, self.config.metrics_port)
+            self.metrics_address = f"{self.config.host}:{bound}"
+        self._load_task = asyncio.create_task(self._load())
+        return self.address
+
+    async def _load(self) -> None:
+        try:
+            engine = await asyncio.to_thread(self._build_engine)
+        except BaseException as e:
+            log.exception("loading the engine failed")
+            self._load_error = e
+            self.state = State.FAILED
+            return
+        if self.state is not State.STARTING:  # shut down while loading
+            await asyncio.to_thread(engine.shutdown)
+            return
+        self._engine = engine
+        self._engine_loop = EngineLoop(engine, self._on_step_threadsafe, self._on_failure_threadsafe)
+        self._engine_loop.start()
+        self.state = State.SERVING
+        await self._set_health(True)
+
+    def _build_engine(self) -> Engine:
+        cfg = self.config
+        tokenizer = cfg.load_tokenizer(cfg.engine)
+        self.has_chat_template = bool(tokenizer is not None and getattr(tokenizer, "chat_template", None))
+        executor = cfg.make_executor(cfg.engine)  # returns once every rank has loaded and allocated its cache
+        return Engine(cfg.engine, executor, tokenizer, cfg.model.eos_token_ids, vocab_size=cfg.model.vocab_size)
+
+    async def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once SERVING; False on timeout; raises RuntimeError when loading failed."""
+        if self._load_task is None:
+            raise RuntimeError("start() was not called")
+        try:
+            await asyncio.wait_for(asyncio.shield(self._load_task), timeout)
+        except asyncio.TimeoutError:
+            return False
+        if self._load_error is not None:
+            raise RuntimeError(f"the engine failed to load: {self._load_error!r}") from self._load_error
+        return self.state is State.SERVING
+
+    async def drain(self, grace_s: float = 30.0) -> int:
+        """Stops admitting, lets live requests finish within grace_s, then ends the rest with UNAVAILABLE.
+        Returns how many were cut off."""
+        if self.state in (State.STARTING, State.SERVING):
+            self.state = State.DRAINING
+        await self._set_health(False)
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_s)
+        except asyncio.TimeoutError:
+            pass
+        cut = list(self._live)
+        for req_id in cut:
+            self._end(req_id, ServerUnavailable(f"the server shut down before request {req_id} finished "
+                                                f"(aborted after a {grace_s:g} s drain)"), outcome="abort")
+            if self._engine_loop is not None:
+                self._engine_loop.submit(lambda engine, r=req_id: engine.abort(r))
+        return len(cut)
+
+    async def shutdown(self, grace_s: float = 30.0) -> int:
+        """Drains, stops the engine loop and the workers, then the servers. Returns drain()'s count."""
+        cut = await self.drain(grace_s)
+        self.state = State.STOPPED
+        if self._engine_loop is not None:
+            await asyncio.to_thread(self._engine_loop.stop, 30.0)
+        if self._engine is not None:
+            await asyncio.to_thread(self._engine.shutdown)
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+        if self._server is not None:
+            await self._server.stop(1.0)
+        self.metrics.close()
+        return cut
+
+    async def _set_health(self, serving: bool) -> None:
+        if self._health is not None:
+            from shardserve.cluster.server import set_health
+
+            await set_health(self._health, serving)
+
+    def status(self) -> dict:
+        return {"state": self.state.value, "address": self.address, "metrics_address": self.metrics_address,
+                "live_requests": len(self._live), "error": repr(self._failure or self._load_error or "") or None}
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
+        """Admits a request. Raises ValueError for bad input, ServerUnavailable when not serving."""
+        try:
+            if self.state is not State.SERVING:
+                raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
+            req_id = req_id if req_id is not None else uuid.uuid4().hex
+            if req_id in self._live:
+                raise ValueError(f"request id {req_id!r} is already in use")
+            live = LiveRequest(req_id, asyncio.Queue())
+            self._live[req_id] = live  # before the engine sees it, so that no delta can miss its queue
+            self._idle.clear()
+            future = self._engine_loop.submit(lambda engine: _admit(engine, req_id, prompt, params))
+            try:
+                live.num_prompt_tokens = await asyncio.wrap_future(future)
+            except BaseException as e:
+                self._forget(req_id)
+                if isinstance(e, asyncio.CancelledError):  # the client left while we waited: undo the add
+                    self._engine_loop.submit(lambda engine: engine.abort(req_id))
+                elif not isinstance(e, ValueError):  # the engine loop died meanwhile
+                    raise ServerUnavailable(f"the engine failed: {e!r}") from e
+                raise
+        except (ValueError, ServerUnavailable):
+            self.note_rejected()
+            raise
+        self.metrics.prompt_tokens.inc(live.num_prompt_tokens)
+        return live
+
+    def note_rejected(self) -> None:
+        self.num_rejected += 1
+        self.metrics.requests.labels("rejected").inc()
+
+    async def abort(self, req_id: str) -> None:
+        """Ends a live request with finish reason ABORT. Raises UnknownRequest when no live request has the id."""
+        if req_id not in self._live or self._engine_loop is None:
+            raise UnknownRequest(req_id)
+        if not await asyncio.wrap_future(self._engine_loop.submit(lambda engine: engine.abort(req_id))):
+            raise UnknownRequest(req_id)
+
+    def cancel(self, req_id: str) -> None:
+        """The client went away: abort without waiting (the blocks are freed by the engine's next step)."""
+        if req_id in self._live:
+            self._end(req_id, None, outcome="abort")
+            self._engine_loop.submit(lambda engine: engine.abort(req_id))
+
+    async def server_stats(self) -> tuple[EngineStats | None, dict]:
+        """Fresh engine stats (taken between two steps) and the controller's own counters."""
+        stats = None
+        if self._engine_loop is not None and self.state in (State.SERVING, State.DRAINING):
+            stats = await asyncio.wrap_future(self._engine_loop.submit(lambda engine: engine.stats()))
+        return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
+                       "uptime_s": time.time() - self._started_at}
+
+    # ---- from the engine thread -----------------------------------------------------------------------------
+    def _on_step_threadsafe(self, report: StepReport) -> None:
+        self._loop.call_soon_threadsafe(self._dispatch, report)
+
+    def _on_failure_threadsafe(self, error: BaseException) -> None:
+        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._fail(error)))
+
+    def _dispatch(self, report: StepReport) -> None:
+        self.metrics.step_time.observe(report.step_s)
+        self.metrics.observe_stats(report.stats)
+        now = time.perf_counter()
+        for delta in report.deltas:
+            self.metrics.generation_tokens.inc(len(delta.token_ids))
+            live = self._live.get(delta.request_id)
+            if live is None:  # cancelled by its client, or cut off by a drain
+                continue
+            if delta.token_ids:
+                live.first_token_at = live.first_token_at or now
+                live.last_token_at = now
+            live.queue.put_nowait(StreamItem(delta, report.logprob_texts))
+            if delta.finished:
+                self._end(delta.request_id, None, outcome=delta.finish_reason or "stop", num=delta.num_generated)
+
+    async def _fail(self, error: BaseException) -> None:
+        self._failure = error
+        if self.state in (State.SERVING, State.DRAINING):
+            self.state = State.FAILED
+        await self._set_health(False)
+        for req_id in list(self._live):
+            self._end(req_id, ServerUnavailable(f"a worker failed: {error}"), outcome="error")
+
+    def _end(self, req_id: str, error: BaseException | None, outcome: str, num: int = 0) -> None:
+        """Forgets a live request; puts `error` into its stream first, if given."""
+        live = self._live.get(req_id)
+        if live is None:
+            return
+        if error is not None:
+            live.queue.put_nowait(error)
+        if outcome == "abort":
+            self.num_aborted += 1
+        base = live.admitted_at
+        self.metrics.observe_finished(
+            outcome,
+            None if live.first_token_at is None else live.first_token_at - base,
+            None if live.last_token_at is None else live.last_token_at - base,
+            num,
+        )
+        self._forget(req_id)
+
+    def _forget(self, req_id: str) -> None:
+        self._live.pop(req_id, None)
+        if not self._live:
+            self._idle.set()
+
+
+def _admit(engine: Engine, req_id: str, prompt: Prompt, params: SamplingParams) -> int:
+    """Runs on the engine thread (the tokenizer lives there): encodes the prompt and adds the request.
+    Returns the prompt's token count; raises ValueError for bad input."""
+    tokenizer = engine.tokenizer
+    text = None
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights): send token ids")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        text, ids = prompt, tokenizer.encode(prompt, add_special_tokens=False)
+    elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("this model has no chat template: send text or token ids")
+        for m in prompt:
+            if m.get("role") not in CHAT_ROLES:
+                raise ValueError(f"chat roles must be one of {', '.join(CHAT_ROLES)}; got {m.get('role')!r}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError("every chat message needs a string content")
+        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    elif isinstance(prompt, list):
+        ids = prompt  # checked by add_request: non-empty, integers within the vocabulary
+    else:
+        raise ValueError(f"a prompt is text, token ids or chat messages; got {type(prompt).__name__}")
+    engine.add_request(req_id, ids, params, prompt=text)
+    return len(ids)

@@ -1,0 +1,212 @@
+"""The client-facing gRPC server: the Generation servicer, grpc.health.v1 Health, server reflection, and the
+mapping from the controller's exceptions to gRPC status codes.
+
+Status mapping: bad input (ValueError) -> INVALID_ARGUMENT with its message; not serving (starting, draining,
+failed) -> UNAVAILABLE; an unknown id on Abort -> NOT_FOUND; anything else -> INTERNAL. A user's error only
+ever ends that user's call.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from shardserve.cluster.controller import (
+    Controller,
+    LiveRequest,
+    ServerUnavailable,
+    StreamItem,
+    UnknownRequest,
+)
+from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.proto import generation_pb2 as pb
+from shardserve.proto import generation_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+# GenerateRequest fields that map one-to-one onto SamplingParams arguments.
+_OPTIONAL_SAMPLING_FIELDS = (
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+    "seed", "max_tokens", "min_tokens", "logprobs",
+)
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(error, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+    if isinstance(error, ServerUnavailable):
+        return grpc.StatusCode.UNAVAILABLE, str(error)
+    if isinstance(error, UnknownRequest):
+        return grpc.StatusCode.NOT_FOUND, f"no live request has id {error.args[0]!r}"
+    return grpc.StatusCode.INTERNAL, f"internal error: {error!r}"
+
+
+def request_from_proto(msg: pb.GenerateRequest) -> tuple[object, SamplingParams, str | None]:
+    """(prompt, sampling params, request id or None); raises ValueError for bad input."""
+    kind = msg.WhichOneof("prompt")
+    if kind == "text":
+        prompt = msg.text
+    elif kind == "token_ids":
+        prompt = list(msg.token_ids.ids)
+    elif kind == "chat":
+        prompt = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
+        if not prompt:
+            raise ValueError("chat must have at least one message")
+    else:
+        raise ValueError("the request has no prompt: set text, token_ids or chat")
+    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
+    params = SamplingParams(
+        **kwargs,
+        stop=list(msg.stop) or None,
+        stop_token_ids=list(msg.stop_token_ids) or None,
+        ignore_eos=msg.ignore_eos,
+    )
+    req_id = msg.request_id if msg.HasField("request_id") else None
+    if req_id is not None and not req_id:
+        raise ValueError("request_id must not be empty when given")
+    return prompt, params, req_id
+
+
+def delta_to_proto(item: StreamItem) -> pb.GenerateResponse:
+    d = item.delta
+    msg = pb.GenerateResponse()
+    msg.delta.text = d.text
+    msg.delta.token_ids.extend(d.token_ids)
+    if d.logprobs:
+        texts = item.logprob_texts
+        for token, lp in zip(d.token_ids, d.logprobs):
+            if lp is None:
+                continue
+            entry = msg.delta.logprobs.add(token_id=token, logprob=lp.logprob, text=texts.get(token, ""))
+            for top_id, top_lp in zip(lp.top_ids, lp.top_logprobs):
+                entry.top_logprobs.add(token_id=top_id, logprob=top_lp, text=texts.get(top_id, ""))
+    return msg
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, controller: Controller) -> None:
+        self.controller = controller
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            prompt, params, req_id = request_from_proto(request)
+        except ValueError as e:
+            self.controller.note_rejected()
+            await context.abort(*status_of(e))
+        try:
+            live: LiveRequest = await self.controller.add_request(prompt, params, req_id)
+        except (ValueError, ServerUnavailable) as e:  # counted as rejected by the controller
+            await context.abort(*status_of(e))
+        finished = False
+        try:
+            yield pb.GenerateResponse(
+                started=pb.GenerateResponse.Started(request_id=live.req_id,
+                                                    prompt_token_count=live.num_prompt_tokens)
+            )
+            while True:
+                item = await live.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True  # the controller has already forgotten it
+                    await context.abort(*status_of(item))
+                if item.delta.token_ids or item.delta.text:
+                    yield delta_to_proto(item)
+                if item.delta.finished:
+                    finished = True
+                    d = item.delta
+                    yield pb.GenerateResponse(finished=pb.GenerateResponse.Finished(
+                        finish_reason=FINISH_REASONS.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
+                        usage=pb.Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated),
+                        replica=self.controller.config.replica,
+                    ))
+                    return
+        finally:
+            if not finished:  # the client cancelled or its deadline passed: free the request's blocks
+                self.controller.cancel(live.req_id)
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        try:
+            await self.controller.abort(request.request_id)
+        except (UnknownRequest, ServerUnavailable) as e:
+            await context.abort(*status_of(e))
+        return pb.AbortResponse()
+
+    async def GetModelInfo(self, request, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
+        c = self.controller
+        cfg, model = c.config.engine, c.config.model
+        info = pb.ModelInfo(
+            model=model.name,
+            architecture=model.architecture,
+            max_model_len=cfg.max_model_len,
+            vocab_size=model.vocab_size,
+            eos_token_ids=model.eos_token_ids,
+            has_chat_template=c.has_chat_template,
+            tokenizer=cfg.tokenizer or "",
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            replicas=1,
+            dtype=cfg.dtype,
+            block_size=cfg.block_size,
+        )
+        if model.bos_token_id is not None:
+            info.bos_token_id = model.bos_token_id
+        return info
+
+    async def GetServerStats(self, request, context: grpc.aio.ServicerContext) -> pb.ServerStats:
+        try:
+            stats, counters = await self.controller.server_stats()
+        except Exception as e:  # the engine loop died between the state check and the call
+            await context.abort(*status_of(ServerUnavailable(str(e))))
+        msg = pb.ServerStats(
+            requests_aborted=counters["requests_aborted"],
+            requests_rejected=counters["requests_rejected"],
+            uptime_s=counters["uptime_s"],
+        )
+        if stats is not None:
+            msg.num_waiting = stats.num_waiting
+            msg.num_running = stats.num_running
+            msg.kv_blocks_total = stats.num_kv_blocks
+            msg.kv_blocks_used = stats.num_kv_blocks_used
+            msg.kv_blocks_cached = stats.num_kv_blocks_cached
+            msg.requests_finished = stats.num_finished
+            msg.prompt_tokens_total = stats.num_prompt_tokens
+            msg.generation_tokens_total = stats.num_generated_tokens
+        return msg
+
+
+def _target(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+async def start_server(controller: Controller, host: str, port: int):
+    """Starts the grpc.aio server on host:port (0 = a free port). Returns (server, bound port, health servicer);
+    health starts NOT_SERVING."""
+    server = grpc.aio.server()
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(controller), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    try:
+        bound = server.add_insecure_port(_target(host, port))
+    except RuntimeError as e:
+        raise RuntimeError(f"cannot bind the gRPC server to {_target(host, port)}: {e}") from e
+    if bound == 0:
+        raise RuntimeError(f"cannot bind the gRPC server to {_target(host, port)}")
+    await server.start()
+    await set_health(health_servicer, False)
+    return server, bound, health_servicer
+
+
+async def set_health(health_servicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for service in ("", GENERATION_SERVICE):  # "" is the whole server, as grpc health probes ask by default
+        await health_servicer.set(service, status)

@@ -1,0 +1,296 @@
+"""The gRPC client of a shardserve server: `Client` (blocking) and `AsyncClient` (asyncio).
+
+    from shardserve.client import Client
+    with Client("127.0.0.1:50051") as client:
+        print(client.generate("The capital of France is", max_tokens=16, temperature=0).text)
+        for delta in client.stream("Tell me a story", max_tokens=64):
+            print(delta.text, end="", flush=True)
+
+Sampling keywords are SamplingParams' (temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
+frequency_penalty, seed, max_tokens, min_tokens, stop, stop_token_ids, ignore_eos, logprobs); unset ones take the
+server's defaults. Server errors surface as grpc.RpcError with their status code (INVALID_ARGUMENT for bad input,
+UNAVAILABLE while the server is not serving, NOT_FOUND for an unknown id on abort, DEADLINE_EXCEEDED past
+`timeout`). Importing this module needs only grpcio and protobuf (no torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from shardserve.proto import generation_pb2 as pb
+from shardserve.proto import generation_pb2_grpc as pb_grpc
+
+_REPEATED = ("stop", "stop_token_ids")
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+             "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "logprobs") + _REPEATED
+_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+
+
+@dataclass
+class TopLogprob:
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    text: str
+    top: list[TopLogprob] = field(default_factory=list)  # best first
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+@dataclass
+class StreamDelta:
+    text: str  # may be "" while a multi-byte character is incomplete
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length" or "abort"
+    usage: Usage
+    logprobs: list[TokenLogprob] | None
+    replica: str  # the engine replica that served it
+
+
+def build_request(prompt, request_id: str | None, sampling: dict) -> pb.GenerateRequest:
+    """prompt: text, a list of token ids, or chat messages [{"role": ..., "content": ...}]."""
+    unknown = set(sampling) - set(_SAMPLING)
+    if unknown:
+        raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
+    msg = pb.GenerateRequest()
+    if request_id is not None:
+        msg.request_id = request_id
+    if isinstance(prompt, str):
+        msg.text = prompt
+    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        msg.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+    elif isinstance(prompt, (list, tuple)):
+        msg.token_ids.ids.extend(prompt)  # an empty list is sent as is: the server answers INVALID_ARGUMENT
+    else:
+        raise TypeError(f"a prompt is text, token ids or chat messages; got {type(prompt).__name__}")
+    for name, value in sampling.items():
+        if value is None:
+            continue
+        if name in _REPEATED:
+            getattr(msg, name).extend([value] if isinstance(value, str) else value)
+        else:
+            setattr(msg, name, value)
+    return msg
+
+
+def _logprobs(delta: pb.GenerateResponse.Delta) -> list[TokenLogprob]:
+    return [
+        TokenLogprob(lp.token_id, lp.logprob, lp.text, [TopLogprob(t.token_id, t.logprob, t.text) for t in lp.top_logprobs])
+        for lp in delta.logprobs
+    ]
+
+
+class _Collector:
+    """Folds a Generate stream's messages into deltas and, at the end, a GenerationResult."""
+
+    def __init__(self) -> None:
+        self.request_id = ""
+        self.prompt_tokens = 0
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] | None = None
+        self.result: GenerationResult | None = None
+
+    def feed(self, msg: pb.GenerateResponse) -> StreamDelta | None:
+        kind = msg.WhichOneof("kind")
+        if kind == "started":
+            self.request_id, self.prompt_tokens = msg.started.request_id, msg.started.prompt_token_count
+        elif kind == "delta":
+            lps = _logprobs(msg.delta) if msg.delta.logprobs else None
+            if lps is not None:
+                self.logprobs = (self.logprobs or []) + lps
+            self.text.append(msg.delta.text)
+            self.token_ids += msg.delta.token_ids
+            return StreamDelta(msg.delta.text, list(msg.delta.token_ids), lps)
+        elif kind == "finished":
+            f = msg.finished
+            self.result = GenerationResult(
+                request_id=self.request_id,
+                text="".join(self.text),
+                token_ids=self.token_ids,
+                finish_reason=_FINISH.get(f.finish_reason),
+                usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens),
+                logprobs=self.logprobs,
+                replica=f.replica,
+            )
+        return None
+
+
+class Stream:
+    """Iterates a request's deltas. request_id is known after the first delta (or call .wait_started());
+    .result is set once the stream has finished."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+        self._collector = _Collector()
+
+    @property
+    def request_id(self) -> str:
+        return self._collector.request_id
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._collector.result
+
+    def __iter__(self) -> Iterator[StreamDelta]:
+        for msg in self._call:
+            delta = self._collector.feed(msg)
+            if delta is not None:
+                yield delta
+
+    def wait_started(self) -> str:
+        """Reads up to the Started message; returns the request id."""
+        while not self._collector.request_id:
+            self._collector.feed(next(self._call))
+        return self._collector.request_id
+
+    def cancel(self) -> None:
+        """Ends the stream; the server aborts the request and frees its cache blocks."""
+        self._call.cancel()
+
+
+class Client:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+        """timeout: the default deadline in seconds of every call (None = none); each method takes its own."""
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _t(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None, **sampling) -> Stream:
+        return Stream(self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout)))
+
+    def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
+                 **sampling) -> GenerationResult:
+        stream = self.stream(prompt, request_id=request_id, timeout=timeout, **sampling)
+        for _ in stream:
+            pass
+        return stream.result
+
+    def chat(self, messages: list[dict], *, request_id: str | None = None, timeout: float | None = None,
+             **sampling) -> GenerationResult:
+        return self.generate(list(messages), request_id=request_id, timeout=timeout, **sampling)
+
+    def abort(self, request_id: str, timeout: float | None = None) -> None:
+        self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._t(timeout))
+
+    def health(self, service: str = "", timeout: float | None = None) -> str:
+        """"SERVING" or "NOT_SERVING" (raises grpc.RpcError when the server cannot be reached)."""
+        reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._t(timeout))
+
+    def server_stats(self, timeout: float | None = None) -> pb.ServerStats:
+        return self._stub.GetServerStats(pb.ServerStatsRequest(), timeout=self._t(timeout))
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Blocks until health is SERVING; raises TimeoutError after `timeout` seconds."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if self.health(timeout=2.0) == "SERVING":
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.address} was not SERVING within {timeout:g} s")
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    """The same calls as Client, awaitable; stream() is an async iterator of deltas."""
+
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    def _t(self, timeout: float | None) -> float | None:
+        return self.timeout if timeout is None else timeout
+
+    async def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
+                     **sampling) -> AsyncIterator[StreamDelta]:
+        call = self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout))
+        collector = _Collector()
+        try:
+            async for msg in call:
+                delta = collector.feed(msg)
+                if delta is not None:
+                    yield delta
+        finally:
+            call.cancel()  # a no-op once finished; aborts the request when the caller stops early
+
+    async def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
+                       **sampling) -> GenerationResult:
+        call = self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout))
+        collector = _Collector()
+        async for msg in call:
+            collector.feed(msg)
+        return collector.result
+
+    async def chat(self, messages: list[dict], *, request_id: str | None = None, timeout: float | None = None,
+                   **sampling) -> GenerationResult:
+        return await self.generate(list(messages), request_id=request_id, timeout=timeout, **sampling)
+
+    async def abort(self, request_id: str, timeout: float | None = None) -> None:
+        await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._t(timeout))
+
+    async def health(self, service: str = "", timeout: float | None = None) -> str:
+        reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout))
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+    async def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
+        return await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._t(timeout))
+
+    async def server_stats(self, timeout: float | None = None) -> pb.ServerStats:
+        return await self._stub.GetServerStats(pb.ServerStatsRequest(), timeout=self._t(timeout))
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
