@@ -1,0 +1,210 @@
+"""GrpcExecutor: the controller's Executor over gRPC, one long-lived bidirectional Step stream per TP rank.
+
+Startup (the order worker.proto gives): Init on every rank at once (they rendezvous together, so one at a time
+would deadlock), LoadWeights, ProfileMemory -> num_kv_blocks = the minimum (block ids must be valid on every
+rank), AllocateKVCache(minimum), then one Step stream per rank.
+
+Per step: the plan is encoded once and written to every rank's stream; every rank answers with its step id (rank 0
+with the sampled tokens). submit() and collect() are separate, so the controller may plan step N+1 while step N
+runs; execute() is submit + collect. The hot path creates no channel and no thread: each stream has one
+long-lived reader thread that moves replies into one queue, where collect() waits with a deadline. Any rank's
+error, a closed stream or the deadline raises WorkerError, and the executor is unusable afterwards (the TP
+group's collectives cannot recover from a lost rank).
+
+cluster/ never imports worker/: only grpc and shardserve.proto.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import grpc
+
+from shardserve.proto import worker_pb2 as pb
+from shardserve.proto import worker_pb2_grpc as pb_grpc
+from shardserve.proto.config import EngineConfig
+from shardserve.proto.convert import engine_config_to_proto, step_plan_to_proto, step_result_from_proto
+from shardserve.proto.plan import StepPlan, StepResult
+
+_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+_CLOSE = object()  # ends a request stream
+
+
+class WorkerError(RuntimeError):
+    """A rank refused or failed a call, died, or did not answer in time."""
+
+
+@dataclass(frozen=True)
+class RankHealth:
+    rank: int
+    state: str  # worker.proto's WorkerState without its prefix ("READY", "FAILED", ...) or "UNREACHABLE"
+    last_step_id: int
+    error: str
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "READY"
+
+
+class _StepStream:
+    """One rank's Step stream: a request queue gRPC reads from, and a reader thread feeding the shared replies."""
+
+    def __init__(self, rank: int, stub: pb_grpc.WorkerStub, replies: queue.SimpleQueue) -> None:
+        self.rank = rank
+        self.requests: queue.SimpleQueue = queue.SimpleQueue()
+        self.call = stub.Step(iter(self.requests.get, _CLOSE))
+        self.reader = threading.Thread(target=self._read, args=(replies,), name=f"step-reader-{rank}", daemon=True)
+        self.reader.start()
+
+    def _read(self, replies: queue.SimpleQueue) -> None:
+        try:
+            for msg in self.call:
+                replies.put((self.rank, msg))
+            replies.put((self.rank, WorkerError(f"rank {self.rank} closed its Step stream")))
+        except grpc.RpcError as exc:
+            replies.put((self.rank, WorkerError(f"rank {self.rank}'s Step stream failed: {exc.code()}: {exc.details()}")))
+
+    def close(self) -> None:
+        self.requests.put(_CLOSE)
+        self.call.cancel()
+
+
+class GrpcExecutor:
+    def __init__(
+        self,
+        config: EngineConfig,
+        endpoints: list[str],
+        init_method: str,
+        *,
+        step_timeout_s: float = 300.0,
+        startup_timeout_s: float = 600.0,
+        rpc_timeout_s: float = 10.0,
+    ) -> None:
+        if len(endpoints) != config.tensor_parallel_size:
+            raise ValueError(f"{len(endpoints)} endpoints for tensor_parallel_size {config.tensor_parallel_size}")
+        self.config = config
+        self.endpoints = list(endpoints)
+        self.step_timeout_s = step_timeout_s
+        self.rpc_timeout_s = rpc_timeout_s
+        self._broken: str | None = None
+        self._in_flight: deque[int] = deque()  # step ids submitted and not yet collected, oldest first
+        self._early: list[deque] = [deque() for _ in endpoints]  # replies to later steps that arrived first
+        self._replies: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: list[_StepStream] = []
+        self._channels = [grpc.insecure_channel(ep, options=_CHANNEL_OPTIONS) for ep in self.endpoints]
+        self._stubs = [pb_grpc.WorkerStub(ch) for ch in self._channels]
+        self.last_forward_ms = 0.0  # the slowest rank's forward_ms in the last collected step
+        try:
+            self._start(init_method, startup_timeout_s)
+        except BaseException:
+            self.shutdown(timeout_s=2.0)
+            raise
+
+    def _start(self, init_method: str, timeout_s: float) -> None:
+        config_msg = engine_config_to_proto(self.config)
+        world = len(self._stubs)
+        device = self.config.device
+        self._call_all(
+            "Init",
+            lambda rank: pb.InitRequest(rank=rank, world_size=world, init_method=init_method, device=device, config=config_msg),
+            timeout_s=self.config.dist_timeout_s + self.rpc_timeout_s,
+        )
+        self._call_all("LoadWeights", lambda rank: pb.LoadWeightsRequest(), timeout_s)
+        profiles = self._call_all("ProfileMemory", lambda rank: pb.ProfileMemoryRequest(), timeout_s)
+        self.num_kv_blocks: int = min(p.num_blocks for p in profiles)
+        self._call_all("AllocateKVCache", lambda rank: pb.AllocateKVCacheRequest(num_blocks=self.num_kv_blocks), timeout_s)
+        self._streams = [_StepStream(rank, stub, self._replies) for rank, stub in enumerate(self._stubs)]
+
+    def _call_all(self, method: str, request_for_rank, timeout_s: float) -> list:
+        """The same unary call on every rank at once (gRPC futures: no threads); raises on the first failure."""
+        calls = [getattr(stub, method).future(request_for_rank(rank), timeout=timeout_s) for rank, stub in enumerate(self._stubs)]
+        replies = []
+        for rank, call in enumerate(calls):
+            try:
+                replies.append(call.result())
+            except grpc.RpcError as exc:
+                for other in calls:
+                    other.cancel()
+                raise WorkerError(f"{method} on rank {rank} ({self.endpoints[rank]}) failed: {exc.code()}: {exc.details()}") from None
+        return replies
+
+    # ---- steps ---------------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        self.submit(plan)
+        return self.collect()
+
+    def submit(self, plan: StepPlan) -> None:
+        """Sends the plan to every rank; returns at once. Plans must be submitted in step-id order."""
+        if self._broken is not None:
+            raise WorkerError(f"the executor failed earlier: {self._broken}")
+        msg = step_plan_to_proto(plan)  # encoded once, shared by every stream
+        for stream in self._streams:
+            stream.requests.put(msg)
+        self._in_flight.append(plan.step_id)
+
+    def collect(self) -> StepResult:
+        """Waits for every rank's reply to the oldest submitted step; returns rank 0's result."""
+        if self._broken is not None:
+            raise WorkerError(f"the executor failed earlier: {self._broken}")
+        if not self._in_flight:
+            raise RuntimeError("collect() without a submitted step")
+        step_id = self._in_flight[0]
+        deadline = time.monotonic() + self.step_timeout_s
+        while any(not early for early in self._early):
+            try:
+                rank, reply = self._replies.get(timeout=max(deadline - time.monotonic(), 1e-3))
+            except queue.Empty:
+                missing = [r for r, early in enumerate(self._early) if not early]
+                self._fail(f"step {step_id}: ranks {missing} did not answer within {self.step_timeout_s:.0f} s")
+            if isinstance(reply, Exception):
+                self._fail(f"step {step_id}: {reply}")
+            if reply.error:
+                self._fail(f"step {reply.step_id} on rank {rank}: {reply.error}")
+            self._early[rank].append(reply)
+        self._in_flight.popleft()
+        replies = [early.popleft() for early in self._early]
+        for rank, reply in enumerate(replies):
+            if reply.step_id != step_id:
+                self._fail(f"rank {rank} acknowledged step {reply.step_id}, expected {step_id}")
+        self.last_forward_ms = max(r.forward_ms for r in replies)
+        return step_result_from_proto(replies[0])
+
+    def _fail(self, message: str) -> None:
+        self._broken = message
+        raise WorkerError(message)
+
+    # ---- health and shutdown -------------------------------------------------------------------------------
+    def health(self) -> list[RankHealth]:
+        """Every rank's state (asked at once); a rank that does not answer in rpc_timeout_s is UNREACHABLE."""
+        calls = [stub.Health.future(pb.HealthRequest(), timeout=self.rpc_timeout_s) for stub in self._stubs]
+        states = []
+        for rank, call in enumerate(calls):
+            try:
+                h = call.result()
+                name = pb.WorkerState.Name(h.state).removeprefix("WORKER_STATE_")
+                states.append(RankHealth(rank, name, h.last_step_id, h.error))
+            except grpc.RpcError as exc:
+                states.append(RankHealth(rank, "UNREACHABLE", 0, f"{exc.code()}: {exc.details()}"))
+        return states
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Closes the streams, asks every rank to shut down (bounded), closes the channels. Idempotent."""
+        if not self._channels:
+            return
+        for stream in self._streams:
+            stream.close()
+        calls = [stub.Shutdown.future(pb.ShutdownRequest(), timeout=timeout_s) for stub in self._stubs]
+        for call in calls:
+            try:
+                call.result()
+            except grpc.RpcError:
+                pass  # a rank already gone has nothing to shut down
+        for ch in self._channels:
+            ch.close()
+        self._channels, self._stubs, self._streams = [], [], []
+        if self._broken is None:
+            self._broken = "shut down"

@@ -1,0 +1,163 @@
+"""Ray placement of a tensor-parallel worker group: one placement group per TP group, one WorkerActor per rank.
+
+Ray decides where the ranks run and hands back their gRPC endpoints; from then on the controller talks to the
+workers over gRPC only (cluster/grpc_executor.py). STRICT_PACK (the default) keeps a TP group on one node, where
+its all-reduces run over NVLink/shared memory instead of the network.
+
+    ensure_ray("local")                       # or "auto" to join `ray start --head ...`
+    group = launch_worker_group(config)
+    executor = GrpcExecutor(config, group.endpoints, group.init_method)
+    ...
+    executor.shutdown(); group.shutdown()
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardserve.proto.config import EngineConfig
+from shardserve.worker.actor import MULTICAST_OFF_ENV, WorkerActor
+
+# A CPU rank's bundle is half a logical CPU, so that TP=3 places even on a 2-core Ray started with defaults.
+CPU_RANK_BUNDLE = {"CPU": 0.5}
+GPU_RANK_BUNDLE = {"GPU": 1, "CPU": 1}
+
+
+class PlacementError(RuntimeError):
+    """The TP group's placement group could not be placed in time (too few resources on any one node)."""
+
+
+def ensure_ray(address: str = "local") -> None:
+    """Connects this process to Ray (nothing if it already is).
+
+    "local": starts a Ray on this machine, loopback only, with at least 8 logical CPUs (TP ranks on a 2-core
+    machine place). "auto": joins the cluster `ray start` runs on this node. Anything else: a cluster address.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address == "local":
+        # Without this, Ray binds the machine's external address; the local cluster stays on 127.0.0.1.
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+        ray.init(num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False, logging_level="warning")
+    else:
+        ray.init(address=address, logging_level="warning")
+
+
+@dataclass
+class WorkerGroup:
+    """One TP group's workers: their endpoints in rank order and the Ray handles that keep them alive."""
+
+    endpoints: list[str]  # "host:port" of each rank's Worker server, rank order
+    init_method: str  # torch.distributed rendezvous on rank 0's node, "tcp://ip:port"
+    placement_group: Any  # ray.util.placement_group.PlacementGroup
+    actors: list[Any]  # Ray actor handles, rank order
+    node_ids: list[str] = field(default_factory=list)  # Ray node of each rank
+    _shut_down: bool = False
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Shutdown RPC to every worker (bounded), then kill the actors and remove the placement group.
+        Idempotent."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self._shut_down:
+            return
+        self._shut_down = True
+        _shutdown_workers(self.endpoints, timeout_s)
+        for actor in self.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        remove_placement_group(self.placement_group)
+
+
+def launch_worker_group(
+    config: EngineConfig,
+    worker_host: str = "127.0.0.1",
+    strategy: str = "STRICT_PACK",
+    name_prefix: str | None = None,
+    placement_timeout_s: float = 60.0,
+    startup_timeout_s: float = 120.0,
+) -> WorkerGroup:
+    """Places config.tensor_parallel_size WorkerActors in one placement group and starts their gRPC servers.
+
+    The workers are serving but not initialised: GrpcExecutor(config, group.endpoints, group.init_method) runs
+    Init, LoadWeights, ProfileMemory and AllocateKVCache. Raises PlacementError when the group cannot be placed
+    within placement_timeout_s. Call ensure_ray() first.
+    """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    tp = config.tensor_parallel_size
+    prefix = name_prefix or f"shardserve-{uuid.uuid4().hex[:8]}"
+    bundle = GPU_RANK_BUNDLE if config.device == "cuda" else CPU_RANK_BUNDLE
+    pg = placement_group([dict(bundle) for _ in range(tp)], strategy=strategy, name=f"{prefix}-pg")
+    try:
+        ray.get(pg.ready(), timeout=placement_timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"could not place {tp} bundles of {bundle} with {strategy} within {placement_timeout_s:.0f} s "
+            f"(cluster resources: {ray.cluster_resources()}, available: {ray.available_resources()}); "
+            "STRICT_PACK needs one node with all of them"
+        ) from None
+
+    # On CPU the ranks on a node share its cores: one process each would oversubscribe them.
+    num_threads = None if config.device == "cuda" else max(1, (os.cpu_count() or 1) // tp)
+    remote_cls = ray.remote(WorkerActor)
+    actors = []
+    try:
+        for rank in range(tp):
+            actors.append(
+                remote_cls.options(
+                    name=f"{prefix}-rank{rank}",
+                    num_cpus=bundle["CPU"],
+                    num_gpus=bundle.get("GPU", 0),
+                    max_restarts=0,  # a dead rank breaks its TP group: the controller sees it, Ray must not hide it
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=pg, placement_group_bundle_index=rank
+                    ),
+                    runtime_env={"env_vars": dict(MULTICAST_OFF_ENV)},
+                ).remote(worker_host, num_threads)
+            )
+        endpoints = ray.get([a.endpoint.remote() for a in actors], timeout=startup_timeout_s)
+        node_ids = ray.get([a.node_id.remote() for a in actors], timeout=startup_timeout_s)
+        rendezvous_ip, rendezvous_port = ray.get(
+            [actors[0].node_ip.remote(), actors[0].free_port.remote()], timeout=startup_timeout_s
+        )
+    except BaseException:
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(pg)
+        raise
+    if worker_host.startswith("127.") or worker_host == "localhost":
+        rendezvous_ip = worker_host  # a loopback-only deployment keeps the rendezvous on loopback too
+    init_method = f"tcp://{rendezvous_ip}:{rendezvous_port}"
+    return WorkerGroup(endpoints, init_method, pg, actors, node_ids)
+
+
+def _shutdown_workers(endpoints: list[str], timeout_s: float) -> None:
+    """Sends Shutdown to every worker at once and waits up to timeout_s; unreachable workers are skipped."""
+    import grpc
+
+    from shardserve.proto import worker_pb2 as pb
+    from shardserve.proto import worker_pb2_grpc as pb_grpc
+
+    channels = [grpc.insecure_channel(ep) for ep in endpoints]
+    try:
+        calls = [pb_grpc.WorkerStub(ch).Shutdown.future(pb.ShutdownRequest(), timeout=timeout_s) for ch in channels]
+        for call in calls:
+            try:
+                call.result()
+            except grpc.RpcError:
+                pass  # already stopped or dead: the actor is killed next anyway
+    finally:
+        for ch in channels:
+            ch.close()
