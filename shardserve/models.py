@@ -28,6 +28,7 @@ LOAD_FORMATS = ("auto", "dummy")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # Written last into a converted folder; names the GGUF file it came from.
 CONVERSION_RECORD = "shardserve_conversion.json"
+_FINGERPRINT_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -108,14 +109,18 @@ def models_cache_root() -> Path:
 
 
 def converted_dir_for(gguf_path: Path) -> Path:
-    """Where a GGUF file's conversion lives; the name changes when the file does (name, size, mtime).
+    """Where a GGUF file's conversion lives: named by the file's name, size and a hash of its first and last MiB.
 
-    The folder path is left out of the key so that every checkout's .venv (same wheel, same file) shares one
-    conversion.
+    Neither the folder nor the mtime is part of the key (pip stamps installed files with the install time), so
+    every checkout's .venv with the same wheel shares one conversion, while a different file gets its own.
     """
-    stat = gguf_path.stat()
-    key = f"{gguf_path.name}|{stat.st_size}|{stat.st_mtime_ns}".encode()
-    return models_cache_root() / f"{_gguf_stem(gguf_path)}-{hashlib.sha256(key).hexdigest()[:10]}"
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256(f"{gguf_path.name}|{size}|".encode())
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(_FINGERPRINT_BYTES))  # the header: metadata and tensor layout
+        f.seek(max(0, size - _FINGERPRINT_BYTES))
+        digest.update(f.read(_FINGERPRINT_BYTES))
+    return models_cache_root() / f"{_gguf_stem(gguf_path)}-{digest.hexdigest()[:10]}"
 
 
 def convert_gguf(gguf_path: str | os.PathLike) -> str:

@@ -4,6 +4,7 @@ and clear errors for anything else."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from shardserve.models import (
     BUILTIN_CONFIGS,
     DEFAULT_MODEL_NAME,
+    converted_dir_for,
     default_gguf_path,
     models_cache_root,
     resolve_model,
@@ -34,6 +36,16 @@ def test_default_model_is_converted_into_the_user_cache_and_reused(default_model
 def test_gguf_path_resolves_to_the_same_cached_folder(default_model_dir):
     resolved = resolve_model(str(default_gguf_path()))
     assert resolved.model_dir == default_model_dir
+
+
+def test_cache_folder_follows_the_file_contents_not_its_location(tmp_path):
+    # Another checkout's .venv holds the same file elsewhere, with another mtime: same conversion.
+    copy = tmp_path / default_gguf_path().name
+    shutil.copyfile(default_gguf_path(), copy)
+    assert converted_dir_for(copy) == converted_dir_for(default_gguf_path())
+    with open(copy, "ab") as f:
+        f.write(b"\0")
+    assert converted_dir_for(copy) != converted_dir_for(default_gguf_path())
 
 
 def test_default_model_config_is_smollm2_135m(default_model_dir):
