@@ -1,0 +1,137 @@
+"""`shardserve serve` (the cluster) and `shardserve client` (the gRPC client), added to shardserve/cli.py's parser."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+
+def add_cluster_parsers(sub, add_engine_args, add_sampling_args) -> None:
+    serve = sub.add_parser("serve", help="serve a model over gRPC from a Ray cluster (tensor-parallel workers)")
+    add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="the client API's bind address")
+    serve.add_argument("--port", type=int, default=50051, help="the client API's port (0 = any free port)")
+    serve.add_argument("--worker-host", default="127.0.0.1",
+                       help="the workers' bind address (the node's address on a multi-node cluster)")
+    serve.add_argument("--ray-address", default=None,
+                       help="'local' starts a Ray here; 'auto' or an address joins one "
+                       "(default: join this node's cluster if there is one, else local)")
+    serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics on this port")
+    serve.add_argument("--drain-timeout", type=float, default=30.0,
+                       help="seconds in-flight requests may take to finish after SIGTERM")
+    serve.add_argument("--placement-strategy", default="STRICT_PACK",
+                       choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"])
+    serve.add_argument("--served-model-name", default=None, help="the name GetModelInfo reports")
+    serve.set_defaults(func=cmd_serve)
+
+    client = sub.add_parser("client", help="send prompts to a running `shardserve serve`")
+    client.add_argument("prompt", nargs="?", help="one prompt; its text is printed as it arrives")
+    client.add_argument("--address", default="127.0.0.1:50051")
+    client.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    client.add_argument("--file", help="a JSON-lines file of prompts: {\"prompt\": ...} or {\"messages\": [...]} "
+                        "or {\"token_ids\": [...]}, optionally with sampling fields")
+    client.add_argument("--concurrency", type=int, default=8, help="requests in flight with --file")
+    client.add_argument("--output", help="with --file: write the JSON-lines results here (default: stdout)")
+    client.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds")
+    client.add_argument("--logprobs", type=int, default=None)
+    add_sampling_args(client)
+    client.set_defaults(func=cmd_client)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from shardserve.cli import engine_kwargs
+    from shardserve.config import build_engine_config
+    from shardserve.serve import serve
+
+    config = build_engine_config(**engine_kwargs(args))
+    return serve(config, ray_address=args.ray_address, host=args.host, port=args.port,
+                 worker_host=args.worker_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
+                 strategy=args.placement_strategy, model_name=args.served_model_name)
+
+
+def _sampling(args: argparse.Namespace) -> dict:
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
+                ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+
+
+def cmd_client(args: argparse.Namespace) -> int:
+    import grpc
+
+    from shardserve.client import Client
+
+    if (args.prompt is None) == (args.file is None):
+        print("error: give a prompt or --file (not both)", file=sys.stderr)
+        return 2
+    with Client(args.address, timeout=args.timeout) as client:
+        try:
+            if args.file:
+                return _run_batch(client, args)
+            prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
+            stream = client.stream(prompt, **_sampling(args))
+            for delta in stream:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
+            sys.stdout.write("\n")
+            r = stream.result
+            print(f"[{r.finish_reason}: {r.usage.prompt_tokens} prompt + {r.usage.completion_tokens} generated "
+                  f"tokens, {r.replica}]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def _prompt_of(line: dict):
+    for key in ("prompt", "messages", "token_ids"):
+        if key in line:
+            return line[key]
+    raise ValueError(f"a line needs prompt, messages or token_ids: {line}")
+
+
+def _one(client, index: int, line: dict, defaults: dict) -> dict:
+    import grpc
+
+    sampling = {**defaults, **{k: v for k, v in line.items() if k not in ("prompt", "messages", "token_ids", "id")}}
+    record: dict = {"index": index}
+    if "id" in line:
+        record["id"] = line["id"]
+    try:
+        r = client.generate(_prompt_of(line), **sampling)
+        record.update(request_id=r.request_id, text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason,
+                      usage={"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens},
+                      replica=r.replica)
+    except grpc.RpcError as e:
+        record["error"] = {"code": e.code().name, "message": e.details()}
+    except (ValueError, TypeError) as e:
+        record["error"] = {"code": "INVALID_ARGUMENT", "message": str(e)}
+    return record
+
+
+def _run_batch(client, args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    with open(args.file) as f:
+        lines = [json.loads(text) for text in f if text.strip()]
+    out = open(args.output, "w") if args.output else sys.stdout
+    defaults = _sampling(args)
+    failures = 0
+    try:
+        with ThreadPoolExecutor(max(1, args.concurrency)) as pool, \
+                tqdm(total=len(lines), desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
+            futures = [pool.submit(_one, client, i, line, defaults) for i, line in enumerate(lines)]
+            for future in futures:
+                future.add_done_callback(lambda _: bar.update(1))
+            for future in futures:  # written in input order, each as soon as it and those before it are done
+                record = future.result()
+                failures += "error" in record
+                out.write(json.dumps(record) + "\n")
+                out.flush()
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    if failures:
+        print(f"{failures} of {len(lines)} request(s) failed", file=sys.stderr)
+    return 1 if failures else 0

@@ -1,0 +1,202 @@
+"""What `shardserve serve` does: Ray, one TP worker group, the controller actor, and a clean drain on SIGTERM.
+
+    cluster = start_cluster(config, host="127.0.0.1", port=50051)   # after ensure_ray(...)
+    ...                                                              # clients talk to cluster.address
+    cluster.shutdown(drain_timeout_s=30)                             # no actor, placement group or process left
+
+The controller actor runs on the node where `serve` was started (hard node affinity), so --host binds an address
+of this machine; the workers go wherever their placement group fits (STRICT_PACK: all on one node).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from shardserve.proto.config import EngineConfig
+
+
+@dataclass
+class GrpcExecutorFactory:
+    """Builds the GrpcExecutor inside the controller actor (Ray pickles this, never a live connection)."""
+
+    endpoints: list[str]
+    init_method: str
+
+    def __call__(self, config: EngineConfig):
+        from shardserve.cluster.grpc_executor import GrpcExecutor
+
+        return GrpcExecutor(config, self.endpoints, self.init_method)
+
+
+@dataclass
+class RunningCluster:
+    """A serving TP group: its controller actor and its workers."""
+
+    address: str  # the Generation server, host:port
+    metrics_address: str | None
+    controller: Any  # the Ray actor handle
+    workers: Any  # shardserve.launcher.WorkerGroup
+    name: str
+    _stopped: bool = False
+
+    def status(self, timeout_s: float = 10.0) -> dict:
+        import ray
+
+        return ray.get(self.controller.status.remote(), timeout=timeout_s)
+
+    def shutdown(self, drain_timeout_s: float = 30.0) -> int:
+        """Drains (requests still running after drain_timeout_s end with UNAVAILABLE), stops the workers, kills
+        the actors and removes the placement group. Returns how many requests the drain cut off. Idempotent."""
+        import ray
+
+        if self._stopped:
+            return 0
+        self._stopped = True
+        cut = 0
+        try:
+            cut = ray.get(self.controller.shutdown.remote(drain_timeout_s), timeout=drain_timeout_s + 60)
+        except Exception as e:  # a dead controller: the workers must still go
+            print(f"shardserve: controller shutdown failed: {e!r}", file=sys.stderr)
+        finally:
+            try:
+                ray.kill(self.controller, no_restart=True)
+            except Exception:
+                pass
+            self.workers.shutdown()
+        return cut
+
+
+def _model_name(config: EngineConfig, requested: str | None) -> str:
+    return requested or os.path.basename(config.model.rstrip("/"))
+
+
+def start_cluster(
+    config: EngineConfig,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 50051,
+    worker_host: str = "127.0.0.1",
+    metrics_port: int | None = None,
+    strategy: str = "STRICT_PACK",
+    model_name: str | None = None,
+    ready_timeout_s: float = 600.0,
+) -> RunningCluster:
+    """Launches the workers and the controller (Ray must be connected: shardserve.launcher.ensure_ray) and
+    returns once health is SERVING. Everything started is torn down again if any of it fails."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from shardserve.cluster.controller import Controller, ControllerConfig, ServedModel
+    from shardserve.config import load_tokenizer, read_model_facts
+    from shardserve.launcher import launch_worker_group
+
+    name = f"shardserve-{uuid.uuid4().hex[:8]}"
+    facts = read_model_facts(config.model)
+    served = ServedModel(_model_name(config, model_name), facts.architecture, facts.vocab_size,
+                         facts.eos_token_ids, facts.bos_token_id)
+    workers = launch_worker_group(config, worker_host, strategy, name_prefix=name)
+    controller = None
+    try:
+        controller_config = ControllerConfig(
+            engine=config,
+            model=served,
+            make_executor=GrpcExecutorFactory(workers.endpoints, workers.init_method),
+            load_tokenizer=load_tokenizer,
+            host=host,
+            port=port,
+            metrics_port=metrics_port,
+            replica=f"{name}/0",
+        )
+        here = ray.get_runtime_context().get_node_id()
+        controller = (
+            ray.remote(Controller)
+            .options(
+                name=f"{name}-controller",
+                num_cpus=0,  # it mostly waits on the workers; it must not take a CPU a rank needs
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+            )
+            .remote(controller_config)
+        )
+        address = ray.get(controller.start.remote(), timeout=120)
+        if not ray.get(controller.wait_ready.remote(ready_timeout_s), timeout=ready_timeout_s + 30):
+            raise TimeoutError(f"the workers did not load within {ready_timeout_s:g} s")
+        status = ray.get(controller.status.remote(), timeout=30)
+    except BaseException:
+        if controller is not None:
+            try:
+                ray.get(controller.shutdown.remote(0.0), timeout=30)
+            except Exception:
+                pass
+            ray.kill(controller, no_restart=True)
+        workers.shutdown()
+        raise
+    return RunningCluster(address, status["metrics_address"], controller, workers, name)
+
+
+def resolve_ray_address(address: str | None) -> str:
+    """None: join the cluster this node belongs to when there is one (RAY_ADDRESS or `ray start`), else local."""
+    if address:
+        return address
+    if os.environ.get("RAY_ADDRESS") or os.path.exists("/tmp/ray/ray_current_cluster"):
+        return "auto"
+    return "local"
+
+
+def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,
+          metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
+          model_name: str | None = None) -> int:
+    """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails (exits 1)."""
+    import ray
+
+    from shardserve.launcher import ensure_ray
+
+    address = resolve_ray_address(ray_address)
+    if address == "local" and (host.startswith("127.") or host == "localhost"):
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback server: Ray on loopback too
+    started_ray = not ray.is_initialized()
+    ensure_ray(address)
+    stop = threading.Event()
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+        stop.set()
+
+    # After ray.init, which installs its own SIGTERM handler (it exits at once, with no drain).
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    cluster = None
+    code = 0
+    try:
+        start = time.perf_counter()
+        cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
+                                strategy=strategy, model_name=model_name)
+        metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
+        print(f"shardserve ready: {_model_name(config, model_name)} (tp={config.tensor_parallel_size}, "
+              f"{config.device}) serving on {cluster.address}{metrics} [{time.perf_counter() - start:.1f} s]",
+              flush=True)
+        while not stop.wait(1.0):
+            state = cluster.status()["state"]
+            if state == "failed":
+                print(f"shardserve: the engine failed: {cluster.status()['error']}", file=sys.stderr, flush=True)
+                code = 1
+                break
+        if received:
+            print(f"shardserve: {signal.Signals(received[0]).name}: draining (up to {drain_timeout_s:g} s)",
+                  file=sys.stderr, flush=True)
+    finally:
+        if cluster is not None:
+            cut = cluster.shutdown(drain_timeout_s)
+            print(f"shardserve: stopped ({cut} request(s) cut off by the drain)", file=sys.stderr, flush=True)
+        if started_ray:
+            ray.shutdown()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return code
