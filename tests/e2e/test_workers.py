@@ -17,6 +17,7 @@ from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.convert import step_plan_to_proto
 from shardserve.proto.plan import StepPlan
 from shardserve.worker.inprocess import InProcessExecutor
+from shardserve.worker.server import serve_worker
 from tests.hf_reference import assert_greedy_match, hf_greedy
 
 VOCAB = 384  # make_tiny_model's default
@@ -86,18 +87,29 @@ def test_stale_or_out_of_order_step_is_refused_and_not_applied(tp2):
     assert executor.execute(StepPlan(step_id=last + 1)).step_id == last + 1
 
 
-def test_a_refused_plan_raises_worker_error_in_the_executor(ray_session, tiny_llama_dir, e2e_config):
-    config = e2e_config(tiny_llama_dir, tensor_parallel_size=2)
-    group = launch_worker_group(config, name_prefix="test-workers-refuse")
-    try:
-        executor = GrpcExecutor(config, group.endpoints, group.init_method, step_timeout_s=60.0)
-        with pytest.raises(WorkerError, match=r"refuses step 5: expected step 1"):
-            executor.execute(StepPlan(step_id=5))
-        with pytest.raises(WorkerError, match="failed earlier"):
-            executor.execute(StepPlan(step_id=1))
-        executor.shutdown()
-    finally:
-        group.shutdown()
+@pytest.fixture
+def local_worker(tiny_llama_dir, e2e_config):
+    """A TP=1 Worker server in this process (no Ray) and its GrpcExecutor: for the executor's error paths."""
+    server, address = serve_worker("127.0.0.1", 0)
+    executor = GrpcExecutor(e2e_config(tiny_llama_dir), [address], "tcp://127.0.0.1:0", step_timeout_s=60.0)
+    yield executor
+    executor.shutdown()
+    server.stop(grace=None)
+
+
+def test_a_refused_plan_raises_worker_error_and_the_executor_stays_failed(local_worker):
+    with pytest.raises(WorkerError, match=r"refuses step 5: expected step 1"):
+        local_worker.execute(StepPlan(step_id=5))
+    with pytest.raises(WorkerError, match="failed earlier"):
+        local_worker.execute(StepPlan(step_id=1))
+    assert local_worker.health()[0].state == "READY"  # the worker itself refused the plan and is fine
+
+
+def test_an_exception_in_a_step_fails_the_worker_with_its_traceback(local_worker):
+    with pytest.raises(WorkerError, match=r"(?s)rank 0 failed in step 1:.*Traceback.*KeyError.*ghost"):
+        local_worker.execute(StepPlan(step_id=1, req_ids=["ghost"], num_tokens=[1]))
+    (health,) = local_worker.health()
+    assert health.state == "FAILED" and "KeyError" in health.error and health.last_step_id == 0
 
 
 def test_tp_group_actors_share_one_placement_group(tp2, ray_session):

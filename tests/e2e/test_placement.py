@@ -1,0 +1,46 @@
+"""Placement on a simulated 2-node Ray cluster: STRICT_PACK keeps a TP group on one node (STRICT_SPREAD, the
+control, does not), and a group no node can hold fails with a clear PlacementError instead of hanging.
+
+The multi-raylet cluster runs in a subprocess: this pytest process may already be connected to the session Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("_two_node_placement.py")
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def report() -> dict:
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=180, env=env, cwd=str(REPO)
+    )
+    assert proc.returncode == 0, f"placement script failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_simulated_cluster_has_two_nodes(report):
+    assert len(report["nodes"]) == 2
+
+
+def test_strict_pack_keeps_a_tp_group_on_one_node(report):
+    packed = report["packed"]
+    assert len(packed["bundle_nodes"]) == 1
+    assert len(set(packed["rank_nodes"])) == 1 and packed["rank_nodes"][0] in packed["bundle_nodes"]
+
+
+def test_strict_spread_control_puts_the_ranks_on_two_nodes(report):
+    assert len(set(report["spread"]["rank_nodes"])) == 2  # proves the check above can tell the difference
+
+
+def test_a_group_no_node_can_hold_fails_with_a_placement_error(report):
+    assert report["too_large"].startswith("could not place 5 bundles"), report["too_large"]
+    assert "STRICT_PACK" in report["too_large"]
