@@ -200,6 +200,11 @@ class Controller:
 
             await set_health(self._health, serving)
 
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
     def status(self) -> dict:
         return {"state": self.state.value, "address": self.address, "metrics_address": self.metrics_address,
                 "live_requests": len(self._live), "error": repr(self._failure or self._load_error or "") or None}

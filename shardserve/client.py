@@ -171,6 +171,40 @@ class Stream:
         self._call.cancel()
 
 
+class AsyncStream:
+    """Async-iterates a request's deltas; the same attributes as Stream. Leaving the loop early (break, an
+    exception, a cancelled task) cancels the call, and the server aborts the request."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+        self._collector = _Collector()
+
+    @property
+    def request_id(self) -> str:
+        return self._collector.request_id
+
+    @property
+    def result(self) -> GenerationResult | None:
+        return self._collector.result
+
+    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        try:
+            while (msg := await self._call.read()) is not grpc.aio.EOF:  # read(), as wait_started uses it
+                delta = self._collector.feed(msg)
+                if delta is not None:
+                    yield delta
+        finally:
+            self._call.cancel()  # a no-op once the stream has finished
+
+    async def wait_started(self) -> str:
+        while not self._collector.request_id:
+            self._collector.feed(await self._call.read())
+        return self._collector.request_id
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class Client:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
         """timeout: the default deadline in seconds of every call (None = none); each method takes its own."""
@@ -249,25 +283,17 @@ class AsyncClient:
     def _t(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    async def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
-                     **sampling) -> AsyncIterator[StreamDelta]:
-        call = self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout))
-        collector = _Collector()
-        try:
-            async for msg in call:
-                delta = collector.feed(msg)
-                if delta is not None:
-                    yield delta
-        finally:
-            call.cancel()  # a no-op once finished; aborts the request when the caller stops early
+    def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
+               **sampling) -> AsyncStream:
+        """`async for delta in client.stream(...)`; the AsyncStream's .result is set at the end."""
+        return AsyncStream(self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout)))
 
     async def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
                        **sampling) -> GenerationResult:
-        call = self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout))
-        collector = _Collector()
-        async for msg in call:
-            collector.feed(msg)
-        return collector.result
+        stream = self.stream(prompt, request_id=request_id, timeout=timeout, **sampling)
+        async for _ in stream:
+            pass
+        return stream.result
 
     async def chat(self, messages: list[dict], *, request_id: str | None = None, timeout: float | None = None,
                    **sampling) -> GenerationResult:

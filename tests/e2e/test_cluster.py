@@ -1,0 +1,223 @@
+"""The cluster end to end on a real Ray (loopback) with real gRPC: the default model served with TP=3 by Ray-actor
+workers and the controller actor, driven through shardserve.client. It gives the in-process TP=1 engine's greedy
+tokens (near-ties aside), survives bad input, aborts and cancels without leaking KV blocks, and shuts down without
+leaving an actor, a placement group or a process. A worker failure ends the streams and flips health."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+
+from shardserve.client import AsyncClient, Client
+from shardserve.config import build_engine_config
+
+NUM_TOKENS = 16
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are"]
+MANY = [f"Fact number {i} about the ocean:" for i in range(32)]
+ABORTED = "A very long story about a dragon begins"
+
+
+def _config(model_dir: str, tp: int):
+    return build_engine_config(model=model_dir, tensor_parallel_size=tp, device="cpu", num_kv_blocks=128,
+                               max_model_len=256, max_num_seqs=64)
+
+
+@pytest.fixture(scope="module")
+def reference(default_model_dir):
+    """The in-process engine at TP=1: greedy tokens and top-5 logprobs (to judge near-ties) for every prompt."""
+    from shardserve import LLM, SamplingParams
+
+    llm = LLM(model=default_model_dir, device="cpu", num_kv_blocks=128, max_model_len=256)
+    try:
+        prompts = PROMPTS + MANY + [ABORTED]
+        lengths = [NUM_TOKENS] * len(PROMPTS) + [8] * len(MANY) + [NUM_TOKENS]
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=5) for n in lengths]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.shutdown()
+    return dict(zip(prompts, outputs))
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_session, default_model_dir):
+    from shardserve.serve import start_cluster
+
+    running = start_cluster(_config(default_model_dir, 3), host="127.0.0.1", port=0, metrics_port=0)
+    yield running
+    running.shutdown(drain_timeout_s=0)
+
+
+def assert_greedy_matches(ours: list[int], ref, tie_tol: float = 1e-3) -> None:
+    """Identical to the reference, or the first difference is a near-tie in the reference's own logprobs; a
+    shorter `ours` (an aborted request) is compared as a prefix."""
+    for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
+        if a != b:
+            top = dict(zip(ref.logprobs[i].top_ids, ref.logprobs[i].top_logprobs))
+            assert a in top and top[b] - top[a] <= tie_tol, (
+                f"position {i}: we chose {a}, the reference {b} with top-5 {top}: not a near-tie"
+            )
+            return
+
+
+def test_tp3_greedy_tokens_match_in_process_tp1_with_one_request_aborted_midway(cluster, reference):
+    async def run():
+        async with AsyncClient(cluster.address, timeout=300) as client:
+            async def complete(prompt):
+                return await client.generate(prompt, temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+            async def aborted():
+                stream = client.stream(ABORTED, request_id="abort-me", temperature=0, max_tokens=200,
+                                       ignore_eos=True)
+                tokens = []
+                async for delta in stream:
+                    tokens += delta.token_ids
+                    if len(tokens) >= 3 and not aborting:
+                        aborting.append(await client.abort("abort-me"))
+                return stream.result, tokens
+
+            aborting: list = []
+            return await asyncio.gather(*(complete(p) for p in PROMPTS), aborted())
+
+    *results, (aborted_result, aborted_tokens) = asyncio.run(run())
+    for prompt, result in zip(PROMPTS, results):
+        assert result.finish_reason == "length" and len(result.token_ids) == NUM_TOKENS
+        assert result.usage.prompt_tokens == len(reference[prompt].prompt_token_ids)
+        assert result.replica == f"{cluster.name}/0"
+        assert_greedy_matches(result.token_ids, reference[prompt])
+    assert aborted_result.finish_reason == "abort"
+    assert 3 <= len(aborted_tokens) < 200 and aborted_result.token_ids == aborted_tokens
+    assert_greedy_matches(aborted_tokens, reference[ABORTED])
+
+
+def test_32_concurrent_streams_match_tp1_and_free_every_block(cluster, reference):
+    async def run():
+        async with AsyncClient(cluster.address, timeout=300) as client:
+            async def one(prompt):
+                stream = client.stream(prompt, temperature=0, max_tokens=8, ignore_eos=True)
+                deltas = [d async for d in stream]
+                return stream.result, deltas
+
+            return await asyncio.gather(*(one(p) for p in MANY))
+
+    for prompt, (result, deltas) in zip(MANY, asyncio.run(run())):
+        assert [t for d in deltas for t in d.token_ids] == result.token_ids
+        assert "".join(d.text for d in deltas) == result.text
+        assert_greedy_matches(result.token_ids, reference[prompt])
+    with Client(cluster.address, timeout=60) as client:
+        stats = client.server_stats()
+    assert stats.kv_blocks_used == 0 and stats.num_running == 0 and stats.num_waiting == 0
+    assert stats.kv_blocks_total == 128
+
+
+def test_bad_input_gets_invalid_argument_while_a_concurrent_request_completes(cluster):
+    bad_requests = [
+        dict(prompt="hello", temperature=-1.0),
+        dict(prompt=""),
+        dict(prompt="hello", max_tokens=10_000),  # beyond max_model_len
+        dict(prompt=[{"role": "wizard", "content": "hi"}]),
+        dict(prompt=[1, 2, 10**6]),  # a token id outside the vocabulary
+        dict(prompt="hello", request_id="good-one"),  # the live request's id
+        dict(prompt="hello", top_p=0.0),
+    ]
+
+    async def run():
+        async with AsyncClient(cluster.address, timeout=300) as client:
+            good = client.stream("The sky is", request_id="good-one", temperature=0, max_tokens=8, ignore_eos=True)
+            await good.wait_started()
+            codes = []
+            for bad in bad_requests:
+                with pytest.raises(grpc.aio.AioRpcError) as error:
+                    await client.generate(bad.pop("prompt"), **bad)
+                codes.append((error.value.code(), error.value.details()))
+            deltas = [d async for d in good]
+            return codes, good.result, deltas
+
+    codes, good, deltas = asyncio.run(run())
+    assert [c for c, _ in codes] == [grpc.StatusCode.INVALID_ARGUMENT] * len(bad_requests), codes
+    details = " | ".join(d for _, d in codes)
+    for expected in ("temperature", "empty", "max_model_len", "wizard", "prompt token ids", "already in use", "top_p"):
+        assert expected in details
+    assert good.finish_reason == "length" and len(good.token_ids) == 8 and deltas
+
+
+def test_cancelled_stream_frees_its_blocks_and_unknown_abort_is_not_found(cluster):
+    with Client(cluster.address, timeout=120) as client:
+        stream = client.stream("Tell me everything about", request_id="cancel-me", temperature=0, max_tokens=200,
+                               ignore_eos=True)
+        next(iter(stream))
+        stream.cancel()
+        deadline = time.monotonic() + 60
+        while (stats := client.server_stats()).num_running or stats.kv_blocks_used:
+            assert time.monotonic() < deadline, f"the cancelled request still holds blocks: {stats}"
+            time.sleep(0.1)
+        with pytest.raises(grpc.RpcError) as error:
+            client.abort("cancel-me")
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_serving_model_info_reflection_and_metrics(cluster, default_model_dir):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    with Client(cluster.address, timeout=30) as client:
+        assert client.health() == "SERVING"
+        assert client.health("shardserve.v1.Generation") == "SERVING"
+        info = client.model_info()
+        services = set(ProtoReflectionDescriptorDatabase(client._channel).get_services())
+    assert info.tensor_parallel_size == 3 and info.architecture == "LlamaForCausalLM"
+    assert info.vocab_size == 49152 and info.has_chat_template and list(info.eos_token_ids) == [2]
+    assert {"shardserve.v1.Generation", "grpc.health.v1.Health"} <= services
+    text = urllib.request.urlopen(f"http://{cluster.metrics_address}/metrics", timeout=30).read().decode()
+    samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
+    assert samples['shardserve_requests_total{outcome="length"}'] >= len(PROMPTS)
+    assert samples['shardserve_requests_total{outcome="rejected"}'] >= 1
+    assert samples["shardserve_generation_tokens_total"] >= len(PROMPTS) * NUM_TOKENS
+    assert samples["shardserve_time_to_first_token_seconds_count"] >= len(PROMPTS)
+    assert samples["shardserve_step_seconds_count"] > 0
+    assert samples["shardserve_kv_blocks_used"] == 0
+
+
+def test_shutdown_drains_cuts_off_long_requests_and_leaves_nothing_behind(cluster, ray_session):
+    """Runs last: it shuts the module's cluster down."""
+    import psutil
+
+    ray = ray_session
+    pids = ray.get([cluster.controller.pid.remote()] + [a.pid.remote() for a in cluster.workers.actors])
+    errors: list = []
+
+    def long_request():
+        with Client(cluster.address, timeout=120) as client:
+            stream = client.stream("Write a long essay about", temperature=0, max_tokens=200, ignore_eos=True)
+            try:
+                for delta in stream:
+                    started.set()
+            except grpc.RpcError as e:
+                errors.append(e.code())
+
+    started = threading.Event()
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    assert started.wait(120)
+    assert cluster.shutdown(drain_timeout_s=0.5) == 1  # the long request could not finish in time
+    thread.join(60)
+    assert errors == [grpc.StatusCode.UNAVAILABLE]
+    assert ray.util.placement_group_table(cluster.workers.placement_group)["state"] == "REMOVED"
+    alive = {a["Name"] for a in ray._private.state.actors().values() if a["State"] != "DEAD"}
+    assert not any(name.startswith(cluster.name) for name in alive)
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, "a controller or worker process outlived the shutdown"
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
