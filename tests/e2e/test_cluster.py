@@ -181,6 +181,39 @@ def test_health_serving_model_info_reflection_and_metrics(cluster, default_model
     assert samples["shardserve_kv_blocks_used"] == 0
 
 
+def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(tiny_llama_dir, e2e_config):
+    """A real worker server that dies under a live request (no Ray needed: the controller in a thread)."""
+    from shardserve.cluster.controller import ControllerConfig, ServedModel
+    from shardserve.cluster.grpc_executor import GrpcExecutor
+    from shardserve.worker.server import serve_worker
+    from tests.e2e._controller_thread import ControllerThread
+
+    worker, endpoint = serve_worker("127.0.0.1", 0)
+    served = ControllerThread(ControllerConfig(
+        engine=e2e_config(tiny_llama_dir),
+        model=ServedModel("tiny", "LlamaForCausalLM", vocab_size=384, eos_token_ids=[]),
+        make_executor=lambda config: GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", step_timeout_s=60),
+        load_tokenizer=lambda config: None,
+        port=0,
+    ))
+    try:
+        assert served.call(served.controller.wait_ready(120))
+        with Client(served.address, timeout=60) as client:
+            assert client.generate([1, 2, 3], max_tokens=4).usage.completion_tokens == 4  # healthy first
+            worker.stop(grace=None).wait(30)
+            with pytest.raises(grpc.RpcError) as error:
+                client.generate([1, 2, 3], max_tokens=200, ignore_eos=True)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE and "worker" in error.value.details()
+            assert client.health() == "NOT_SERVING"
+            with pytest.raises(grpc.RpcError) as error:
+                client.generate([1, 2, 3], max_tokens=4)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert served.controller.status()["state"] == "failed"
+    finally:
+        served.close()
+        worker.stop(grace=None)
+
+
 def test_shutdown_drains_cuts_off_long_requests_and_leaves_nothing_behind(cluster, ray_session):
     """Runs last: it shuts the module's cluster down."""
     import psutil

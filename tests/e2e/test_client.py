@@ -1,0 +1,164 @@
+"""shardserve.client against a real controller and gRPC server (no Ray): the default model at TP=1 in process,
+the controller on an event loop of its own thread, as a Ray actor would run it.
+
+Proves: health is NOT_SERVING (and Generate UNAVAILABLE) until the engine has loaded; a stream's deltas add up to
+the generate() result; chat applies the template; logprobs, abort by id, deadlines (the request is freed on the
+server), the async client, client-side argument checks, and that importing the client pulls in no torch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+
+from shardserve.client import AsyncClient, Client
+from shardserve.cluster.controller import ControllerConfig, ServedModel
+from shardserve.config import build_engine_config, load_tokenizer, model_facts
+from tests.e2e._controller_thread import ControllerThread
+
+
+class GatedExecutor:
+    """Makes the in-process executor only once the test opens the gate: the engine is "loading" until then."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+
+    def __call__(self, config):
+        from shardserve.worker.inprocess import InProcessExecutor
+
+        assert self.gate.wait(120), "the test never opened the gate"
+        return InProcessExecutor(config)
+
+
+@pytest.fixture(scope="module")
+def gated(default_model_dir):
+    config = build_engine_config(model=default_model_dir, device="cpu", num_kv_blocks=64, max_model_len=512)
+    facts = model_facts(config)
+    executor = GatedExecutor()
+    served = ControllerThread(ControllerConfig(
+        engine=config,
+        model=ServedModel("smollm2", facts.architecture, facts.vocab_size, facts.eos_token_ids, facts.bos_token_id),
+        make_executor=executor,
+        load_tokenizer=load_tokenizer,
+        port=0,
+        replica="test-replica",
+    ))
+    served.gate = executor.gate
+    yield served
+    executor.gate.set()
+    served.close()
+
+
+@pytest.fixture(scope="module")
+def address(gated) -> str:
+    gated.gate.set()
+    assert gated.call(gated.controller.wait_ready(120))
+    return gated.address
+
+
+def test_health_is_not_serving_and_generate_unavailable_until_the_engine_has_loaded(gated):
+    """Runs first (file order): the gate is still closed."""
+    with Client(gated.address, timeout=30) as client:
+        assert client.health() == "NOT_SERVING"
+        with pytest.raises(grpc.RpcError) as error:
+            client.generate("hello", max_tokens=2)
+        assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        gated.gate.set()
+        client.wait_ready(timeout=120)
+        assert client.health() == "SERVING"
+
+
+def test_stream_deltas_add_up_to_the_generate_result(address):
+    with Client(address, timeout=120) as client:
+        result = client.generate("The capital of France is", request_id="r1", temperature=0, max_tokens=12,
+                                 ignore_eos=True)
+        stream = client.stream("The capital of France is", temperature=0, max_tokens=12, ignore_eos=True)
+        deltas = list(stream)
+    assert result.request_id == "r1" and result.replica == "test-replica"
+    assert result.finish_reason == "length" and result.usage.completion_tokens == 12
+    assert "Paris" in result.text
+    assert [t for d in deltas for t in d.token_ids] == result.token_ids == stream.result.token_ids
+    assert "".join(d.text for d in deltas) == result.text
+    assert stream.request_id and stream.request_id != "r1"
+
+
+def test_chat_applies_the_models_template(address):
+    with Client(address, timeout=120) as client:
+        reply = client.chat([{"role": "user", "content": "What is the capital of France?"}], temperature=0,
+                            max_tokens=16)
+        plain = client.generate("What is the capital of France?", temperature=0, max_tokens=1)
+    assert "Paris" in reply.text and reply.finish_reason == "stop"
+    assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + 5  # the template's role markers
+
+
+def test_logprobs_carry_the_sampled_token_and_the_top_n_with_text(address):
+    with Client(address, timeout=120) as client:
+        result = client.generate("The capital of France is", temperature=0, max_tokens=4, logprobs=3)
+    assert [lp.token_id for lp in result.logprobs] == result.token_ids
+    for lp in result.logprobs:
+        assert len(lp.top) == 3 and lp.top[0].token_id == lp.token_id  # greedy picks the best
+        assert lp.logprob <= 0 and lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+    assert result.logprobs[0].text == " Paris"
+
+
+def test_abort_by_id_ends_the_stream_with_finish_reason_abort(address):
+    with Client(address, timeout=120) as client:
+        stream = client.stream("Tell me a long story", request_id="to-abort", temperature=0, max_tokens=400,
+                               ignore_eos=True)
+        deltas = iter(stream)
+        next(deltas)
+        client.abort("to-abort")
+        rest = list(deltas)
+        assert stream.result.finish_reason == "abort" and len(stream.result.token_ids) < 400
+        assert sum(len(d.token_ids) for d in rest) < 400
+        with pytest.raises(grpc.RpcError) as error:
+            client.abort("to-abort")
+        assert error.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_deadline_exceeded_aborts_the_request_on_the_server(address):
+    with Client(address, timeout=120) as client:
+        with pytest.raises(grpc.RpcError) as error:
+            client.generate("Count to a thousand:", temperature=0, max_tokens=400, ignore_eos=True, timeout=0.5)
+        assert error.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        deadline = time.monotonic() + 60
+        while (stats := client.server_stats()).num_running or stats.kv_blocks_used:
+            assert time.monotonic() < deadline, f"the expired request still runs: {stats}"
+            time.sleep(0.1)
+
+
+def test_async_client_gives_the_blocking_clients_results(address):
+    async def run():
+        async with AsyncClient(address, timeout=120) as client:
+            health = await client.health()
+            info = await client.model_info()
+            result = await client.generate("One, two, three,", temperature=0, max_tokens=6)
+            stream = client.stream("One, two, three,", temperature=0, max_tokens=6)
+            streamed = [t async for d in stream for t in d.token_ids]
+            return health, info, result, streamed, await client.server_stats()
+
+    health, info, result, streamed, stats = asyncio.run(run())
+    with Client(address, timeout=120) as client:
+        blocking = client.generate("One, two, three,", temperature=0, max_tokens=6)
+    assert health == "SERVING" and info.model == "smollm2" and info.tensor_parallel_size == 1
+    assert result.token_ids == streamed == blocking.token_ids
+    assert stats.requests_finished >= 2 and stats.kv_blocks_used == 0
+
+
+def test_client_side_argument_errors_raise_before_sending(address):
+    with Client(address, timeout=30) as client:
+        with pytest.raises(TypeError, match="temprature"):
+            client.generate("hi", temprature=0)
+        with pytest.raises(TypeError, match="prompt"):
+            client.generate(42)
+
+
+def test_importing_the_client_pulls_in_no_torch():
+    code = "import sys, shardserve.client; sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)"
+    assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
