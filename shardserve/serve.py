@@ -141,6 +141,10 @@ def start_cluster(
     return RunningCluster(address, status["metrics_address"], controller, workers, name)
 
 
+class _Interrupted(BaseException):
+    """SIGTERM or SIGINT before the server was ready (a BaseException, so that cleanup handlers see it)."""
+
+
 def resolve_ray_address(address: str | None) -> str:
     """None: join the cluster this node belongs to when there is one (RAY_ADDRESS or `ray start`), else local."""
     if address:
@@ -166,32 +170,44 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
     stop = threading.Event()
     received: list[int] = []
 
-    def on_signal(signum, frame):
+    def interrupt_startup(signum, frame):
+        raise _Interrupted(signum)  # start_cluster tears down whatever it had started
+
+    def drain_on_signal(signum, frame):
         received.append(signum)
         stop.set()
 
-    # After ray.init, which installs its own SIGTERM handler (it exits at once, with no drain).
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    # Installed after ray.init, which sets its own SIGTERM handler (an immediate exit, with no drain).
+    previous = {s: signal.signal(s, interrupt_startup) for s in (signal.SIGTERM, signal.SIGINT)}
     cluster = None
     code = 0
     try:
         start = time.perf_counter()
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
                                 strategy=strategy, model_name=model_name)
+        for s in previous:
+            signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
         print(f"shardserve ready: {_model_name(config, model_name)} (tp={config.tensor_parallel_size}, "
               f"{config.device}) serving on {cluster.address}{metrics} [{time.perf_counter() - start:.1f} s]",
               flush=True)
         while not stop.wait(1.0):
-            state = cluster.status()["state"]
-            if state == "failed":
-                print(f"shardserve: the engine failed: {cluster.status()['error']}", file=sys.stderr, flush=True)
+            try:
+                status = cluster.status()
+            except Exception as e:  # the controller actor died
+                status = {"state": "failed", "error": repr(e)}
+            if status["state"] == "failed":
+                print(f"shardserve: the engine failed: {status['error']}", file=sys.stderr, flush=True)
                 code = 1
                 break
         if received:
             print(f"shardserve: {signal.Signals(received[0]).name}: draining (up to {drain_timeout_s:g} s)",
                   file=sys.stderr, flush=True)
+    except _Interrupted as e:
+        print(f"shardserve: {signal.Signals(e.args[0]).name} while starting: stopped", file=sys.stderr, flush=True)
     finally:
+        for s in previous:  # a second signal must not interrupt the cleanup
+            signal.signal(s, drain_on_signal)
         if cluster is not None:
             cut = cluster.shutdown(drain_timeout_s)
             print(f"shardserve: stopped ({cut} request(s) cut off by the drain)", file=sys.stderr, flush=True)
