@@ -27,12 +27,11 @@ def _config(model_dir: str, tp: int):
                                max_model_len=256, max_num_seqs=64)
 
 
-@pytest.fixture(scope="module")
-def reference(default_model_dir):
+def _reference_outputs(model_dir: str) -> dict:
     """The in-process engine at TP=1: greedy tokens and top-5 logprobs (to judge near-ties) for every prompt."""
     from shardserve import LLM, SamplingParams
 
-    llm = LLM(model=default_model_dir, device="cpu", num_kv_blocks=128, max_model_len=256)
+    llm = LLM(model=model_dir, device="cpu", num_kv_blocks=128, max_model_len=256)
     try:
         prompts = PROMPTS + MANY + [ABORTED]
         lengths = [NUM_TOKENS] * len(PROMPTS) + [8] * len(MANY) + [NUM_TOKENS]
@@ -44,12 +43,32 @@ def reference(default_model_dir):
 
 
 @pytest.fixture(scope="module")
-def cluster(ray_session, default_model_dir):
+def cluster_and_reference(ray_session, default_model_dir):
+    """The TP=3 cluster, and the TP=1 reference computed here while the workers load."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from shardserve.serve import start_cluster
 
-    running = start_cluster(_config(default_model_dir, 3), host="127.0.0.1", port=0, metrics_port=0)
-    yield running
+    with ThreadPoolExecutor(1) as pool:
+        reference = pool.submit(_reference_outputs, default_model_dir)
+        running = start_cluster(_config(default_model_dir, 3), host="127.0.0.1", port=0, metrics_port=0)
+        try:
+            outputs = reference.result()
+        except BaseException:
+            running.shutdown(drain_timeout_s=0)
+            raise
+    yield running, outputs
     running.shutdown(drain_timeout_s=0)
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster_and_reference):
+    return cluster_and_reference[0]
+
+
+@pytest.fixture(scope="module")
+def reference(cluster_and_reference):
+    return cluster_and_reference[1]
 
 
 def assert_greedy_matches(ours: list[int], ref, tie_tol: float = 1e-3) -> None:
