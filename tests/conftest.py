@@ -9,6 +9,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # Ray binds the machine's external address unless this is set; tests run on 127.0.0.1 only.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Triton kernels run in its interpreter on CPU-only machines; the mode is read when a kernel module is imported,
+# so it is set here, before any test module imports shardserve.kernels.
+if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
 
