@@ -23,14 +23,13 @@ from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import EngineLoop, StepReport
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.outputs import RequestDelta
+from shardserve.cluster.prompt import Prompt, admit
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import Executor
 
 log = logging.getLogger(__name__)
 
-CHAT_ROLES = ("system", "user", "assistant")
-Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages ({"role", "content"})
 
 
 class ServerUnavailable(RuntimeError):
@@ -70,6 +69,7 @@ class ControllerConfig:
     port: int = 50051  # 0 = any free port
     metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
     replica: str = "replica-0"  # named in every stream's last message
+    health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
 
 
 @dataclass(slots=True)
@@ -106,6 +106,7 @@ class Controller:
         self._server = None
         self._health = None
         self._load_task: asyncio.Task | None = None
+        self._watch_task: asyncio.Task | None = None
         self._load_error: BaseException | None = None
         self._failure: BaseException | None = None
         self.num_rejected = 0
@@ -141,6 +142,22 @@ class Controller:
         self._engine_loop.start()
         self.state = State.SERVING
         await self._set_health(True)
+        if hasattr(engine.executor, "health"):
+            self._watch_task = asyncio.create_task(self._watch_workers(engine.executor))
+
+    async def _watch_workers(self, executor) -> None:
+        """Asks every rank for its health now and then (between two steps, on the engine thread); a rank that is
+        not READY or does not answer fails the replica, as a failed step would."""
+        while self.state in (State.SERVING, State.DRAINING):
+            await asyncio.sleep(self.config.health_check_interval_s)
+            try:
+                ranks = await asyncio.wrap_future(self._engine_loop.submit(lambda engine: executor.health()))
+            except Exception:
+                return  # the engine loop stopped or failed: that path reports it
+            bad = [r for r in ranks if not r.ready]
+            if bad and self.state in (State.SERVING, State.DRAINING):
+                await self._fail(RuntimeError("; ".join(f"rank {r.rank} is {r.state} {r.error}".strip() for r in bad)))
+                return
 
     def _build_engine(self) -> Engine:
         cfg = self.config
@@ -187,8 +204,9 @@ class Controller:
             await asyncio.to_thread(self._engine_loop.stop, 30.0)
         if self._engine is not None:
             await asyncio.to_thread(self._engine.shutdown)
-        if self._load_task is not None and not self._load_task.done():
-            self._load_task.cancel()
+        for task in (self._load_task, self._watch_task):
+            if task is not None and not task.done():
+                task.cancel()
         if self._server is not None:
             await self._server.stop(1.0)
         self.metrics.close()
@@ -206,8 +224,9 @@ class Controller:
         return os.getpid()
 
     def status(self) -> dict:
+        error = self._failure or self._load_error
         return {"state": self.state.value, "address": self.address, "metrics_address": self.metrics_address,
-                "live_requests": len(self._live), "error": repr(self._failure or self._load_error or "") or None}
+                "live_requests": len(self._live), "error": repr(error) if error else None}
 
     # ---- requests -------------------------------------------------------------------------------------------
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
@@ -221,7 +240,7 @@ class Controller:
             live = LiveRequest(req_id, asyncio.Queue())
             self._live[req_id] = live  # before the engine sees it, so that no delta can miss its queue
             self._idle.clear()
-            future = self._engine_loop.submit(lambda engine: _admit(engine, req_id, prompt, params))
+            future = self._engine_loop.submit(lambda engine: admit(engine, req_id, prompt, params))
             try:
                 live.num_prompt_tokens = await asyncio.wrap_future(future)
             except BaseException as e:
@@ -316,31 +335,3 @@ class Controller:
         if not self._live:
             self._idle.set()
 
-
-def _admit(engine: Engine, req_id: str, prompt: Prompt, params: SamplingParams) -> int:
-    """Runs on the engine thread (the tokenizer lives there): encodes the prompt and adds the request.
-    Returns the prompt's token count; raises ValueError for bad input."""
-    tokenizer = engine.tokenizer
-    text = None
-    if isinstance(prompt, str):
-        if tokenizer is None:
-            raise ValueError("this model has no tokenizer (dummy weights): send token ids")
-        if not prompt:
-            raise ValueError("prompt must not be empty")
-        text, ids = prompt, tokenizer.encode(prompt, add_special_tokens=False)
-    elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
-        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template: send text or token ids")
-        for m in prompt:
-            if m.get("role") not in CHAT_ROLES:
-                raise ValueError(f"chat roles must be one of {', '.join(CHAT_ROLES)}; got {m.get('role')!r}")
-            if not isinstance(m.get("content"), str):
-                raise ValueError("every chat message needs a string content")
-        text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        ids = tokenizer.encode(text, add_special_tokens=False)
-    elif isinstance(prompt, list):
-        ids = prompt  # checked by add_request: non-empty, integers within the vocabulary
-    else:
-        raise ValueError(f"a prompt is text, token ids or chat messages; got {type(prompt).__name__}")
-    engine.add_request(req_id, ids, params, prompt=text)
-    return len(ids)

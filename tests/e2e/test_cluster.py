@@ -233,6 +233,36 @@ def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(ti
         worker.stop(grace=None)
 
 
+def test_an_idle_server_notices_a_dead_worker_and_stops_serving(tiny_llama_dir, e2e_config):
+    from shardserve.cluster.controller import ControllerConfig, ServedModel
+    from shardserve.cluster.grpc_executor import GrpcExecutor
+    from shardserve.worker.server import serve_worker
+    from tests.e2e._controller_thread import ControllerThread
+
+    worker, endpoint = serve_worker("127.0.0.1", 0)
+    served = ControllerThread(ControllerConfig(
+        engine=e2e_config(tiny_llama_dir),
+        model=ServedModel("tiny", "LlamaForCausalLM", vocab_size=384, eos_token_ids=[]),
+        make_executor=lambda config: GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", rpc_timeout_s=2),
+        load_tokenizer=lambda config: None,
+        port=0,
+        health_check_interval_s=0.2,
+    ))
+    try:
+        assert served.call(served.controller.wait_ready(120))
+        with Client(served.address, timeout=30) as client:
+            assert client.health() == "SERVING"
+            worker.stop(grace=None).wait(30)
+            deadline = time.monotonic() + 30
+            while client.health() != "NOT_SERVING":  # no request needed to notice
+                assert time.monotonic() < deadline, "health stayed SERVING with a dead worker"
+                time.sleep(0.05)
+        assert "rank 0" in served.controller.status()["error"]
+    finally:
+        served.close()
+        worker.stop(grace=None)
+
+
 def test_shutdown_drains_cuts_off_long_requests_and_leaves_nothing_behind(cluster, ray_session):
     """Runs last: it shuts the module's cluster down."""
     import psutil
