@@ -14,7 +14,8 @@ def add_cluster_parsers(sub, add_engine_args, add_sampling_args) -> None:
     serve.add_argument("--host", default="127.0.0.1", help="the client API's bind address")
     serve.add_argument("--port", type=int, default=50051, help="the client API's port (0 = any free port)")
     serve.add_argument("--worker-host", default="127.0.0.1",
-                       help="the workers' bind address (the node's address on a multi-node cluster)")
+                       help="the workers' bind address: 127.0.0.1 on one machine; 'node' = each worker's own node "
+                       "address (multi-node clusters); 0.0.0.0 = every interface")
     serve.add_argument("--ray-address", default=None,
                        help="'local' starts a Ray here; 'auto' or an address joins one "
                        "(default: join this node's cluster if there is one, else local)")

@@ -17,8 +17,8 @@ MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 
 class WorkerActor:
     def __init__(self, worker_host: str = "127.0.0.1", num_threads: int | None = None) -> None:
-        """Starts the Worker server bound to worker_host (the node's address on a real cluster) on an
-        ephemeral port. num_threads: torch's intra-op threads (on CPU, the host's cores / TP ranks on it, so the
+        """Starts the Worker server bound to worker_host on an ephemeral port: 127.0.0.1 on one machine; "node"
+        binds each worker to its own node's address (what a multi-node cluster wants), "0.0.0.0" to every interface. num_threads: torch's intra-op threads (on CPU, the host's cores / TP ranks on it, so the
         ranks do not oversubscribe the cores)."""
         for key, value in MULTICAST_OFF_ENV.items():
             os.environ.setdefault(key, value)
@@ -28,6 +28,8 @@ class WorkerActor:
             torch.set_num_threads(max(1, num_threads))
         from shardserve.worker.server import serve_worker
 
+        if worker_host == "node":
+            worker_host = self.node_ip()
         self.worker_host = worker_host
         self._server, self._address = serve_worker(worker_host, 0)
 
