@@ -8,7 +8,7 @@ token (the sampler is deterministic given the seed), so rank 0's result speaks f
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -16,7 +16,8 @@ from shardserve.kernels.backends import AttentionMetadata, get_backend
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import SamplingSpec, StepPlan, StepResult
 from shardserve.worker import kv_cache
-from shardserve.worker.sampler import SamplingRow, sample
+from shardserve.worker.sampler import SamplingRow, sample, sample_tokens
+from shardserve.worker.step_in_flight import StepInFlight, fill_pending_inputs, read_back_for_penalties, to_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -38,11 +39,12 @@ def resolve_device(name: str, rank: int) -> torch.device:
 
 @dataclass(slots=True)
 class RequestState:
-    token_ids: list[int]  # prompt + generated, including the tokens sampled here
+    token_ids: list[int]  # prompt + generated, including the tokens sampled here (PENDING until read back)
     num_prompt_tokens: int
     num_computed: int  # positions whose KV is in the cache
     block_ids: list[int]
     sampling: SamplingSpec
+    pending: dict[int, tuple[StepInFlight, int]] = field(default_factory=dict)  # position -> (step, row) holding it
 
 
 @dataclass(slots=True)
@@ -116,29 +118,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        return self.finish_step(self.launch_step(plan))
+
+    @torch.inference_mode()
+    def launch_step(self, plan: StepPlan) -> StepInFlight:
+        """Queues the step's device work (inputs, forward, sampling) without waiting for it. The sampled tokens stay
+        on the device as placeholders the next step reads there (worker/step_in_flight.py); finish_step reads them."""
         started = time.perf_counter()
         self._apply_deltas(plan)
         batch = self._schedule(plan)
-        result = StepResult(step_id=plan.step_id)
+        step = StepInFlight(StepResult(step_id=plan.step_id))
         if batch:
             input_ids, positions, meta = self._prepare(batch)
+            fill_pending_inputs(input_ids, [(s.state, s.start, s.end) for s in batch])
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
             sampling_rows = [i for i, s in enumerate(batch) if s.end == len(s.state.token_ids)]
             if sampling_rows:
                 ends = meta.query_start_loc[1:].long() - 1
-                index = ends[torch.tensor(sampling_rows, device=self.device)] if len(sampling_rows) < len(batch) else ends
+                index = ends[to_device(sampling_rows, self.device)] if len(sampling_rows) < len(batch) else ends
                 logits = self.model.compute_logits(hidden[index])
-                rows = [self._sampling_row(batch[i].state) for i in sampling_rows]
-                out = sample(logits, rows)
-                for i, token in zip(sampling_rows, out.token_ids):
-                    batch[i].state.token_ids.append(token)
-                result.req_ids = [plan.req_ids[i] for i in sampling_rows]
-                result.token_ids = out.token_ids
-                result.logprobs = out.logprobs
+                states = [batch[i].state for i in sampling_rows]
+                read_back_for_penalties(states)
+                rows = [self._sampling_row(state) for state in states]
+                step.hold(sample_tokens(logits, rows), states, logits, rows)
+                step.result.req_ids = [plan.req_ids[i] for i in sampling_rows]
             for s in batch:
                 s.state.num_computed = s.end
-        result.forward_ms = (time.perf_counter() - started) * 1e3
-        return result
+        step.host_s = time.perf_counter() - started
+        return step
+
+    @torch.inference_mode()
+    def finish_step(self, step: StepInFlight) -> StepResult:
+        """Waits for a launched step's tokens (only its own) and returns its result. Finish steps in launch order."""
+        return step.finish()
 
     @staticmethod
     def _sampling_row(state: RequestState) -> SamplingRow:

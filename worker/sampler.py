@@ -194,7 +194,8 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.argmax(probs / exponential, dim=1)
 
 
-def _logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+def token_logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+    """The sampled tokens' logprobs and the top N of each row that asked (None elsewhere). Reads back to the host."""
     wanted = [i for i, r in enumerate(rows) if r.spec.logprobs >= 0]
     out: list[TokenLogprobs | None] = [None] * len(rows)
     if not wanted:
@@ -214,9 +215,16 @@ def _logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.T
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
     """logits: [N, V] float32 (full vocabulary), one row per SamplingRow. Returns one token (and logprobs) per row."""
+    tokens = sample_tokens(logits, rows)
+    return SamplerOutput(token_ids=tokens.tolist(), logprobs=token_logprobs(logits, rows, tokens))
+
+
+@torch.inference_mode()
+def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """sample() without reading back: [N] int64 token ids on the logits' device (async scheduling feeds them to
+    the next step there). Leaves `logits` unchanged, so token_logprobs can read them afterwards."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
-    raw = logits
     logits = logits.float().clone()
     apply_penalties(logits, rows)
     apply_min_tokens(logits, rows)
@@ -228,4 +236,4 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         if sampled:
             idx = torch.tensor(sampled, device=logits.device)
             tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
-    return SamplerOutput(token_ids=tokens.tolist(), logprobs=_logprobs(raw, rows, tokens))
+    return tokens
