@@ -2,11 +2,19 @@
 
 It owns the scheduler, the block manager and the detokenizers; the executor (in-process, local processes or
 gRPC workers) owns every tensor. Per step the work is O(requests in the batch): no pass over all tokens.
+
+Async scheduling (config.async_scheduling; None = on for CUDA): step() submits plan N+1 before it collects
+result N, so the controller plans (and the workers prepare) while the device runs; at most two plans are in
+flight. The workers append their own sampled tokens (proto/plan.py), so plan N+1 needs nothing from result N.
+The costs, handled in the scheduler: a stop is seen one step late (the extra token is discarded, so outputs are
+the same as without overlap), a finished request's blocks are freed once its last plan's result is applied, and
+a request preempted with a token in flight waits at the queue head until that token lands.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +26,9 @@ from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
 from shardserve.cluster.sequence import Sequence
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import Executor
+from shardserve.proto.plan import Executor, StepPlan, StepResult
+
+MAX_PLANS_IN_FLIGHT = 2  # async scheduling: step N+1 is planned and submitted while step N runs
 
 
 @dataclass(slots=True)
@@ -63,6 +73,16 @@ class Engine:
         self.num_computed_tokens = 0
         self.num_generated_tokens = 0
         self.num_finished = 0
+        self.async_scheduling = self._resolve_async_scheduling(config, executor)
+        self._in_flight: deque[StepPlan] = deque()  # submitted, results not collected yet (async only)
+
+    @staticmethod
+    def _resolve_async_scheduling(config: EngineConfig, executor: Executor) -> bool:
+        wanted = config.async_scheduling if config.async_scheduling is not None else config.device == "cuda"
+        can = callable(getattr(executor, "submit", None)) and callable(getattr(executor, "collect", None))
+        if wanted and not can and config.async_scheduling:
+            raise ValueError(f"async_scheduling needs an executor with submit/collect; {type(executor).__name__} has none")
+        return wanted and can
 
     # ---- requests ------------------------------------------------------------------------------------------
     def add_request(
@@ -100,19 +120,50 @@ class Engine:
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending_deltas)
+        """True while there is work: live requests, deltas to report, or submitted plans to collect."""
+        return self.scheduler.has_unfinished() or bool(self._pending_deltas) or bool(self._in_flight)
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
+        if self.async_scheduling:
+            self._step_overlapped(deltas)
+            return deltas
         plan = self.scheduler.schedule()
         if plan is None:
-            if self.scheduler.waiting and not self.scheduler.running:
-                raise RuntimeError("scheduler bug: requests are waiting but none could be scheduled")
+            self._check_progress()
             return deltas
         result = self.executor.execute(plan)
+        self._count(plan)
+        self._apply(plan, result, deltas)
+        return deltas
+
+    def _step_overlapped(self, deltas: list[RequestDelta]) -> None:
+        """Submits the next plan (when fewer than two are in flight), then collects the oldest one, unless the
+        plan just submitted is the only one: the first step of a burst only submits."""
+        plan = self.scheduler.schedule() if len(self._in_flight) < MAX_PLANS_IN_FLIGHT else None
+        if plan is not None:
+            self.executor.submit(plan)
+            self._in_flight.append(plan)
+            self._count(plan)
+        if not self._in_flight:
+            self._check_progress()
+            return
+        if plan is None or len(self._in_flight) == MAX_PLANS_IN_FLIGHT:
+            done = self._in_flight.popleft()
+            self._apply(done, self.executor.collect(), deltas)
+
+    def _check_progress(self) -> None:
+        """Called when nothing was scheduled and nothing is in flight: then waiting requests must be admissible."""
+        if self.scheduler.waiting and not self.scheduler.running:
+            raise RuntimeError("scheduler bug: requests are waiting but none could be scheduled")
+
+    def _count(self, plan: StepPlan) -> None:
         self.num_steps += 1
         self.num_computed_tokens += plan.num_batched_tokens
+
+    def _apply(self, plan: StepPlan, result: StepResult, deltas: list[RequestDelta]) -> None:
+        """Applies a result: appends the tokens, runs the stop checks, adds a delta per request that got a token."""
         for seq in self.scheduler.update(plan, result):
             self.num_generated_tokens += 1
             reason = self._check_stop(seq)
@@ -121,7 +172,6 @@ class Engine:
                 deltas.append(self._on_finished(seq))
             else:
                 deltas.append(self._delta(seq, final=False))
-        return deltas
 
     def _check_stop(self, seq: Sequence) -> str | None:
         token = seq.output_token_ids[-1]

@@ -13,7 +13,13 @@ Policy (continuous batching, FCFS):
 Planning ahead: `num_computed_tokens` advances when a plan is made, and a plan that reaches the end of a
 request's token list counts one pending sampled token. So step N+1 can be planned before step N's result is
 applied; `update` then appends tokens one step late, discards tokens of requests finished meanwhile, and
-registers blocks in the prefix cache only once the plan that computed them has run.
+registers blocks in the prefix cache only once the plan that computed them has run. What that costs:
+- A finished request's blocks are freed only once the last plan that computed it has been applied
+  (`_free_after`): a block is never handed out again while a submitted plan may still write it.
+- A preempted request's blocks are freed at once (the preemption needs them). A plan in flight may still write
+  them; that is safe because every executor runs plans in submission order (one stream per rank), so the later
+  plan's writes land last, and a block enters the prefix cache only after the plan that filled it was applied.
+  The request's token from that plan still lands (it waits at the queue head until then, see `schedule`).
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class Scheduler:
         self._preempted_ids: list[str] = []
         # step id -> (seq, its epoch when planned, num_computed_tokens after that step): what update() confirms
         self._in_flight: dict[int, list[tuple[Sequence, int, int]]] = {}
+        self._free_after: dict[int, list[Sequence]] = {}  # step id -> finished requests whose blocks it may write
+        self.last_applied_step_id = 0  # the newest plan whose result update() has applied
 
     # ---- admission -----------------------------------------------------------------------------------------
     def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -75,7 +83,10 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if seq.last_step_id > self.last_applied_step_id:  # a submitted plan may still write its blocks
+            self._free_after.setdefault(seq.last_step_id, []).append(seq)
+        else:
+            self.block_manager.free(seq)
         if seq.known_to_workers:
             self._finished_ids.append(seq.req_id)
             seq.known_to_workers = False
@@ -85,6 +96,11 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
+
+    @property
+    def num_plans_in_flight(self) -> int:
+        """Plans made whose results update() has not applied yet."""
+        return len(self._in_flight)
 
     # ---- planning ------------------------------------------------------------------------------------------
     def _preempt(self, seq: Sequence) -> None:
@@ -181,6 +197,7 @@ class Scheduler:
             if seq.num_computed_tokens == seq.num_tokens:  # reaches the end: the workers sample one token
                 seq.num_pending_tokens += 1
             in_flight.append((seq, seq.epoch, seq.num_computed_tokens))
+            seq.last_step_id = self.step_id
         self._in_flight[self.step_id] = in_flight
         plan = StepPlan(
             step_id=self.step_id,
@@ -202,14 +219,20 @@ class Scheduler:
         """
         if result.step_id != plan.step_id:
             raise RuntimeError(f"result for step {result.step_id} does not match plan {plan.step_id}")
-        for seq, epoch, computed in self._in_flight.pop(plan.step_id):
+        records = self._in_flight.pop(plan.step_id)
+        self.last_applied_step_id = plan.step_id
+        for seq, epoch, computed in records:
             if epoch == seq.epoch and not seq.is_finished:
                 self.block_manager.register_full_blocks(seq, computed)
+        for seq in self._free_after.pop(plan.step_id, ()):
+            self.block_manager.free(seq)
+        # By object, not by id: a finished request's id may already belong to a new request.
+        planned = {seq.req_id: seq for seq, _, _ in records}
         got_token: list[Sequence] = []
         logprobs = result.logprobs or [None] * len(result.req_ids)
         for req_id, token, lp in zip(result.req_ids, result.token_ids, logprobs):
-            seq = self.requests.get(req_id)
-            if seq is None:  # finished or aborted after this plan was made: the token is discarded
+            seq = planned.get(req_id)
+            if seq is None or seq.is_finished:  # finished or aborted after this plan was made: discarded
                 continue
             seq.num_pending_tokens -= 1
             seq.append_token(token, lp)

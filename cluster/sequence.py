@@ -50,6 +50,7 @@ class Sequence:
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
     known_to_workers: bool = False  # False: the next plan must send it as a NewRequest (first time or resumed)
     epoch: int = 0  # +1 per preemption: results of plans made before it must not touch the new block table
+    last_step_id: int = 0  # the last plan that computed it: its blocks stay allocated until that plan's result
 
     # streaming
     detokenizer: IncrementalDetokenizer | None = None

@@ -87,10 +87,18 @@ class StepResult:
 
 
 class Executor(Protocol):
-    """Runs step plans on the model: in-process (worker/inprocess.py), local processes, or gRPC to Ray actors."""
+    """Runs step plans on the model: in-process (worker/inprocess.py), local processes, or gRPC to Ray actors.
+
+    Plans run in the order they are submitted, on every rank (a block freed by the controller may be written by
+    an earlier plan still running and then by a later one: submission order makes the later write land last).
+    """
 
     num_kv_blocks: int  # the cache size the workers allocated: the block manager's capacity
 
-    def execute(self, plan: StepPlan) -> StepResult: ...
+    def execute(self, plan: StepPlan) -> StepResult: ...  # submit + collect
+
+    def submit(self, plan: StepPlan) -> None: ...  # queues a plan; returns without waiting for it
+
+    def collect(self) -> StepResult: ...  # the oldest submitted plan's result (waits for that one only)
 
     def shutdown(self) -> None: ...

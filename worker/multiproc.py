@@ -1,6 +1,7 @@
 """MultiprocExecutor: tensor parallelism as local processes (spawned), one ModelRunner per rank.
 
-The parent sends each plan to every rank over a pipe; every rank runs the step (the collectives inside the
+The parent sends each plan to every rank over a pipe (submit) and reads the answers later (collect), so the
+engine can plan the next step meanwhile; every rank runs the steps in order (the collectives inside the
 model join them) and answers: rank 0 with the StepResult, the others with the step id only (their sampled tokens
 are the same, see worker/sampler.py). A rank that raises answers with its traceback instead; a rank that dies
 closes its sentinel. The parent waits with a deadline on all of it, so a failure surfaces as WorkerError, never
@@ -14,6 +15,7 @@ import os
 import socket
 import time
 import traceback
+from collections import deque
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -80,6 +82,7 @@ class MultiprocExecutor:
         self.config = config
         self.step_timeout_s = step_timeout_s
         self._broken: str | None = None
+        self._in_flight: deque[int] = deque()  # step ids submitted and not yet collected, oldest first
         ctx = mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         self._conns: list[Connection] = []
@@ -103,11 +106,25 @@ class MultiprocExecutor:
             raise
 
     def execute(self, plan: StepPlan) -> StepResult:
+        self.submit(plan)
+        return self.collect()
+
+    def submit(self, plan: StepPlan) -> None:
+        """Sends the plan to every rank and returns; the ranks run plans in the order they arrive."""
         self._broadcast(("step", plan))
-        replies = self._gather(f"step {plan.step_id}", self.step_timeout_s)
+        self._in_flight.append(plan.step_id)
+
+    def collect(self) -> StepResult:
+        """Every rank's reply to the oldest submitted step (pipes keep order); rank 0's result."""
+        if not self._in_flight:
+            raise RuntimeError("collect() without a submitted step")
+        step_id = self._in_flight.popleft()
+        replies = self._gather(f"step {step_id}", self.step_timeout_s)
+        if replies[0].step_id != step_id:
+            self._fail(f"rank 0 answered step {replies[0].step_id}, expected {step_id}")
         for rank, reply in enumerate(replies[1:], start=1):
-            if reply != plan.step_id:
-                self._fail(f"rank {rank} acknowledged step {reply}, expected {plan.step_id}")
+            if reply != step_id:
+                self._fail(f"rank {rank} acknowledged step {reply}, expected {step_id}")
         return replies[0]
 
     def _broadcast(self, message: tuple) -> None:
