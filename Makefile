@@ -1,5 +1,5 @@
 # shardserve developer commands. Every target creates or reuses .venv and installs what it needs once.
-#   make demo      offline generation on the default model, text streamed to the terminal
+#   make demo      the cluster demo: local Ray on loopback, the default model at TP=3 on CPU, prompts streamed over gRPC
 #   make test      the CPU test suite (what .ci/run runs)
 #   make test-gpu  tests marked gpu (on a CUDA host without an index: make test-gpu PY=python3 SETUP=)
 #   make proto     regenerate the gRPC stubs in proto/
