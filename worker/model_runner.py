@@ -15,7 +15,7 @@ import torch
 from shardserve.kernels.backends import AttentionMetadata, get_backend
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import SamplingSpec, StepPlan, StepResult
-from shardserve.worker import kv_cache
+from shardserve.worker import cuda_graphs, kv_cache
 from shardserve.worker.sampler import SamplingRow, sample, sample_tokens
 from shardserve.worker.step_in_flight import StepInFlight, fill_pending_inputs, read_back_for_penalties, to_device
 
@@ -81,16 +81,27 @@ class ModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = 0
         self._pin = self.device.type == "cuda"
+        self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None  # captured by allocate_kv_cache on CUDA
+        self._graph_reserve: int | None = None  # bytes the KV sizing left for the graphs (measured)
 
     # ------------------------------------------------------------------------------------------ cache
 
     def profile_num_blocks(self) -> int:
-        return kv_cache.profile_num_blocks(self.config, self.model, self.dtype, self.device, self._profile_forward)
+        blocks = kv_cache.profile_num_blocks(self.config, self.model, self.dtype, self.device, self._profile_forward)
+        blocks, self._graph_reserve = cuda_graphs.leave_room_for_graphs(
+            blocks, self.model, self.attn_backend, self.config, self.device, self.dtype
+        )
+        return blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.decode_graphs = None  # graphs over an earlier cache go first
         self.kv_caches = []  # drop an earlier cache before allocating the new one
         self.kv_caches = kv_cache.allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
         self.num_blocks = num_blocks
+        if cuda_graphs.graphs_unsupported_reason(self.config, self.device, self.attn_backend) is None:
+            self.decode_graphs = cuda_graphs.capture_decode_graphs(
+                self.model, self.kv_caches, self.attn_backend, self.config, self.device, self._graph_reserve
+            )
 
     @torch.inference_mode()
     def _profile_forward(self) -> None:
@@ -129,12 +140,9 @@ class ModelRunner:
         batch = self._schedule(plan)
         step = StepInFlight(StepResult(step_id=plan.step_id))
         if batch:
-            input_ids, positions, meta = self._prepare(batch)
-            fill_pending_inputs(input_ids, [(s.state, s.start, s.end) for s in batch])
-            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+            hidden, ends = self._forward(batch)
             sampling_rows = [i for i, s in enumerate(batch) if s.end == len(s.state.token_ids)]
             if sampling_rows:
-                ends = meta.query_start_loc[1:].long() - 1
                 index = ends[to_device(sampling_rows, self.device)] if len(sampling_rows) < len(batch) else ends
                 logits = self.model.compute_logits(hidden[index])
                 states = [batch[i].state for i in sampling_rows]
@@ -151,6 +159,24 @@ class ModelRunner:
     def finish_step(self, step: StepInFlight) -> StepResult:
         """Waits for a launched step's tokens (only its own) and returns its result. Finish steps in launch order."""
         return step.finish()
+
+    def _forward(self, batch: list[_Scheduled]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's hidden states and the row of each sequence's last token in them: a captured CUDA graph
+        replays a decode-only batch it covers (worker/cuda_graphs.py); anything else runs eagerly."""
+        spans = [(s.state, s.start, s.end) for s in batch]
+        if self.decode_graphs is not None and all(s.end - s.start == 1 for s in batch):
+            hidden = self.decode_graphs.run(
+                [s.state.token_ids[s.start] for s in batch],
+                [s.start for s in batch],
+                [s.state.block_ids[: -(-s.end // self.block_size)] for s in batch],
+                fill_inputs=lambda input_ids: fill_pending_inputs(input_ids, spans),
+            )
+            if hidden is not None:
+                return hidden, self.decode_graphs.rows(len(batch))
+        input_ids, positions, meta = self._prepare(batch)
+        fill_pending_inputs(input_ids, spans)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        return hidden, meta.query_start_loc[1:].long() - 1
 
     @staticmethod
     def _sampling_row(state: RequestState) -> SamplingRow:

@@ -1,0 +1,334 @@
+"""CUDA graphs for decode steps: the model forward captured once per padded batch size, then replayed.
+
+Why: a decode step is thousands of short kernels whose launch cost (Python + driver) rivals their run time on
+an H200; a graph replay launches them all in one call.
+
+What is captured: the model forward only (embedding -> layers -> final norm, all-reduces included for TP: NCCL
+calls are capturable) for a decode-only batch padded to one of graph_batch_sizes(). The LM head, the logits and
+sampling stay eager: they run on the real rows only and the sampler branches on host data.
+
+Inputs of a graph of size B with n real rows, written once per step into static device buffers:
+  staging (int64): token ids [B] | positions [B] | context lengths [B] | the rows' block tables [n x w]
+    (one host-to-device copy; padding rows get id 0, position 0, context length 0),
+  then one device copy of the [n x w] tables into the static [max B, max_blocks] int32 block table.
+Inside the graph each row's cache slot is table[row, pos // block_size] * block_size + pos % block_size, or -1
+where the context length is 0: store_kv skips padding rows and the decode kernel reads no keys for them (their
+output is zeros that nobody reads). Entries of a table row past its context are stale and never read.
+
+Attention: only the Triton backend is graph-safe here. Its decode kernel computes the split ranges on the device
+from seq_lens, so a split count fixed per captured size (chosen for max_model_len) is correct for any length.
+
+Memory: all graphs share one pool, captured largest first so the smaller ones reuse its blocks. The KV cache is
+sized before capture, so ModelRunner.profile_num_blocks asks measure_graph_memory() for a reserve: a dry run that
+captures the largest and the smallest size on a one-block scratch cache and reads free device memory
+(torch.cuda.mem_get_info) before and after each; reserve = largest + (number of sizes - 1) * smallest + 10 % of
+the largest. After the real capture the memory taken is measured again and printed next to the reserve.
+"""
+
+from __future__ import annotations
+
+import bisect
+import gc
+import sys
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+from unittest import mock
+
+import torch
+from torch import nn
+
+from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
+from shardserve.proto.config import EngineConfig
+
+MAX_GRAPH_BATCH_SIZE = 512  # a larger max_num_seqs still runs: bigger decode batches go eager
+
+
+def graph_batch_sizes(max_num_seqs: int, cap: int = MAX_GRAPH_BATCH_SIZE) -> list[int]:
+    """1, 2, 4, then every multiple of 8 below the limit, then the limit (max_num_seqs, at most cap)."""
+    limit = max(1, min(max_num_seqs, cap))
+    return [s for s in (1, 2, 4) if s < limit] + list(range(8, limit, 8)) + [limit]
+
+
+def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
+    """The smallest captured size that holds num_seqs rows; None when none does."""
+    if num_seqs < 1:
+        return None
+    i = bisect.bisect_left(sizes, num_seqs)
+    return sizes[i] if i < len(sizes) else None
+
+
+def pack_decode_inputs(
+    token_ids: list[int], positions: list[int], block_tables: list[list[int]], padded: int
+) -> tuple[list[int], int]:
+    """The staging layout as one host list, and the width w of the packed block tables (the longest row)."""
+    pad = [0] * (padded - len(token_ids))
+    width = max(len(t) for t in block_tables)
+    flat = token_ids + pad + positions + pad + [p + 1 for p in positions] + pad
+    for table in block_tables:
+        flat.extend(table)
+        flat.extend([0] * (width - len(table)))
+    return flat, width
+
+
+def decode_inputs_from_staging(
+    staging: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor, padded: int, block_size: int,
+    max_seq_len: int,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Input ids, positions and attention metadata of a padded decode batch, as views and device ops only
+    (what a graph captures). max_seq_len only sizes host-side choices; the kernels read seq_lens."""
+    input_ids = staging[:padded]
+    positions = staging[padded : 2 * padded]
+    seq_lens = staging[2 * padded : 3 * padded].to(torch.int32)
+    tables = block_tables[:padded]
+    blocks = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).long()
+    slots = torch.where(seq_lens > 0, blocks * block_size + positions % block_size, -1)
+    meta = AttentionMetadata(
+        slot_mapping=slots,
+        query_start_loc=query_start_loc[: padded + 1],
+        seq_lens=seq_lens,
+        block_tables=tables,
+        query_lens_cpu=[1] * padded,
+        seq_lens_cpu=[max_seq_len] * padded,
+        max_query_len=1,
+        max_seq_len=max_seq_len,
+    )
+    return input_ids, positions, meta
+
+
+class DecodeGraphRunner:
+    """Captured decode forwards over one KV cache. use_cuda_graphs=False runs the very same padded static-buffer
+    path eagerly (how CPU tests check the padding and slot logic without a GPU)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        backend: AttentionBackend,
+        batch_sizes: list[int],
+        block_size: int,
+        max_model_len: int,
+        device: torch.device,
+        use_cuda_graphs: bool = True,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.backend = backend
+        self.batch_sizes = sorted(batch_sizes)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.max_blocks = -(-max_model_len // block_size)
+        self.device = device
+        self.use_cuda_graphs = use_cuda_graphs
+        largest = self.batch_sizes[-1]
+        self._staging = torch.zeros(3 * largest + largest * self.max_blocks, dtype=torch.int64, device=device)
+        self._block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=device)
+        self._query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
+        self._rows = torch.arange(largest, dtype=torch.int64, device=device)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+        self._pool = None
+        self._stream = None
+        self.memory_bytes = 0  # device memory the captured graphs took (free memory before - after)
+        self.capture_s = 0.0
+
+    # ---- capture -------------------------------------------------------------------------------------------
+    def num_splits(self, padded: int) -> int:
+        """The decode split count baked into the graph of this size (chosen for the longest context)."""
+        from shardserve.kernels.paged_attention import choose_num_splits
+
+        num_kv_heads = self.kv_caches[0][0].shape[2] if self.kv_caches else 1
+        return choose_num_splits(padded, num_kv_heads, self.max_model_len)
+
+    @contextmanager
+    def _fixed_splits(self, padded: int) -> Iterator[None]:
+        if not hasattr(self.backend, "decode_num_splits"):
+            yield
+            return
+        previous = self.backend.decode_num_splits
+        self.backend.decode_num_splits = self.num_splits(padded)
+        try:
+            yield
+        finally:
+            self.backend.decode_num_splits = previous
+
+    def _forward(self, padded: int) -> torch.Tensor:
+        ids, positions, meta = decode_inputs_from_staging(
+            self._staging, self._block_tables, self._query_start_loc, padded, self.block_size, self.max_model_len
+        )
+        return self.model(ids, positions, self.kv_caches, meta)
+
+    def capture(self, sizes: list[int] | None = None) -> None:
+        """Captures the given sizes (default: all), largest first, into the shared pool. No-op without graphs."""
+        if not self.use_cuda_graphs:
+            return
+        sizes = sorted(sizes or self.batch_sizes, reverse=True)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._stream = torch.cuda.Stream(self.device)
+        torch.cuda.synchronize(self.device)
+        gc.collect()  # once, here: torch.cuda.graph would collect (and empty the cache) before every capture
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        started = time.perf_counter()
+        with mock.patch("gc.collect", lambda *args, **kwargs: 0), mock.patch("torch.cuda.empty_cache", lambda: None):
+            for padded in sizes:
+                self._capture_one(padded)
+        torch.cuda.synchronize(self.device)
+        self.capture_s += time.perf_counter() - started
+        self.memory_bytes += free_before - torch.cuda.mem_get_info(self.device)[0]
+
+    def _capture_one(self, padded: int) -> None:
+        with self._fixed_splits(padded), torch.cuda.stream(self._stream):
+            # Warm-up on the capture stream: compiles the Triton kernels of this size and creates cuBLAS and
+            # NCCL state before capture, where neither may happen.
+            self._forward(padded)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with self._fixed_splits(padded):
+            # thread_local: NCCL's watchdog thread queries events during capture; only this thread is checked.
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                output = self._forward(padded)
+        self._graphs[padded] = graph
+        self._outputs[padded] = output
+
+    # ---- replay --------------------------------------------------------------------------------------------
+    def run(
+        self,
+        token_ids: list[int],
+        positions: list[int],
+        block_tables: list[list[int]],
+        fill_inputs: Callable[[torch.Tensor], None] | None = None,
+    ) -> torch.Tensor | None:
+        """Hidden states [n, hidden] of a decode step (row i = sequence i), or None when no graph covers it.
+
+        fill_inputs(input_ids) may patch the [n] input ids on the device before the replay (tokens sampled by a
+        step still in flight). The result is a view of the graph's output: use it before the next run.
+        """
+        n = len(token_ids)
+        padded = padded_batch_size(n, self.batch_sizes)
+        if padded is None or (self.use_cuda_graphs and padded not in self._graphs):
+            return None
+        flat, width = pack_decode_inputs(token_ids, positions, block_tables, padded)
+        if width > self.max_blocks:
+            return None
+        host = torch.tensor(flat, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        staged = self._staging[: host.numel()]
+        staged.copy_(host, non_blocking=True)
+        self._block_tables[:n, :width].copy_(staged[3 * padded :].view(n, width))
+        if fill_inputs is not None:
+            fill_inputs(self._staging[:n])
+        if self.use_cuda_graphs:
+            self._graphs[padded].replay()
+            return self._outputs[padded][:n]
+        with self._fixed_splits(padded):
+            return self._forward(padded)[:n]
+
+    def rows(self, n: int) -> torch.Tensor:
+        """[0, n) on the device: the row of each sequence's token in run()'s output."""
+        return self._rows[:n]
+
+
+# ---- wiring for ModelRunner ----------------------------------------------------------------------------------
+def graphs_unsupported_reason(config: EngineConfig, device: torch.device, backend: AttentionBackend) -> str | None:
+    if device.type != "cuda":
+        return "not on CUDA"
+    if config.enforce_eager:
+        return "enforce_eager is set"
+    if getattr(backend, "name", "") != "triton":
+        return f"the {getattr(backend, 'name', '?')} attention backend is not graph-safe here (only triton is)"
+    return None
+
+
+def capture_decode_graphs(
+    model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], backend: AttentionBackend,
+    config: EngineConfig, device: torch.device, reserved_bytes: int | None = None,
+) -> DecodeGraphRunner | None:
+    """Captures every size over the allocated cache; on any failure prints a warning and returns None (eager)."""
+    sizes = graph_batch_sizes(config.max_num_seqs)
+    runner = DecodeGraphRunner(model, kv_caches, backend, sizes, config.block_size, config.max_model_len, device)
+    try:
+        with torch.inference_mode():
+            runner.capture()
+    except Exception as exc:  # a capture failure must cost speed, never the engine
+        _say(f"WARNING: CUDA graph capture failed ({type(exc).__name__}: {exc}); decode steps run eagerly")
+        del runner
+        _release_memory()
+        return None
+    reserve = f", reserved {reserved_bytes / 2**20:.0f} MiB" if reserved_bytes is not None else ""
+    _say(f"captured {len(sizes)} decode CUDA graphs (batch sizes {sizes[0]}..{sizes[-1]}) in {runner.capture_s:.1f} s, "
+         f"{runner.memory_bytes / 2**20:.0f} MiB{reserve}")
+    if reserved_bytes is not None and runner.memory_bytes > reserved_bytes:
+        _say(f"WARNING: the graphs took {runner.memory_bytes / 2**20:.0f} MiB, more than the "
+             f"{reserved_bytes / 2**20:.0f} MiB the KV sizing reserved for them")
+    return runner
+
+
+def leave_room_for_graphs(
+    blocks: int, model: nn.Module, backend: AttentionBackend, config: EngineConfig, device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[int, int | None]:
+    """(a profiled block count minus what the decode graphs will take, the reserve in bytes or None).
+
+    Only where graphs will be captured and the memory budget bound the count: a fixed num_kv_blocks or
+    kv_cache_memory_gb is the user's choice, and a count capped at what max_num_seqs sequences can use had room.
+    """
+    from shardserve.worker.kv_cache import bytes_per_block, max_useful_blocks
+
+    fixed = config.num_kv_blocks is not None or config.kv_cache_memory_gb is not None
+    if graphs_unsupported_reason(config, device, backend) is not None or fixed:
+        return blocks, None
+    try:
+        reserve = measure_graph_memory(model, backend, config, device, dtype)
+    except Exception as exc:  # the real capture will most likely fail the same way and fall back to eager
+        _say(f"WARNING: CUDA graph dry run failed ({type(exc).__name__}: {exc}); no memory reserved for graphs")
+        return blocks, None
+    if blocks >= max_useful_blocks(config):
+        return blocks, reserve
+    left = blocks - -(-reserve // bytes_per_block(model, config.block_size, dtype))
+    if left < 1:
+        raise RuntimeError(
+            f"no memory left for the KV cache after reserving {reserve / 2**20:.0f} MiB for CUDA graphs: "
+            "lower max_num_seqs, raise gpu_memory_utilization, or set enforce_eager"
+        )
+    return left, reserve
+
+
+def measure_graph_memory(
+    model: nn.Module, backend: AttentionBackend, config: EngineConfig, device: torch.device, dtype: torch.dtype
+) -> int:
+    """Bytes to keep free for the decode graphs: a dry run on a one-block scratch cache (see the module doc)."""
+    from shardserve.worker.kv_cache import allocate_kv_cache
+
+    sizes = graph_batch_sizes(config.max_num_seqs)
+    scratch = allocate_kv_cache(model, 1, config.block_size, dtype, device)
+    torch.cuda.synchronize(device)
+    free_start = torch.cuda.mem_get_info(device)[0]
+    runner = DecodeGraphRunner(model, scratch, backend, sizes, config.block_size, config.max_model_len, device)
+    try:
+        with torch.inference_mode():
+            runner.capture([sizes[-1]])
+            after_largest = torch.cuda.mem_get_info(device)[0]
+            each_smaller = 0
+            if len(sizes) > 1:
+                runner.capture([sizes[0]])
+                each_smaller = max(0, after_largest - torch.cuda.mem_get_info(device)[0])
+    finally:
+        del runner, scratch
+        _release_memory()
+    largest = max(0, free_start - after_largest)
+    return largest + (len(sizes) - 1) * each_smaller + largest // 10
+
+
+def _release_memory() -> None:
+    gc.collect()
+    try:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    except Exception:  # a failed capture can leave an error behind; the next CUDA call will report it
+        pass
+
+
+def _say(message: str) -> None:
+    print(f"[shardserve] {message}", file=sys.stderr, flush=True)
