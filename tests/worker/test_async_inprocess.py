@@ -156,3 +156,19 @@ def test_overlapped_tp2_engine_equals_one_step_at_a_time_tp1(model_dir):
     outputs, engine = run_engine(cfg2, MultiprocExecutor(cfg2))
     assert engine.async_scheduling
     assert_same_outputs(outputs, reference)
+
+
+def test_overlapped_engine_over_grpc_equals_one_step_at_a_time(model_dir):
+    from shardserve.cluster.grpc_executor import GrpcExecutor
+    from shardserve.worker.server import serve_worker
+
+    cfg1 = config(model_dir, False)
+    reference, _ = run_engine(cfg1, InProcessExecutor(cfg1))
+    server, address = serve_worker("127.0.0.1", 0)
+    try:
+        cfg = config(model_dir, True)
+        outputs, engine = run_engine(cfg, GrpcExecutor(cfg, [address], "tcp://127.0.0.1:0", step_timeout_s=60.0))
+    finally:
+        server.stop(grace=None)
+    assert engine.async_scheduling
+    assert_same_outputs(outputs, reference)
