@@ -51,6 +51,16 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """torch.tensor(values, dtype=dtype, device=device) without a host sync. On CUDA a blocking host-to-device copy
+    waits for every kernel queued before it, which would stall async scheduling's launch of the next step
+    (worker/step_in_flight.py): copy from pinned memory without blocking instead."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 # ---------------------------------------------------------------------------------------------- random draws
 
 
@@ -87,7 +97,7 @@ def row_key(seed: int, output_index: int) -> int:
 
 def uniform_draws(keys: list[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
     """[len(keys), vocab_size] float64 uniforms in (0, 1): entry (r, v) = hash(keys[r] + (v + 1) * golden)."""
-    key = torch.tensor([_to_signed(k) for k in keys], dtype=torch.int64, device=device).unsqueeze(1)
+    key = device_tensor([_to_signed(k) for k in keys], torch.int64, device).unsqueeze(1)
     vocab = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=device) * _to_signed(_GOLDEN)
     bits = _shr(_mix_tensor(key + vocab), 11)  # top 53 bits
     return (bits.to(torch.float64) + 0.5) * (1.0 / (1 << 53))
@@ -120,18 +130,20 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     device = logits.device
     if rep_rows:
         seen = torch.zeros_like(logits, dtype=torch.bool)
-        seen[torch.tensor(rep_rows, device=device), torch.tensor(rep_cols, device=device)] = True
+        seen[device_tensor(rep_rows, torch.int64, device), device_tensor(rep_cols, torch.int64, device)] = True
         penalty = torch.ones(logits.shape[0], 1, dtype=logits.dtype, device=device)
-        penalty[[i for i, _ in rep_vals], 0] = torch.tensor([p for _, p in rep_vals], dtype=logits.dtype)
+        rep_idx = device_tensor([i for i, _ in rep_vals], torch.int64, device)
+        penalty[rep_idx, 0] = device_tensor([p for _, p in rep_vals], logits.dtype, device)
         penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
         logits.copy_(torch.where(seen, penalized, logits))
     if cnt_row_ids:
         counts = torch.zeros(len(cnt_row_ids), vocab, dtype=logits.dtype, device=device)
         ones = torch.ones(len(cnt_rows), dtype=logits.dtype, device=device)
-        counts.index_put_((torch.tensor(cnt_rows, device=device), torch.tensor(cnt_cols, device=device)), ones, accumulate=True)
-        f = torch.tensor(freq, dtype=logits.dtype, device=device).unsqueeze(1)
-        p = torch.tensor(pres, dtype=logits.dtype, device=device).unsqueeze(1)
-        idx = torch.tensor(cnt_row_ids, device=device)
+        cells = (device_tensor(cnt_rows, torch.int64, device), device_tensor(cnt_cols, torch.int64, device))
+        counts.index_put_(cells, ones, accumulate=True)
+        f = device_tensor(freq, logits.dtype, device).unsqueeze(1)
+        p = device_tensor(pres, logits.dtype, device).unsqueeze(1)
+        idx = device_tensor(cnt_row_ids, torch.int64, device)
         logits[idx] -= f * counts + p * (counts > 0).to(logits.dtype)
 
 
@@ -144,7 +156,7 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             r.extend([i] * len(spec.stop_token_ids))
             c.extend(spec.stop_token_ids)
     if r:
-        logits[torch.tensor(r, device=logits.device), torch.tensor(c, device=logits.device)] = float("-inf")
+        logits[device_tensor(r, torch.int64, logits.device), device_tensor(c, torch.int64, logits.device)] = float("-inf")
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -152,7 +164,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     n, vocab = logits.shape
     device = logits.device
     need_p = any(p < 1.0 for p in top_p)
-    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k], device=device)
+    k = device_tensor([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, device)
     if not need_p:
         # top-k only: the k-th largest value is the threshold (ties with it are kept).
         active = [kk for kk in top_k if 0 < kk < vocab]
@@ -168,7 +180,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     sorted_logits = sorted_logits.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
     probs = torch.softmax(sorted_logits, dim=1)
     mass_before = torch.cumsum(probs, dim=1) - probs
-    p = torch.tensor(top_p, dtype=probs.dtype, device=device).unsqueeze(1)
+    p = device_tensor(top_p, probs.dtype, device).unsqueeze(1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token once the tokens before it already do.
     sorted_logits = sorted_logits.masked_fill(mass_before >= p, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
@@ -177,7 +189,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
 def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then the seeded exponential race. Returns [n] int64 token ids."""
     device = logits.device
-    temps = torch.tensor([r.spec.temperature for r in rows], dtype=logits.dtype, device=device).unsqueeze(1)
+    temps = device_tensor([r.spec.temperature for r in rows], logits.dtype, device).unsqueeze(1)
     logits = logits / temps
     top_k = [r.spec.top_k for r in rows]
     top_p = [r.spec.top_p for r in rows]
@@ -186,7 +198,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     probs = torch.softmax(logits, dim=1)
     min_p = [r.spec.min_p for r in rows]
     if any(m > 0.0 for m in min_p):
-        m = torch.tensor(min_p, dtype=probs.dtype, device=device).unsqueeze(1)
+        m = device_tensor(min_p, probs.dtype, device).unsqueeze(1)
         keep = probs >= m * probs.max(dim=1, keepdim=True).values
         probs = torch.where(keep, probs, torch.zeros_like(probs))
     keys = [row_key(r.spec.seed, r.output_index) for r in rows]
@@ -234,6 +246,6 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     else:
         tokens = torch.argmax(logits, dim=1)
         if sampled:
-            idx = torch.tensor(sampled, device=logits.device)
+            idx = device_tensor(sampled, torch.int64, logits.device)
             tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
     return tokens

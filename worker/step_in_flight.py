@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from shardserve.proto.plan import StepResult
-from shardserve.worker.sampler import SamplingRow, token_logprobs
+from shardserve.worker.sampler import SamplingRow, device_tensor, token_logprobs
 
 PENDING = -1  # a token sampled on the device whose value the host has not read yet
 
@@ -35,12 +35,8 @@ if TYPE_CHECKING:
 
 
 def to_device(values: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 index tensor on the device without a host sync (pinned memory + a non-blocking copy on CUDA;
-    a plain torch.tensor(..., device=cuda) would wait for every kernel queued before it)."""
-    host = torch.tensor(values, dtype=torch.int64)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
+    """An int64 index tensor on the device without a host sync (see sampler.device_tensor)."""
+    return device_tensor(values, torch.int64, device)
 
 
 @dataclass(slots=True, eq=False)
