@@ -16,19 +16,37 @@ def add_bench_parser(sub, add_engine_args) -> None:
     offline.add_argument("--output-len", default="100-1024", help="N or LOW-HIGH (uniform)")
     offline.add_argument("--temperature", type=float, default=0.6)
     offline.add_argument("--seed", type=int, default=0)
-    offline.add_argument("--compare", choices=["hf"], default=None, help="also run transformers on the same prompts")
+    offline.add_argument("--compare", choices=["hf"], default=None, help="also run transformers on a sample")
     offline.add_argument("--hf-prompts", type=int, default=64, help="how many prompts transformers runs")
-    offline.add_argument("--cluster", action="store_true", help="through the Ray/gRPC cluster instead of in-process")
+    offline.add_argument("--hf-method", choices=["auto", "generate_batch", "padded"], default="auto",
+                         help="auto: generate_batch (continuous batching) on CUDA, a padded generate on CPU")
+    offline.add_argument("--cluster", action="store_true",
+                         help="also run the workload through the Ray + gRPC cluster and print the ratio")
+    offline.add_argument("--no-roofline", action="store_true", help="skip measuring the ceiling")
     offline.add_argument("--json-out", default=None)
     offline.set_defaults(func=_run("shardserve.bench.offline"))
 
-    latency = kinds.add_parser("latency", help="bs=1 decode ms/token")
+    latency = kinds.add_parser("latency", help="decode ms/token at a small batch, against the weight-read bound")
     add_engine_args(latency)
     latency.add_argument("--input-len", type=int, default=128)
     latency.add_argument("--output-len", type=int, default=256)
     latency.add_argument("--batch-size", type=int, default=1)
+    latency.add_argument("--seed", type=int, default=0)
+    latency.add_argument("--no-roofline", action="store_true", help="skip measuring the bound")
     latency.add_argument("--json-out", default=None)
     latency.set_defaults(func=_run("shardserve.bench.latency"))
+
+    control = kinds.add_parser("control-plane", help="share of a decode step spent outside the workers")
+    add_engine_args(control)
+    control.add_argument("--num-prompts", type=int, default=64)
+    control.add_argument("--input-len", type=int, default=128)
+    control.add_argument("--output-len", type=int, default=128)
+    control.add_argument("--min-batch", type=int, default=None, help="decode steps counted (default: num-prompts)")
+    control.add_argument("--executor", choices=["cluster", "local", "both"], default="both")
+    control.add_argument("--temperature", type=float, default=0.6)
+    control.add_argument("--seed", type=int, default=0)
+    control.add_argument("--json-out", default=None)
+    control.set_defaults(func=_run("shardserve.bench.control_plane"))
 
 
 def _run(module: str):

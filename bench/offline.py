@@ -1,11 +1,13 @@
-"""`shardserve bench offline`: output tokens/s of a whole batch of random prompts, optionally against transformers."""
+"""`shardserve bench offline`: output tokens/s of a whole batch of random prompts (nano-vllm's workload by
+default), against the hardware ceiling of that very workload (bench/roofline.py), optionally against
+transformers (--compare hf) and through the Ray + gRPC cluster (--cluster)."""
 
 from __future__ import annotations
 
 import argparse
 import gc
-import time
 
+from shardserve.bench.harness import EngineRun, open_engine, run_workload, warm_up
 from shardserve.bench.record import BenchRecord, device_name
 from shardserve.bench.workload import Workload, parse_range, random_workload
 
@@ -17,91 +19,125 @@ def peak_memory_gb(device: str) -> float:
         return torch.cuda.max_memory_allocated() / 2**30
     import resource
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB; includes child-free peak
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
 
 
-def run_shardserve(llm, workload: Workload, temperature: float) -> tuple[float, int]:
-    from shardserve import SamplingParams
-
-    params = [SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True, seed=i)
-              for i, n in enumerate(workload.output_lens)]
-    llm.generate(workload.prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)  # warm-up
-    start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    produced = sum(len(o.token_ids) for o in outputs)
-    assert produced == workload.num_output_tokens, (produced, workload.num_output_tokens)
-    return elapsed, produced
-
-
-def run_hf_padded(model_dir: str, workload: Workload, temperature: float, dtype: str, device: str,
-                  load_format: str) -> tuple[float, int]:
-    """transformers' generate on the same prompts, one padded batch (left padding), fixed output length."""
+def free_device_memory() -> None:
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
 
-    torch_dtype = getattr(torch, dtype)
-    if load_format == "dummy":
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), torch_dtype=torch_dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch_dtype, local_files_only=True)
-    model = model.to(device).eval()
-    max_new = max(workload.output_lens)
-    longest = max(len(p) for p in workload.prompts)
-    pad = 0
-    ids = torch.tensor([[pad] * (longest - len(p)) + p for p in workload.prompts], device=device)
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in workload.prompts], device=device)
-    sample = dict(do_sample=temperature > 0, temperature=temperature or None, top_k=None, top_p=None)
-    with torch.inference_mode():
-        start = time.perf_counter()
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                             pad_token_id=pad, **sample)
-        elapsed = time.perf_counter() - start
-    produced = (out.shape[1] - longest) * out.shape[0]
-    del model
     gc.collect()
-    return elapsed, produced
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def run_engine(config, workload: Workload, temperature: float, seed: int, vocab: int, executor: str = "local",
+               sample: Workload | None = None) -> tuple[EngineRun, EngineRun | None, str | None, float]:
+    """Runs the workload (and the transformers sample, when given) on one engine; returns the runs, what the
+    runner captured as CUDA graphs, and this process's peak memory."""
+    bench = open_engine(config, executor)
+    try:
+        warm_up(bench, vocab)
+        run = run_workload(bench, workload, temperature, seed)
+        sample_run = None
+        if sample is not None:
+            same = sample.prompts == workload.prompts and sample.output_lens == workload.output_lens
+            sample_run = run if same else run_workload(bench, sample, temperature, seed)
+        return run, sample_run, bench.graphs, peak_memory_gb(config.device)
+    finally:
+        bench.close()
+        free_device_memory()
+
+
+def ceiling(config, workload: Workload, rates) -> dict | None:
+    """The workload's ceiling (bench/roofline.py) for this model and TP; printed with its arithmetic."""
+    from transformers import AutoConfig
+
+    from shardserve.bench.roofline import ModelShape, workload_ceiling
+
+    if rates is None:
+        return None
+    dtype_bytes = 4 if config.dtype == "float32" else 2
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(config.model), config.tensor_parallel_size, dtype_bytes)
+    result = workload_ceiling(shape, rates, [len(p) for p in workload.prompts], workload.output_lens)
+    print("ceiling arithmetic:\n  " + "\n  ".join(result["arithmetic"]))
+    return result
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    from shardserve import LLM
+    from shardserve.bench.roofline import measure_rates
+    from shardserve.config import build_engine_config, read_model_facts
 
-    llm = LLM(**engine_kwargs)
-    cfg = llm.config
-    facts_vocab = llm.engine.vocab_size
-    workload = random_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len),
-                               facts_vocab, seed=args.seed)
-    if args.compare == "hf":  # fixed output length: padded generate cannot stop rows early
-        workload.output_lens = [max(workload.output_lens)] * len(workload.prompts)
+    config = build_engine_config(**engine_kwargs)
+    vocab = read_model_facts(config.model).vocab_size
+    # The rates first: the engine takes most of the device memory once it runs.
+    rates = None if args.no_roofline else measure_rates(config.device)
+    workload = random_workload(args.num_prompts, parse_range(args.input_len), parse_range(args.output_len), vocab,
+                               seed=args.seed)
+    sample = None
+    if args.compare == "hf":  # transformers runs a sample with one fixed output length; ours runs the same sample
+        fixed = max(workload.output_lens)
+        n = min(args.hf_prompts, len(workload.prompts))
+        sample = Workload(workload.prompts[:n], [fixed] * n)
     print(f"workload: {len(workload.prompts)} prompts, {workload.num_prompt_tokens} prompt tokens, "
-          f"{workload.num_output_tokens} output tokens; device {cfg.device}, dtype {cfg.dtype}, tp {cfg.tensor_parallel_size}")
-    elapsed, produced = run_shardserve(llm, workload, args.temperature)
-    tok_s = produced / elapsed
+          f"{workload.num_output_tokens} output tokens; device {config.device}, dtype {config.dtype}, "
+          f"tp {config.tensor_parallel_size}", flush=True)
+    run, sample_run, graphs, peak = run_engine(config, workload, args.temperature, args.seed, vocab, sample=sample)
+    tok_s = run.output_tokens_per_s
+    print(f"shardserve: {run.output_tokens} tokens in {run.elapsed_s:.2f} s = {tok_s:.1f} output tok/s "
+          f"(CUDA graphs: {graphs or 'see the worker logs'})", flush=True)
     record = BenchRecord(
-        benchmark="offline", model=args.model or "SmolLM2-135M-Instruct", load_format=cfg.load_format,
-        device=device_name(cfg.device), num_gpus=cfg.tensor_parallel_size if cfg.device == "cuda" else 0,
-        tp=cfg.tensor_parallel_size, replicas=1,
+        benchmark="offline", model=args.model or "SmolLM2-135M-Instruct", load_format=config.load_format,
+        device=device_name(config.device), num_gpus=config.tensor_parallel_size if config.device == "cuda" else 0,
+        tp=config.tensor_parallel_size, replicas=1,
         workload=dict(num_prompts=len(workload.prompts), input_len=args.input_len, output_len=args.output_len,
-                      temperature=args.temperature),
+                      temperature=args.temperature, ignore_eos=True),
         output_tokens_per_s=tok_s,
-        total_tokens_per_s=(produced + workload.num_prompt_tokens) / elapsed,
+        total_tokens_per_s=(run.output_tokens + run.prompt_tokens) / run.elapsed_s,
+        peak_memory_gb=peak,
     )
-    print(f"shardserve: {produced} tokens in {elapsed:.2f} s = {tok_s:.1f} output tok/s")
-    llm.shutdown()
-    if args.compare == "hf":
-        import torch
-
-        sample = Workload(workload.prompts[: args.hf_prompts], workload.output_lens[: args.hf_prompts])
-        hf_elapsed, hf_produced = run_hf_padded(cfg.model, sample, args.temperature, cfg.dtype, cfg.device,
-                                                cfg.load_format)
-        hf_tok_s = hf_produced / hf_elapsed
-        record.ratio_vs_hf = tok_s / hf_tok_s
-        record.notes["hf_output_tokens_per_s"] = hf_tok_s
-        record.notes["hf_prompts"] = len(sample.prompts)
-        record.notes["threads"] = torch.get_num_threads()
-        print(f"transformers (padded batch of {len(sample.prompts)}): {hf_produced} tokens in {hf_elapsed:.2f} s "
-              f"= {hf_tok_s:.1f} output tok/s; shardserve / transformers = {record.ratio_vs_hf:.2f}x")
-    record.peak_memory_gb = peak_memory_gb(cfg.device)
-    print(f"peak memory: {record.peak_memory_gb:.2f} GiB")
+    record.notes.update(elapsed_s=run.elapsed_s, output_tokens=run.output_tokens, steps=len(run.step_ms),
+                        cuda_graphs=graphs, max_num_seqs=config.max_num_seqs,
+                        max_num_batched_tokens=config.max_num_batched_tokens)
+    bound = ceiling(config, workload, rates)
+    if bound is not None and bound["ceiling_output_tokens_per_s"]:
+        record.ceiling_output_tokens_per_s = bound["ceiling_output_tokens_per_s"]
+        record.notes["ceiling"] = bound
+        record.notes["fraction_of_ceiling"] = tok_s / bound["ceiling_output_tokens_per_s"]
+        print(f"fraction of the ceiling: {tok_s:.0f} / {bound['ceiling_output_tokens_per_s']:.0f} = "
+              f"{record.notes['fraction_of_ceiling']:.1%}", flush=True)
+    if args.cluster:
+        _compare_cluster(args, config, workload, vocab, tok_s, record)
+    if sample_run is not None:
+        _compare_hf(args, config, sample, sample_run, record)
     record.write(args.json_out)
     return 0
+
+
+def _compare_cluster(args, config, workload: Workload, vocab: int, local_tok_s: float, record: BenchRecord) -> None:
+    from shardserve.bench.control_plane import control_plane_share
+
+    run, _, _, _ = run_engine(config, workload, args.temperature, args.seed, vocab, executor="cluster")
+    cluster_tok_s = run.output_tokens_per_s
+    share = control_plane_share(run, min_batch=1)
+    record.control_plane_share = share["share"]
+    record.notes["cluster"] = dict(output_tokens_per_s=cluster_tok_s, ratio_to_local=cluster_tok_s / local_tok_s,
+                                   control_plane=share)
+    print(f"cluster (Ray + gRPC): {cluster_tok_s:.1f} output tok/s = {cluster_tok_s / local_tok_s:.3f}x in-process; "
+          f"control plane {share['share'] if share['share'] is not None else float('nan'):.1%} of a step", flush=True)
+
+
+def _compare_hf(args, config, sample: Workload, ours: EngineRun, record: BenchRecord) -> None:
+    from shardserve.bench.compare_hf import run_hf
+
+    hf = run_hf(config.model, sample, args.temperature, config.dtype, config.device, config.load_format,
+                method=args.hf_method)
+    ours_tok_s = ours.output_tokens_per_s
+    record.ratio_vs_hf = ours_tok_s / hf.output_tokens_per_s
+    record.notes["hf"] = hf.as_notes()
+    record.notes["hf_sample"] = dict(num_prompts=len(sample.prompts), output_len=sample.output_lens[0],
+                                     shardserve_output_tokens_per_s=ours_tok_s)
+    print(f"transformers {hf.method}: {hf.output_tokens} tokens in {hf.elapsed_s:.2f} s = "
+          f"{hf.output_tokens_per_s:.1f} output tok/s (whole call {hf.call_s:.2f} s)"
+          + (f" [{hf.fallback_reason}]" if hf.fallback_reason else ""))
+    print(f"same {len(sample.prompts)} prompts x {sample.output_lens[0]} tokens: shardserve {ours_tok_s:.1f} tok/s; "
+          f"shardserve / transformers = {record.ratio_vs_hf:.2f}x", flush=True)

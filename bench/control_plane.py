@@ -1,0 +1,87 @@
+"""`shardserve bench control-plane`: the share of each step spent outside the workers' own step, in steady-state
+decode (every request in the batch, batch >= 64 by default), through the Ray + gRPC cluster and through local
+worker processes.
+
+Per decode step: the controller's wall time of engine.step() (scheduling, plan encoding, transport, the workers,
+result decoding, bookkeeping) against the slowest worker's forward_ms (its inputs, forward and sampling, measured
+inside the worker). share = (step - forward) / step, the median over the steady-state decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from shardserve.bench.harness import EngineRun, median
+from shardserve.bench.record import BenchRecord, device_name
+from shardserve.bench.workload import random_workload
+
+
+def control_plane_share(run: EngineRun, min_batch: int) -> dict:
+    steps = run.decode_steps(min_batch)
+    shares = [(ms - t.forward_ms) / ms for ms, t in steps if ms > 0]
+    return dict(
+        share=median(shares),
+        median_step_ms=median([ms for ms, _ in steps]),
+        median_forward_ms=median([t.forward_ms for _, t in steps]),
+        decode_steps=len(steps),
+        min_batch=min_batch,
+    )
+
+
+def ray_importable() -> bool:
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    from shardserve.bench.offline import run_engine
+    from shardserve.config import build_engine_config, read_model_facts
+
+    config = build_engine_config(**engine_kwargs)
+    vocab = read_model_facts(config.model).vocab_size
+    workload = random_workload(args.num_prompts, (args.input_len, args.input_len), (args.output_len, args.output_len),
+                               vocab, seed=args.seed)
+    min_batch = args.min_batch or args.num_prompts
+    executors = ["local", "cluster"] if args.executor == "both" else [args.executor]
+    local_name = "in-process" if config.tensor_parallel_size == 1 else "local processes"
+    results: dict[str, dict] = {}
+    for executor in executors:
+        name = "cluster (Ray + gRPC)" if executor == "cluster" else local_name
+        if executor == "cluster" and not ray_importable():
+            results[executor] = dict(error="ray is not importable")
+            print(f"{name}: skipped, ray is not importable", flush=True)
+            continue
+        try:
+            run, _, graphs, _ = run_engine(config, workload, args.temperature, args.seed, vocab, executor=executor)
+        except Exception as exc:  # report and go on: the other executor may still measure
+            results[executor] = dict(error=f"{type(exc).__name__}: {exc}")
+            print(f"{name}: failed: {exc!r}", flush=True)
+            continue
+        share = control_plane_share(run, min_batch)
+        share.update(output_tokens_per_s=run.output_tokens_per_s, cuda_graphs=graphs)
+        results[executor] = share
+        if share["share"] is None:
+            print(f"{name}: no decode step with >= {min_batch} sequences", flush=True)
+        else:
+            print(f"{name}: decode step {share['median_step_ms']:.3f} ms at the controller, "
+                  f"{share['median_forward_ms']:.3f} ms in the workers -> control plane {share['share']:.1%} "
+                  f"({share['decode_steps']} steps, batch >= {min_batch}); {run.output_tokens_per_s:.0f} output tok/s",
+                  flush=True)
+    headline = next((results[e]["share"] for e in ("cluster", "local") if results.get(e, {}).get("share") is not None),
+                    None)
+    record = BenchRecord(
+        benchmark="offline", model=args.model or "SmolLM2-135M-Instruct", load_format=config.load_format,
+        device=device_name(config.device), num_gpus=config.tensor_parallel_size if config.device == "cuda" else 0,
+        tp=config.tensor_parallel_size, replicas=1,
+        workload=dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                      temperature=args.temperature, ignore_eos=True),
+        control_plane_share=headline,
+    )
+    record.notes.update(measure="control_plane", executors=results,
+                        definition="median over decode steps with batch >= min_batch of (controller step ms - "
+                                   "slowest worker forward_ms) / controller step ms; the headline is the cluster's")
+    record.write(args.json_out)
+    return 0 if headline is not None else 1

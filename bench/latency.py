@@ -1,0 +1,72 @@
+"""`shardserve bench latency`: decode ms per token at a small batch (bs=1 by default), against the weight-read
+bound: one rank's weights read once per token at the copy bandwidth measured in the same run.
+
+ms/token is the median controller-side time of a decode step (engine.step(): everything a user waits for), after
+the prefill step and a few warm-up steps; max_num_seqs is the batch size, so the CUDA graphs captured are the
+ones this batch uses.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from shardserve.bench.harness import open_engine, run_workload, warm_up
+from shardserve.bench.record import BenchRecord, Stats, device_name
+from shardserve.bench.workload import random_workload
+
+SKIPPED_DECODE_STEPS = 3  # first decode steps: allocator and caches settling
+
+
+def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    from transformers import AutoConfig
+
+    from shardserve.bench.offline import free_device_memory, peak_memory_gb
+    from shardserve.bench.roofline import ModelShape, measure_rates, weight_read_bound_ms
+    from shardserve.config import build_engine_config, read_model_facts
+
+    engine_kwargs = dict(engine_kwargs)
+    if engine_kwargs.get("max_num_seqs") is None:
+        engine_kwargs["max_num_seqs"] = args.batch_size
+    config = build_engine_config(**engine_kwargs)
+    vocab = read_model_facts(config.model).vocab_size
+    rates = None if args.no_roofline else measure_rates(config.device)  # before the engine takes the memory
+    workload = random_workload(args.batch_size, (args.input_len, args.input_len), (args.output_len, args.output_len),
+                               vocab, seed=args.seed)
+    bench = open_engine(config, "local")
+    try:
+        warm_up(bench, vocab, batch=args.batch_size)
+        run = run_workload(bench, workload, temperature=0.0, seed=args.seed)
+        graphs, peak = bench.graphs, peak_memory_gb(config.device)
+    finally:
+        bench.close()
+        free_device_memory()
+    decode = [ms for ms, _ in run.decode_steps(min_batch=args.batch_size)][SKIPPED_DECODE_STEPS:]
+    if not decode:
+        raise ValueError(f"no decode steps to time: raise --output-len above {SKIPPED_DECODE_STEPS + 1}")
+    stats = Stats.of(decode)
+    ms_per_step = stats.p50
+    print(f"decode at batch {args.batch_size}: median {ms_per_step:.3f} ms per step over {len(decode)} steps "
+          f"(tp {config.tensor_parallel_size}, CUDA graphs: {graphs or 'see the worker logs'})", flush=True)
+    record = BenchRecord(
+        benchmark="latency", model=args.model or "SmolLM2-135M-Instruct", load_format=config.load_format,
+        device=device_name(config.device), num_gpus=config.tensor_parallel_size if config.device == "cuda" else 0,
+        tp=config.tensor_parallel_size, replicas=1,
+        workload=dict(num_prompts=args.batch_size, input_len=args.input_len, output_len=args.output_len,
+                      concurrency=args.batch_size),
+        ms_per_token=ms_per_step, tpot_ms=stats, peak_memory_gb=peak,
+        output_tokens_per_s=args.batch_size * 1e3 / ms_per_step,
+    )
+    record.notes.update(cuda_graphs=graphs, decode_steps_timed=len(decode), enforce_eager=config.enforce_eager,
+                        mean_ms=sum(decode) / len(decode))
+    if rates is not None:
+        dtype_bytes = 4 if config.dtype == "float32" else 2
+        shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(config.model), config.tensor_parallel_size,
+                                          dtype_bytes)
+        bound = weight_read_bound_ms(shape, rates)
+        record.notes.update(weight_read_bound_ms=bound, weight_bytes_per_rank=shape.decode_weight_bytes,
+                            rates=rates.__dict__, bound_fraction=bound / ms_per_step)
+        print(f"weight-read bound: {shape.decode_weight_bytes / 1e9:.3f} GB per rank / "
+              f"{rates.copy_bytes_per_s / 1e12:.2f} TB/s = {bound:.3f} ms; measured {ms_per_step:.3f} ms "
+              f"= {ms_per_step / bound:.2f}x the bound", flush=True)
+    record.write(args.json_out)
+    return 0

@@ -1,0 +1,182 @@
+"""The hardware ceiling of a benchmark: bytes a step must read over the measured copy bandwidth, FLOPs over the
+measured matmul rate, whichever is slower, summed over the steps of the actual workload.
+
+Rates are measured in the same run (measure_rates): a large device-to-device copy (bandwidth counts bytes read +
+written, as copy benchmarks do) and a bf16 n^3 matmul. Per rank and per step:
+  memory time  = (weights read + KV read) / copy bandwidth
+  compute time = (2 x linear parameters x tokens + attention FLOPs) / matmul rate
+The ideal schedule holds every unfinished sequence in the batch (the workload's KV fits an H200 at once): decode
+step k holds the sequences with more than k output tokens, each reading its context (prompt + k tokens) of K and
+V. Prefill is compute (its weight reads are amortised over thousands of tokens), and a scheduler that mixes prefill
+chunks into decode steps hides it in the compute slack of memory-bound steps: the ceiling's time is the sum of the
+decode steps' max(memory, compute) plus whatever prefill compute exceeds that slack. The ceiling is output tokens
+over that time; the arithmetic also shows the serial schedule (all prefill first).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class DeviceRates:
+    device: str
+    copy_bytes_per_s: float  # (read + written) bytes per second of a large device-to-device copy
+    matmul_flops_per_s: float  # bf16 (fp32 on CPU) n^3 matmul
+    copy_bytes: int  # size of the copied tensor
+    matmul_n: int
+
+    def describe(self) -> str:
+        return (f"measured on {self.device}: copy {self.copy_bytes_per_s / 1e12:.2f} TB/s (read+write, "
+                f"{self.copy_bytes / 2**30:.2f} GiB tensor), matmul {self.matmul_flops_per_s / 1e12:.1f} TFLOP/s "
+                f"({self.matmul_n}^3)")
+
+
+def _time_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median ms of fn over repeats (after one warm-up), CUDA events on the GPU."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def measure_rates(device: str = "cuda", copy_bytes: int | None = None, matmul_n: int | None = None,
+                  repeats: int = 10) -> DeviceRates:
+    """Copy bandwidth and matmul rate of this device (defaults: 2 GiB and 8192^3 bf16 on CUDA; small on CPU)."""
+    dev = torch.device(device if device != "cuda" else f"cuda:{torch.cuda.current_device()}")
+    on_gpu = dev.type == "cuda"
+    copy_bytes = copy_bytes or (2 << 30 if on_gpu else 64 << 20)
+    matmul_n = matmul_n or (8192 if on_gpu else 512)
+    dtype = torch.bfloat16 if on_gpu else torch.float32
+    src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device=dev)
+    dst = torch.empty_like(src)
+    copy_ms = _time_ms(lambda: dst.copy_(src), dev, repeats)
+    del src, dst
+    a = torch.randn(matmul_n, matmul_n, dtype=dtype, device=dev)
+    b = torch.randn(matmul_n, matmul_n, dtype=dtype, device=dev)
+    matmul_ms = _time_ms(lambda: torch.mm(a, b), dev, repeats)
+    del a, b
+    if on_gpu:
+        torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
+    return DeviceRates(name, 2 * copy_bytes / (copy_ms / 1e3), 2 * matmul_n**3 / (matmul_ms / 1e3), copy_bytes, matmul_n)
+
+
+@dataclass
+class ModelShape:
+    """One rank's share of a Llama/Qwen-style decoder, enough to count bytes and FLOPs."""
+
+    num_layers: int
+    hidden: int
+    heads: int  # per rank
+    kv_heads: int  # per rank (replicated when tp > KV heads)
+    head_dim: int
+    intermediate: int  # per rank
+    vocab_rows: int  # LM head rows per rank
+    dtype_bytes: int
+    tp: int
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any, tp: int = 1, dtype_bytes: int = 2) -> "ModelShape":
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        kv = cfg.num_key_value_heads
+        return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads // tp, max(1, kv // tp), head_dim,
+                   cfg.intermediate_size // tp, -(-cfg.vocab_size // tp), dtype_bytes, tp)
+
+    @property
+    def linear_params_per_layer(self) -> int:
+        qkv = self.hidden * (self.heads + 2 * self.kv_heads) * self.head_dim
+        out = self.heads * self.head_dim * self.hidden
+        mlp = 3 * self.hidden * self.intermediate
+        return qkv + out + mlp
+
+    @property
+    def lm_head_params(self) -> int:
+        return self.vocab_rows * self.hidden
+
+    @property
+    def decode_weight_bytes(self) -> int:
+        """Bytes of weights one decode step reads on one rank: every linear layer, norms and the LM head (the
+        embedding reads only the batch's rows)."""
+        norms = self.num_layers * (2 * self.hidden + 2 * self.head_dim) + self.hidden
+        return (self.num_layers * self.linear_params_per_layer + self.lm_head_params + norms) * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V of one token, every layer, on one rank."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype_bytes
+
+    def attention_flops(self, query_tokens: float, key_reads: float) -> float:
+        """QK^T and PV: 2 FLOPs per multiply-add, 2 products per (query head, key) pair, per layer."""
+        del query_tokens
+        return 4.0 * self.num_layers * self.heads * self.head_dim * key_reads
+
+
+def workload_ceiling(shape: ModelShape, rates: DeviceRates, input_lens: list[int], output_lens: list[int]) -> dict:
+    """The ideal schedule of the module doc over this workload; returns the numbers and the arithmetic as text."""
+    import numpy as np
+
+    inputs = np.asarray(input_lens, dtype=np.float64)
+    outputs = np.asarray(output_lens, dtype=np.float64)
+    bw, rate = rates.copy_bytes_per_s, rates.matmul_flops_per_s
+    # Prefill: every prompt token through the linear layers, causal attention (sum of L(L+1)/2 keys), and one
+    # LM-head row per prompt (its first output token).
+    prefill_flops = (2.0 * shape.num_layers * shape.linear_params_per_layer * inputs.sum()
+                     + 2.0 * shape.lm_head_params * len(inputs)
+                     + shape.attention_flops(inputs.sum(), (inputs * (inputs + 1) / 2).sum()))
+    prefill_s = prefill_flops / rate
+    decode_memory_s = decode_compute_s = decode_s = 0.0
+    steps = int(outputs.max()) - 1 if len(outputs) else 0
+    weight_s = shape.decode_weight_bytes / bw
+    flops_per_token = 2.0 * (shape.num_layers * shape.linear_params_per_layer + shape.lm_head_params)
+    for k in range(1, steps + 1):
+        active = outputs > k
+        batch = int(active.sum())
+        context = (inputs[active] + k).sum()
+        memory = weight_s + context * shape.kv_bytes_per_token / bw
+        compute = (batch * flops_per_token + shape.attention_flops(batch, context)) / rate
+        decode_memory_s += memory
+        decode_compute_s += compute
+        decode_s += max(memory, compute)
+    slack_s = decode_s - decode_compute_s if decode_s > 0 else 0.0  # compute idle time inside the decode steps
+    total_s = decode_s + max(0.0, prefill_s - slack_s)
+    serial_s = prefill_s + decode_s
+    out_tokens = float(outputs.sum())
+    ceiling = out_tokens / total_s if total_s > 0 else None
+    lines = [
+        rates.describe(),
+        f"per rank (tp={shape.tp}): weights read per decode step {shape.decode_weight_bytes / 1e9:.3f} GB "
+        f"-> {weight_s * 1e3:.3f} ms; KV per token {shape.kv_bytes_per_token / 1024:.1f} KiB",
+        f"prefill: {inputs.sum():.0f} prompt tokens, {prefill_flops / 1e12:.1f} TFLOP -> {prefill_s:.3f} s",
+        f"decode: {steps} steps (batch {len(outputs)} -> 1), memory {decode_memory_s:.3f} s, compute "
+        f"{decode_compute_s:.3f} s, sum of per-step max {decode_s:.3f} s",
+        f"prefill hidden in the {slack_s:.3f} s of compute slack of memory-bound decode steps: "
+        f"{max(0.0, prefill_s - slack_s):.3f} s left over",
+        f"ceiling: {out_tokens:.0f} output tokens / {total_s:.3f} s = {ceiling or 0:.0f} output tok/s "
+        f"(all prefill first instead: {out_tokens / serial_s if serial_s else 0:.0f})",
+    ]
+    return dict(
+        ceiling_output_tokens_per_s=ceiling, time_s=total_s, prefill_s=prefill_s, decode_s=decode_s, decode_memory_s=decode_memory_s,
+        decode_compute_s=decode_compute_s, decode_steps=steps, weight_bytes_per_step=shape.decode_weight_bytes,
+        kv_bytes_per_token=shape.kv_bytes_per_token, rates=asdict(rates), arithmetic=lines,
+    )
+
+
+def weight_read_bound_ms(shape: ModelShape, rates: DeviceRates) -> float:
+    """bs=1 decode cannot beat reading one rank's weights once per token."""
+    return shape.decode_weight_bytes / rates.copy_bytes_per_s * 1e3
