@@ -37,7 +37,8 @@ def _free_port() -> int:
 
 
 def _worker_main(rank: int, config: EngineConfig, init_method: str, conn: Connection) -> None:
-    """One rank: join the group, build the runner, then serve ("allocate", n), ("step", plan), ("shutdown", None)."""
+    """One rank: join the group, build the runner, then serve ("allocate", n), ("step", plan), ("shutdown", None).
+    Steps are answered in order, each once the next one is launched or nothing else is waiting."""
     import torch
 
     from shardserve.worker.distributed import destroy_distributed, init_distributed
@@ -53,12 +54,27 @@ def _worker_main(rank: int, config: EngineConfig, init_method: str, conn: Connec
         init_distributed(rank, tp, init_method, backend, config.dist_timeout_s)
         runner = ModelRunner(config, rank)
         conn.send(("ok", runner.profile_num_blocks()))
+        launched: deque = deque()  # steps queued on the device, not answered yet (at most two)
+
+        def answer_oldest() -> None:
+            result = runner.finish_step(launched.popleft())
+            conn.send(("ok", result if rank == 0 else result.step_id))
+
         while True:
+            # With the next plan already here, launch it before answering the previous one (the device stays
+            # busy while this rank waits for and sends the older result); otherwise answer now.
+            if launched and not conn.poll(0):
+                answer_oldest()
+                continue
             kind, payload = conn.recv()
             if kind == "step":
-                result = runner.execute(payload)
-                conn.send(("ok", result if rank == 0 else result.step_id))
-            elif kind == "allocate":
+                launched.append(runner.launch_step(payload))
+                if len(launched) > 1:
+                    answer_oldest()
+                continue
+            while launched:
+                answer_oldest()
+            if kind == "allocate":
                 runner.allocate_kv_cache(payload)
                 conn.send(("ok", None))
             elif kind == "shutdown":
