@@ -101,8 +101,9 @@ def _generate_batch(model, workload: Workload, temperature: float) -> HFRun:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     start = time.perf_counter()
-    with torch.inference_mode():
-        outputs = model.generate_batch([list(p) for p in workload.prompts], generation_config=config)
+    # No inference_mode here: generate_batch fills its cache from a background thread, where tensors made in
+    # inference mode may not be updated in place. It runs under no_grad itself.
+    outputs = model.generate_batch([list(p) for p in workload.prompts], generation_config=config)
     call_s = time.perf_counter() - start
     results = list(outputs.values())
     errors = [r.error for r in results if getattr(r, "error", None)]
@@ -128,9 +129,8 @@ def _generate_padded(model, workload: Workload, temperature: float) -> HFRun:
     ids = torch.tensor([[0] * (longest - len(p)) + list(p) for p in workload.prompts], device=device)
     mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in workload.prompts], device=device)
     start = time.perf_counter()
-    with torch.inference_mode():
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
-                             pad_token_id=0, **_sampling(temperature))
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                         pad_token_id=0, **_sampling(temperature))
     if device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start

@@ -55,6 +55,18 @@ def _time_ms(fn, device: torch.device, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _time_copy(nbytes: int, device: torch.device, repeats: int) -> float:
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
+    dst = torch.empty_like(src)
+    return _time_ms(lambda: dst.copy_(src), device, repeats)
+
+
+def _time_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+    return _time_ms(lambda: torch.mm(a, b), device, repeats)
+
+
 def measure_rates(device: str = "cuda", copy_bytes: int | None = None, matmul_n: int | None = None,
                   repeats: int = 10) -> DeviceRates:
     """Copy bandwidth and matmul rate of this device (defaults: 2 GiB and 8192^3 bf16 on CUDA; small on CPU)."""
@@ -63,16 +75,10 @@ def measure_rates(device: str = "cuda", copy_bytes: int | None = None, matmul_n:
     copy_bytes = copy_bytes or (2 << 30 if on_gpu else 64 << 20)
     matmul_n = matmul_n or (8192 if on_gpu else 512)
     dtype = torch.bfloat16 if on_gpu else torch.float32
-    src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device=dev)
-    dst = torch.empty_like(src)
-    copy_ms = _time_ms(lambda: dst.copy_(src), dev, repeats)
-    del src, dst
-    a = torch.randn(matmul_n, matmul_n, dtype=dtype, device=dev)
-    b = torch.randn(matmul_n, matmul_n, dtype=dtype, device=dev)
-    matmul_ms = _time_ms(lambda: torch.mm(a, b), dev, repeats)
-    del a, b
+    copy_ms = _time_copy(copy_bytes, dev, repeats)
+    matmul_ms = _time_matmul(matmul_n, dtype, dev, repeats)
     if on_gpu:
-        torch.cuda.empty_cache()
+        torch.cuda.empty_cache()  # the engine measures free memory next
     name = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
     return DeviceRates(name, 2 * copy_bytes / (copy_ms / 1e3), 2 * matmul_n**3 / (matmul_ms / 1e3), copy_bytes, matmul_n)
 

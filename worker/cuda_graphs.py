@@ -19,10 +19,10 @@ Attention: only the Triton backend is graph-safe here. Its decode kernel compute
 from seq_lens, so a split count fixed per captured size (chosen for max_model_len) is correct for any length.
 
 Memory: all graphs share one pool, captured largest first so the smaller ones reuse its blocks. The KV cache is
-sized before capture, so ModelRunner.profile_num_blocks asks measure_graph_memory() for a reserve: a dry run that
-captures the largest and the smallest size on a one-block scratch cache and reads free device memory
-(torch.cuda.mem_get_info) before and after each; reserve = largest + (number of sizes - 1) * smallest + 10 % of
-the largest. After the real capture the memory taken is measured again and printed next to the reserve.
+sized before capture, so ModelRunner.profile_num_blocks asks measure_graph_memory() for a reserve: a dry run on a
+one-block scratch cache captures the largest size, then a few graphs of the smallest, reading free device memory
+(torch.cuda.mem_get_info) before and after; reserve = largest + (number of sizes - 1) * one smallest + 10 % of the
+largest. After the real capture the memory taken is measured again and printed next to the reserve.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
 from shardserve.proto.config import EngineConfig
 
 MAX_GRAPH_BATCH_SIZE = 512  # a larger max_num_seqs still runs: bigger decode batches go eager
+PROBE_COPIES = 4  # graphs of the smallest size the memory dry run captures to measure one graph's cost
 
 
 def graph_batch_sizes(max_num_seqs: int, cap: int = MAX_GRAPH_BATCH_SIZE) -> list[int]:
@@ -159,37 +160,44 @@ class DecodeGraphRunner:
         return self.model(ids, positions, self.kv_caches, meta)
 
     def capture(self, sizes: list[int] | None = None) -> None:
-        """Captures the given sizes (default: all), largest first, into the shared pool. No-op without graphs."""
+        """Captures the given sizes (default: all), largest first, into the shared pool. No-op without graphs.
+        Capturing a size again replaces its graph; probe() keeps extra copies (for measuring only)."""
         if not self.use_cuda_graphs:
             return
-        sizes = sorted(sizes or self.batch_sizes, reverse=True)
+        gc.collect()  # once: the captures below skip torch.cuda.graph's own collect
+        for padded in sorted(sizes or self.batch_sizes, reverse=True):
+            self._graphs[padded], self._outputs[padded] = self._capture_measured(padded)
+
+    def probe(self, padded: int, copies: int) -> list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+        """Captures `copies` more graphs of one size and returns them (the caller keeps them alive while it reads
+        the memory they take; dropping them frees it)."""
+        gc.collect()
+        return [self._capture_measured(padded) for _ in range(copies)]
+
+    def _capture_measured(self, padded: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
         torch.cuda.synchronize(self.device)
-        gc.collect()  # once, here: torch.cuda.graph would collect (and empty the cache) before every capture
         free_before = torch.cuda.mem_get_info(self.device)[0]
         started = time.perf_counter()
+        # torch.cuda.graph would garbage-collect and empty the cache before every capture (seconds over 35
+        # sizes); the caller collected once before the first.
         with mock.patch("gc.collect", lambda *args, **kwargs: 0), mock.patch("torch.cuda.empty_cache", lambda: None):
-            for padded in sizes:
-                self._capture_one(padded)
+            with self._fixed_splits(padded), torch.cuda.stream(self._stream):
+                # Warm-up on the capture stream: compiles the Triton kernels of this size and creates cuBLAS and
+                # NCCL state before capture, where neither may happen.
+                self._forward(padded)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with self._fixed_splits(padded):
+                # thread_local: NCCL's watchdog thread queries events during capture; only this thread is checked.
+                with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
+                    output = self._forward(padded)
         torch.cuda.synchronize(self.device)
         self.capture_s += time.perf_counter() - started
         self.memory_bytes += free_before - torch.cuda.mem_get_info(self.device)[0]
-
-    def _capture_one(self, padded: int) -> None:
-        with self._fixed_splits(padded), torch.cuda.stream(self._stream):
-            # Warm-up on the capture stream: compiles the Triton kernels of this size and creates cuBLAS and
-            # NCCL state before capture, where neither may happen.
-            self._forward(padded)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        with self._fixed_splits(padded):
-            # thread_local: NCCL's watchdog thread queries events during capture; only this thread is checked.
-            with torch.cuda.graph(graph, pool=self._pool, stream=self._stream, capture_error_mode="thread_local"):
-                output = self._forward(padded)
-        self._graphs[padded] = graph
-        self._outputs[padded] = output
+        return graph, output
 
     # ---- replay --------------------------------------------------------------------------------------------
     def run(
@@ -247,13 +255,14 @@ def capture_decode_graphs(
 ) -> DecodeGraphRunner | None:
     """Captures every size over the allocated cache; on any failure prints a warning and returns None (eager)."""
     sizes = graph_batch_sizes(config.max_num_seqs)
-    runner = DecodeGraphRunner(model, kv_caches, backend, sizes, config.block_size, config.max_model_len, device)
+    runner = None
     try:
+        runner = DecodeGraphRunner(model, kv_caches, backend, sizes, config.block_size, config.max_model_len, device)
         with torch.inference_mode():
             runner.capture()
     except Exception as exc:  # a capture failure must cost speed, never the engine
         _say(f"WARNING: CUDA graph capture failed ({type(exc).__name__}: {exc}); decode steps run eagerly")
-        del runner
+        runner = None
         _release_memory()
         return None
     reserve = f", reserved {reserved_bytes / 2**20:.0f} MiB" if reserved_bytes is not None else ""
@@ -303,22 +312,26 @@ def measure_graph_memory(
 
     sizes = graph_batch_sizes(config.max_num_seqs)
     scratch = allocate_kv_cache(model, 1, config.block_size, dtype, device)
+    gc.collect()
     torch.cuda.synchronize(device)
     free_start = torch.cuda.mem_get_info(device)[0]
     runner = DecodeGraphRunner(model, scratch, backend, sizes, config.block_size, config.max_model_len, device)
+    probes: list = []
     try:
         with torch.inference_mode():
             runner.capture([sizes[-1]])
             after_largest = torch.cuda.mem_get_info(device)[0]
-            each_smaller = 0
-            if len(sizes) > 1:
-                runner.capture([sizes[0]])
-                each_smaller = max(0, after_largest - torch.cuda.mem_get_info(device)[0])
+            # Every other size adds its own graph (and maybe pool growth): measured over a few copies of the
+            # smallest, so the driver's allocation granularity averages out.
+            copies = min(PROBE_COPIES, len(sizes) - 1)
+            if copies:
+                probes = runner.probe(sizes[0], copies)
+            each_other = max(0, after_largest - torch.cuda.mem_get_info(device)[0]) // max(copies, 1)
     finally:
-        del runner, scratch
+        del runner, scratch, probes
         _release_memory()
     largest = max(0, free_start - after_largest)
-    return largest + (len(sizes) - 1) * each_smaller + largest // 10
+    return largest + (len(sizes) - 1) * each_other + largest // 10
 
 
 def _release_memory() -> None:
