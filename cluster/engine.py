@@ -81,7 +81,8 @@ class Engine:
         wanted = config.async_scheduling if config.async_scheduling is not None else config.device == "cuda"
         can = callable(getattr(executor, "submit", None)) and callable(getattr(executor, "collect", None))
         if wanted and not can and config.async_scheduling:
-            raise ValueError(f"async_scheduling needs an executor with submit/collect; {type(executor).__name__} has none")
+            name = type(executor).__name__
+            raise ValueError(f"async_scheduling needs an executor with submit/collect; {name} has none")
         return wanted and can
 
     # ---- requests ------------------------------------------------------------------------------------------

@@ -156,7 +156,8 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
             r.extend([i] * len(spec.stop_token_ids))
             c.extend(spec.stop_token_ids)
     if r:
-        logits[device_tensor(r, torch.int64, logits.device), device_tensor(c, torch.int64, logits.device)] = float("-inf")
+        device = logits.device
+        logits[device_tensor(r, torch.int64, device), device_tensor(c, torch.int64, device)] = float("-inf")
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
@@ -206,7 +207,9 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.argmax(probs / exponential, dim=1)
 
 
-def token_logprobs(raw_logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+def token_logprobs(
+    raw_logits: torch.Tensor, rows: list[SamplingRow], tokens: torch.Tensor
+) -> list[TokenLogprobs | None]:
     """The sampled tokens' logprobs and the top N of each row that asked (None elsewhere). Reads back to the host."""
     wanted = [i for i, r in enumerate(rows) if r.spec.logprobs >= 0]
     out: list[TokenLogprobs | None] = [None] * len(rows)

@@ -51,7 +51,9 @@ class StepInFlight:
     _logprob_inputs: tuple[torch.Tensor, list[SamplingRow]] | None = None  # raw logits and rows, when asked
     _values: list[int] | None = None
 
-    def hold(self, tokens: torch.Tensor, states: list["_TokenState"], logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    def hold(
+        self, tokens: torch.Tensor, states: list["_TokenState"], logits: torch.Tensor, rows: list[SamplingRow]
+    ) -> None:
         """Appends a placeholder per sampled token and queues the copy to the host (called at launch)."""
         self.tokens = tokens
         self._states = states

@@ -161,5 +161,6 @@ def test_explicit_async_scheduling_needs_submit_and_collect():
     cfg = EngineConfig(model="fake", block_size=BS, async_scheduling=True)
     with pytest.raises(ValueError, match="submit/collect"):
         Engine(cfg, FakeExecutor(8, BS, VOCAB), vocab_size=VOCAB)
-    auto = Engine(EngineConfig(model="fake", block_size=BS, device="cuda"), FakeExecutor(8, BS, VOCAB), vocab_size=VOCAB)
+    cuda = EngineConfig(model="fake", block_size=BS, device="cuda")
+    auto = Engine(cuda, FakeExecutor(8, BS, VOCAB), vocab_size=VOCAB)
     assert not auto.async_scheduling  # the default falls back to one step at a time
