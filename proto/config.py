@@ -23,6 +23,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device the process may use in all
     attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash-attn"
     enforce_eager: bool = False  # CUDA: no CUDA graphs
+    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None = on for CUDA, off for CPU
     seed: int = 0  # dummy weights' seed
     dist_timeout_s: float = 60.0  # torch.distributed timeout: never the 30-minute default
 
