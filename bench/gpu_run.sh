@@ -35,7 +35,7 @@ elapsed() { echo $(( $(date +%s) - START )); }
 
 # ---- setup ------------------------------------------------------------------------------------------------------
 setup() {
-  if compgen -G ".whl/*.whl" > /dev/null; then
+  if [ "$SMOKE" != 1 ] && compgen -G ".whl/*.whl" > /dev/null; then
     $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> "$LOG" 2>&1 \
       && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} && say "wheels from .whl/ installed in /tmp/site"
   fi
@@ -95,12 +95,13 @@ EOF
 declare -A RC DT PIDS STARTED
 ORDER=()
 
-# start_step NAME LIMIT_S GPUS CMD...: runs CMD in the background (GPUS: CUDA_VISIBLE_DEVICES, "all" = unchanged)
+# start_step NAME LIMIT_S MIN_S GPUS CMD...: runs CMD in the background, if at least MIN_S of the budget is left
+# (GPUS: CUDA_VISIBLE_DEVICES for the step, "all" = unchanged)
 start_step() {
-  local name=$1 limit=$2 gpus=$3; shift 3
+  local name=$1 limit=$2 min=$3 gpus=$4; shift 4
   ORDER+=("$name")
   local left=$(( BUDGET_S - $(elapsed) ))
-  if (( left < 25 )); then RC[$name]=skipped; DT[$name]=0; say "$name: skipped (budget spent)"; return; fi
+  if (( left < min )); then RC[$name]=skipped; DT[$name]=0; say "$name: skipped (${left}s of the budget left)"; return; fi
   (( limit > left )) && limit=$left
   say "$name: start (limit ${limit}s, GPUs $gpus): $*"
   STARTED[$name]=$(date +%s)
@@ -146,7 +147,7 @@ make_tiny_model('$WORK/big', 'llama', num_heads=4, num_kv_heads=2)" >> "$LOG" 2>
 else
   SMALL=qwen3-0.6b; BIG=llama-3-8b
   DEV="--device cuda --load-format dummy"
-  N_SMALL=256; N_BIG=${N_BIG:-128}; N_HF=32; N_CP=64; LENS="100-1024"; OLENS="100-1024"; HF_OUT=256
+  N_SMALL=256; N_BIG=${N_BIG:-256}; N_HF=32; N_CP=64; LENS="100-1024"; OLENS="100-1024"; HF_OUT=256
   LAT_IN=128; LAT_OUT=256; CP_OUT=64; CP_IN=128
   MML_OFF=2048; MML_LAT=1024  # the workload's longest sequence is 1024 + 1024
 fi
@@ -156,34 +157,34 @@ ORDER+=(gpu_tests)
 STARTED[gpu_tests]=$(date +%s)
 say "gpu_tests: start"
 if command -v make > /dev/null; then
-  timeout -k 15 130 make test-gpu PY="$PY" SETUP= PYTEST_ARGS="-rfEs --durations=15" > "$OUT/gpu_tests.txt" 2>&1
+  timeout -k 15 120 make test-gpu PY="$PY" SETUP= PYTEST_ARGS="-rfEs --durations=15" > "$OUT/gpu_tests.txt" 2>&1
 else
-  timeout -k 15 130 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfEs --durations=15 > "$OUT/gpu_tests.txt" 2>&1
+  timeout -k 15 120 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu -rfEs --durations=15 > "$OUT/gpu_tests.txt" 2>&1
 fi
 RC[gpu_tests]=$?; DT[gpu_tests]=$(( $(date +%s) - STARTED[gpu_tests] ))
 say "gpu_tests: exit ${RC[gpu_tests]} after ${DT[gpu_tests]}s ($(tail -1 "$OUT/gpu_tests.txt"))"
 
 # (b) offline Qwen3-0.6B, nano-vllm's workload [GPU 0]  ||  (c) latency Llama-3-8B TP=1 [GPU 1]
-start_step offline_qwen3 120 0 $(bench offline_qwen3 offline --model $SMALL $DEV --num-prompts $N_SMALL \
+start_step offline_qwen3 120 40 0 $(bench offline_qwen3 offline --model $SMALL $DEV --num-prompts $N_SMALL \
   --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF)
-start_step latency_llama8b_tp1 90 1 $(bench latency_llama8b_tp1 latency --model $BIG $DEV --tp 1 \
+start_step latency_llama8b_tp1 90 30 1 $(bench latency_llama8b_tp1 latency --model $BIG $DEV --tp 1 \
   --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT)
 finish_step offline_qwen3; finish_step latency_llama8b_tp1
 
 # (d) latency Llama-3-8B TP=2 [both GPUs]
-start_step latency_llama8b_tp2 90 all $(bench latency_llama8b_tp2 latency --model $BIG $DEV --tp 2 \
+start_step latency_llama8b_tp2 90 35 all $(bench latency_llama8b_tp2 latency --model $BIG $DEV --tp 2 \
   --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT)
 finish_step latency_llama8b_tp2
 
 # (e) offline Llama-3-8B [GPU 0]  ||  (f) transformers' continuous batching vs ours on Qwen3-0.6B [GPU 1]
-start_step offline_llama8b 120 0 $(bench offline_llama8b offline --model $BIG $DEV --num-prompts $N_BIG \
+start_step offline_llama8b 120 45 0 $(bench offline_llama8b offline --model $BIG $DEV --num-prompts $N_BIG \
   --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF)
-start_step compare_hf_qwen3 120 1 $(bench compare_hf_qwen3 offline --model $SMALL $DEV --num-prompts $N_HF \
+start_step compare_hf_qwen3 120 45 1 $(bench compare_hf_qwen3 offline --model $SMALL $DEV --num-prompts $N_HF \
   --input-len $LENS --output-len $HF_OUT --max-model-len $MML_OFF --compare hf --hf-prompts $N_HF --no-roofline)
 finish_step offline_llama8b; finish_step compare_hf_qwen3
 
-# (g) control plane at TP=2, steady-state decode at batch 64: local processes, then the Ray + gRPC cluster
-start_step control_plane_tp2 150 all $(bench control_plane_tp2 control-plane --model $BIG $DEV --tp 2 \
+# (g) control plane at TP=2, steady-state decode at batch 64: the Ray + gRPC cluster, then local processes
+start_step control_plane_tp2 150 60 all $(bench control_plane_tp2 control-plane --model $BIG $DEV --tp 2 \
   --num-prompts $N_CP --input-len $CP_IN --output-len $CP_OUT --max-model-len $MML_LAT --max-num-seqs $N_CP \
   --executor both)
 finish_step control_plane_tp2
@@ -209,6 +210,8 @@ for line in open(sys.argv[1]):
         parts.append(f"{r['ms_per_token']:.3f} ms/token, bound {fmt(n.get('weight_read_bound_ms'), '.3f')} ms")
     if r.get("ratio_vs_hf") is not None:
         parts.append(f"{r['ratio_vs_hf']:.1f}x transformers ({n['hf']['method']}: {n['hf']['output_tokens_per_s']:.0f} tok/s)")
+    if n.get("cluster_to_local_throughput"):
+        parts.append(f"cluster/local throughput {n['cluster_to_local_throughput']:.3f}x")
     if r.get("control_plane_share") is not None or "executors" in n:
         for name, e in n.get("executors", {}).items():
             parts.append(f"{name}: control plane {fmt(e.get('share'), '.1%')} "

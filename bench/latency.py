@@ -36,7 +36,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     try:
         warm_up(bench, vocab, batch=args.batch_size)
         run = run_workload(bench, workload, temperature=0.0, seed=args.seed)
-        graphs, peak = bench.graphs, peak_memory_gb(config.device)
+        graphs, peak = bench.graphs, peak_memory_gb(config.device, config.tensor_parallel_size)
     finally:
         bench.close()
         free_device_memory()

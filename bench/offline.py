@@ -12,11 +12,12 @@ from shardserve.bench.record import BenchRecord, device_name
 from shardserve.bench.workload import Workload, parse_range, random_workload
 
 
-def peak_memory_gb(device: str) -> float:
+def peak_memory_gb(device: str, tp: int = 1) -> float | None:
+    """This process's peak: the engine's at TP=1 (in-process); None on CUDA at TP>1 (the ranks are other processes)."""
     if device == "cuda":
         import torch
 
-        return torch.cuda.max_memory_allocated() / 2**30
+        return torch.cuda.max_memory_allocated() / 2**30 if tp == 1 else None
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
@@ -42,7 +43,7 @@ def run_engine(config, workload: Workload, temperature: float, seed: int, vocab:
         if sample is not None:
             same = sample.prompts == workload.prompts and sample.output_lens == workload.output_lens
             sample_run = run if same else run_workload(bench, sample, temperature, seed)
-        return run, sample_run, bench.graphs, peak_memory_gb(config.device)
+        return run, sample_run, bench.graphs, peak_memory_gb(config.device, config.tensor_parallel_size)
     finally:
         bench.close()
         free_device_memory()
@@ -105,11 +106,13 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         record.notes["fraction_of_ceiling"] = tok_s / bound["ceiling_output_tokens_per_s"]
         print(f"fraction of the ceiling: {tok_s:.0f} / {bound['ceiling_output_tokens_per_s']:.0f} = "
               f"{record.notes['fraction_of_ceiling']:.1%}", flush=True)
+    record.write(args.json_out)  # kept if a comparison below fails or hangs
     if args.cluster:
         _compare_cluster(args, config, workload, vocab, tok_s, record)
+        record.write(args.json_out)
     if sample_run is not None:
         _compare_hf(args, config, sample, sample_run, record)
-    record.write(args.json_out)
+        record.write(args.json_out)
     return 0
 
 

@@ -79,6 +79,7 @@ def measure_rates(device: str = "cuda", copy_bytes: int | None = None, matmul_n:
     matmul_ms = _time_matmul(matmul_n, dtype, dev, repeats)
     if on_gpu:
         torch.cuda.empty_cache()  # the engine measures free memory next
+        torch.cuda.reset_peak_memory_stats(dev)  # and the benchmark's peak memory is the engine's
     name = torch.cuda.get_device_name(dev) if on_gpu else "cpu"
     return DeviceRates(name, 2 * copy_bytes / (copy_ms / 1e3), 2 * matmul_n**3 / (matmul_ms / 1e3), copy_bytes, matmul_n)
 
