@@ -28,6 +28,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0  # Ray on loopback only
 export TRITON_INTERPRET=${TRITON_INTERPRET:-0}  # compiled kernels (tests/conftest.py sets 1 where it sees no GPU)
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/shardserve-triton-cache}  # one cache: kernels compile once per run
 [ "$SMOKE" = 1 ] && export TRITON_INTERPRET=1
 
 say() { echo "[gpu_run $(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
