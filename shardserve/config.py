@@ -21,6 +21,7 @@ class ModelFacts:
     max_position_embeddings: int
     num_attention_heads: int
     num_key_value_heads: int
+    intermediate_size: int
 
 
 def _read_json(path: str) -> dict:
@@ -51,6 +52,7 @@ def read_model_facts(model_dir: str) -> ModelFacts:
         max_position_embeddings=config.get("max_position_embeddings", 4096),
         num_attention_heads=heads,
         num_key_value_heads=config.get("num_key_value_heads", heads),
+        intermediate_size=config.get("intermediate_size", 0),
     )
 
 
@@ -103,6 +105,10 @@ def build_engine_config(
     if kv % tp and tp % kv:
         raise ValueError(
             f"tensor_parallel_size {tp} must divide the {kv} KV heads or be a multiple of them (replication)"
+        )
+    if facts.intermediate_size % tp:
+        raise ValueError(
+            f"tensor_parallel_size {tp} must divide the model's intermediate size {facts.intermediate_size}"
         )
     if max_model_len is None:
         max_model_len = facts.max_position_embeddings

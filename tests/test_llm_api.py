@@ -1,0 +1,139 @@
+"""The public face: LLM.generate / chat / stream, SamplingParams validation, admission errors, the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(default_model_dir):
+    with LLM() as engine:
+        yield engine
+
+
+def test_outputs_come_back_in_prompt_order_with_per_prompt_params(llm):
+    prompts = ["The capital of France is", [504, 3458, 282], "Hello"]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 3, 7)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [5, 3, 7]
+    assert outputs[0].prompt == "The capital of France is"
+    assert outputs[1].prompt is None and outputs[1].prompt_token_ids == [504, 3458, 282]
+    assert len({o.request_id for o in outputs}) == 3
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert "Paris" in outputs[0].text
+    assert llm.engine.block_manager.all_free()
+
+
+def test_stop_string_ends_the_output_and_never_appears_in_it(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].text
+    stop = full.strip().split()[1]  # a word from the middle of the greedy continuation
+    cut = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert cut.finish_reason == "stop"
+    assert stop not in cut.text
+    assert full.startswith(cut.text)
+
+
+def test_eos_finishes_with_stop_and_min_tokens_holds_it_back(llm):
+    chat = llm.apply_chat_template([{"role": "user", "content": "Say yes."}])
+    short = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 200
+    longer = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200, min_tokens=len(short.token_ids) + 5),
+                          use_tqdm=False)[0]
+    assert len(longer.token_ids) >= len(short.token_ids) + 5
+
+
+def test_chat_applies_the_template_and_answers(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(temperature=0, max_tokens=20))[0]
+    assert "Paris" in out.text
+
+
+def test_stream_yields_deltas_that_add_up_to_generate(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    deltas = list(llm.stream("Once upon a time", params))
+    assert deltas[-1].finished and deltas[-1].finish_reason == "length"
+    whole = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
+    assert "".join(d.text for d in deltas) == whole.text
+    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("top_k", 2.5), ("top_p", 0.0), ("top_p", 1.5), ("temperature", -0.1), ("max_tokens", 0),
+     ("min_p", 2.0), ("logprobs", 21), ("seed", -1), ("presence_penalty", 3.0), ("repetition_penalty", 0.0)],
+)
+def test_invalid_sampling_value_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_bad_prompts_are_rejected_and_the_engine_keeps_working(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([""], use_tqdm=False)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[10**9]], use_tqdm=False)
+    too_long = SamplingParams(max_tokens=llm.config.max_model_len)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["Hello there"], too_long, use_tqdm=False)
+    assert not llm.engine.has_unfinished() and llm.engine.block_manager.all_free()
+    ok = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
+    assert len(ok[0].token_ids) == 3
+
+
+def test_request_needing_more_blocks_than_exist_is_rejected_at_admission(tiny_model):
+    model_dir = tiny_model("llama", tie_word_embeddings=True, num_heads=4, num_kv_heads=2)
+    with LLM(model=model_dir, num_kv_blocks=4, block_size=16, max_model_len=256) as small:
+        with pytest.raises(ValueError, match="block"):
+            small.generate([[1] * 60], SamplingParams(max_tokens=10), use_tqdm=False)
+        assert not small.engine.has_unfinished()
+
+
+def test_seeded_sampling_is_the_same_alone_in_a_batch_after_preemption_and_at_tp2(tiny_model):
+    model_dir = tiny_model("llama", tie_word_embeddings=True, num_heads=4, num_kv_heads=2)
+    target = [5, 17, 33, 2, 99, 150, 7]
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=40, ignore_eos=True)
+    others = [[i + 1] * (10 + 7 * i) for i in range(6)]
+    noise = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
+    with LLM(model=model_dir, max_model_len=256) as roomy:
+        alone = roomy.generate([target], seeded, use_tqdm=False)[0].token_ids
+        crowd = roomy.generate(others[:3] + [target] + others[3:], [noise] * 3 + [seeded] + [noise] * 3,
+                               use_tqdm=False)[3].token_ids
+    with LLM(model=model_dir, max_model_len=256, num_kv_blocks=12, block_size=8) as cramped:
+        squeezed = cramped.generate(others + [target], [noise] * 6 + [seeded], use_tqdm=False)[6].token_ids
+        assert cramped.engine.stats().num_preemptions > 0
+    with LLM(model=model_dir, max_model_len=256, tensor_parallel_size=2) as tp2:
+        sharded = tp2.generate([target], seeded, use_tqdm=False)[0].token_ids
+    assert alone == crowd == squeezed == sharded
+
+
+def test_dummy_weights_run_on_token_ids_without_a_tokenizer(tiny_model):
+    model_dir = tiny_model("qwen3", num_heads=4, num_kv_heads=2)
+    with LLM(model=model_dir, load_format="dummy", max_model_len=128) as dummy:
+        out = dummy.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+        assert len(out.token_ids) == 4 and out.text == ""
+
+
+def test_cli_generate_streams_text(default_model_dir):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    done = subprocess.run(
+        [sys.executable, "-m", "shardserve.cli", "generate", "The capital of France is", "--max-tokens", "8"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Paris" in done.stdout
+
+
+def test_cli_reports_a_bad_flag_value_as_an_error(default_model_dir):
+    done = subprocess.run(
+        [sys.executable, "-m", "shardserve.cli", "generate", "Hi", "--top-p", "0"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert done.returncode == 2 and "top_p" in done.stderr
