@@ -14,7 +14,7 @@ from shardserve.worker.sampler import (
     row_key,
     sample,
     splitmix64,
-    uniform_draws,
+    uniform_draw,
 )
 
 
@@ -32,15 +32,18 @@ def test_greedy_rows_take_the_argmax():
     assert out.token_ids == logits.argmax(dim=1).tolist()
 
 
-def test_tensor_hash_matches_the_python_splitmix64():
-    # Proves the int64 tensor ops wrap like uint64 arithmetic and that right shifts are logical.
-    keys = [0, 1, 2**63 - 1, row_key(12345, 7)]
-    draws = uniform_draws(keys, 5, "cpu")
-    for r, key in enumerate(keys):
-        for v in range(5):
-            bits = splitmix64((key + (v + 1) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)) >> 11
-            assert draws[r, v].item() == (bits + 0.5) / 2**53
-    assert 0.0 < draws.min().item() and draws.max().item() < 1.0
+def test_draw_is_the_top_52_bits_of_the_splitmix64_key_and_inside_0_1():
+    keys = [0, 1, 2**63 - 1, 2**64 - 1, row_key(12345, 7)]
+    for key in keys:
+        assert uniform_draw(key) == ((key >> 12) + 0.5) / 2**52
+        assert 0.0 < uniform_draw(key) < 1.0
+    assert row_key(12345, 7) == splitmix64(splitmix64(12345) ^ 7)
+
+
+def test_a_token_of_probability_zero_is_never_drawn():
+    logits = torch.tensor([[0.0, float("-inf"), 0.0, float("-inf"), 0.0]]).repeat(500, 1)
+    out = sample(logits, _rows_with_seeds(500, temperature=1.0))
+    assert set(out.token_ids) == {0, 2, 4}
 
 
 def test_top_k_never_emits_a_token_outside_the_k_best():
