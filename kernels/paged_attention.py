@@ -105,6 +105,16 @@ def _merge_splits_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
+    """The layout both attention kernels rely on; returns (num_kv_heads, query heads per KV head)."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if k_cache.stride() != v_cache.stride() or q.stride(-1) != 1 or k_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need head_dim contiguous, and k_cache/v_cache the same strides")
+    return num_kv_heads, num_heads // num_kv_heads
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_programs: int = 528,
                       min_tokens_per_split: int = 64, max_splits: int = 16) -> int:
     """Enough programs for ~4 per SM of an H200 (132 SMs), never a split shorter than one 64-key tile.
@@ -129,12 +139,7 @@ def paged_decode_attention(
     num_stages: int = 2,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if k_cache.stride() != v_cache.stride() or q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError("q and the caches need head_dim contiguous, and k_cache/v_cache the same strides")
-    group = num_heads // num_kv_heads
+    num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.paged_attention import check_paged_inputs
+
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" (see paged_attention.py)
 
@@ -139,12 +141,7 @@ def paged_prefill_attention(
     num_stages: int = 2,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if k_cache.stride() != v_cache.stride() or q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError("q and the caches need head_dim contiguous, and k_cache/v_cache the same strides")
-    group = num_heads // num_kv_heads
+    num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)

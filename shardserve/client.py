@@ -138,9 +138,8 @@ class _Collector:
         return None
 
 
-class Stream:
-    """Iterates a request's deltas. request_id is known after the first delta (or call .wait_started());
-    .result is set once the stream has finished."""
+class _StreamState:
+    """What a blocking and an async stream share: the call and what its messages have told so far."""
 
     def __init__(self, call) -> None:
         self._call = call
@@ -153,6 +152,15 @@ class Stream:
     @property
     def result(self) -> GenerationResult | None:
         return self._collector.result
+
+    def cancel(self) -> None:
+        """Ends the stream; the server aborts the request and frees its cache blocks."""
+        self._call.cancel()
+
+
+class Stream(_StreamState):
+    """Iterates a request's deltas. request_id is known after the first delta (or call .wait_started());
+    .result is set once the stream has finished."""
 
     def __iter__(self) -> Iterator[StreamDelta]:
         for msg in self._call:
@@ -166,26 +174,10 @@ class Stream:
             self._collector.feed(next(self._call))
         return self._collector.request_id
 
-    def cancel(self) -> None:
-        """Ends the stream; the server aborts the request and frees its cache blocks."""
-        self._call.cancel()
 
-
-class AsyncStream:
+class AsyncStream(_StreamState):
     """Async-iterates a request's deltas; the same attributes as Stream. Leaving the loop early (break, an
     exception, a cancelled task) cancels the call, and the server aborts the request."""
-
-    def __init__(self, call) -> None:
-        self._call = call
-        self._collector = _Collector()
-
-    @property
-    def request_id(self) -> str:
-        return self._collector.request_id
-
-    @property
-    def result(self) -> GenerationResult | None:
-        return self._collector.result
 
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
         try:
@@ -200,9 +192,6 @@ class AsyncStream:
         while not self._collector.request_id:
             self._collector.feed(await self._call.read())
         return self._collector.request_id
-
-    def cancel(self) -> None:
-        self._call.cancel()
 
 
 class Client:
