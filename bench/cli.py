@@ -24,6 +24,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
                          help="also run the workload through the Ray + gRPC cluster and print the ratio")
     offline.add_argument("--no-roofline", action="store_true", help="skip measuring the ceiling")
     offline.add_argument("--json-out", default=None)
+    offline.add_argument("--profile", default=None, metavar="PATH", help="torch profiler table of the timed run")
     offline.set_defaults(func=_run("shardserve.bench.offline"))
 
     latency = kinds.add_parser("latency", help="decode ms/token at a small batch, against the weight-read bound")
@@ -34,6 +35,7 @@ def add_bench_parser(sub, add_engine_args) -> None:
     latency.add_argument("--seed", type=int, default=0)
     latency.add_argument("--no-roofline", action="store_true", help="skip measuring the bound")
     latency.add_argument("--json-out", default=None)
+    latency.add_argument("--profile", default=None, metavar="PATH", help="torch profiler table of the timed run")
     latency.set_defaults(func=_run("shardserve.bench.latency"))
 
     control = kinds.add_parser("control-plane", help="share of a decode step spent outside the workers")

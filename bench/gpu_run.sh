@@ -17,6 +17,7 @@ OUT=${OUT:-$ROOT/gpu-out}
 PY=${PY:-python3}
 SMOKE=${SMOKE:-0}
 BUDGET_S=${BUDGET_S:-330}
+PROFILE=${PROFILE:-0}  # 1: torch profiler tables of offline_qwen3 and latency_llama8b_tp1 in $OUT (slows those two runs)
 START=$(date +%s)
 WORK=$(mktemp -d /tmp/shardserve-gpu-run.XXXXXX)
 mkdir -p "$OUT" "$WORK/json" "$WORK/logs"
@@ -154,10 +155,12 @@ else
 fi
 
 # (b) offline Qwen3-0.6B, nano-vllm's workload [GPU 0]  ||  (c) latency Llama-3-8B TP=1 [GPU 1]
+PROF_OFF=; PROF_LAT=
+[ "$PROFILE" = 1 ] && PROF_OFF="--profile $OUT/profile_offline_qwen3.txt" && PROF_LAT="--profile $OUT/profile_latency_tp1.txt"
 start_step offline_qwen3 120 40 0 $(bench offline_qwen3 offline --model $SMALL $DEV --num-prompts $N_SMALL \
-  --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF)
+  --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF $PROF_OFF)
 start_step latency_llama8b_tp1 90 30 1 $(bench latency_llama8b_tp1 latency --model $BIG $DEV --tp 1 \
-  --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT)
+  --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT $PROF_LAT)
 finish_step offline_qwen3; finish_step latency_llama8b_tp1
 
 # (d) latency Llama-3-8B TP=2 [both GPUs]

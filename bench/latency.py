@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from shardserve.bench.harness import open_engine, run_workload, warm_up
+from shardserve.bench.profile import profiled
 from shardserve.bench.record import BenchRecord, Stats, device_name
 from shardserve.bench.workload import random_workload
 
@@ -35,7 +36,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     bench = open_engine(config, "local")
     try:
         warm_up(bench, vocab, batch=args.batch_size)
-        run = run_workload(bench, workload, temperature=0.0, seed=args.seed)
+        with profiled(args.profile, config.device):
+            run = run_workload(bench, workload, temperature=0.0, seed=args.seed)
         graphs, peak = bench.graphs, peak_memory_gb(config.device, config.tensor_parallel_size)
     finally:
         bench.close()

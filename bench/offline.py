@@ -8,6 +8,7 @@ import argparse
 import gc
 
 from shardserve.bench.harness import EngineRun, open_engine, run_workload, warm_up
+from shardserve.bench.profile import profiled
 from shardserve.bench.record import BenchRecord, device_name
 from shardserve.bench.workload import Workload, parse_range, random_workload
 
@@ -32,13 +33,15 @@ def free_device_memory() -> None:
 
 
 def run_engine(config, workload: Workload, temperature: float, seed: int, vocab: int, executor: str = "local",
-               sample: Workload | None = None) -> tuple[EngineRun, EngineRun | None, str | None, float]:
+               sample: Workload | None = None, profile_path: str | None = None,
+               ) -> tuple[EngineRun, EngineRun | None, str | None, float]:
     """Runs the workload (and the transformers sample, when given) on one engine; returns the runs, what the
     runner captured as CUDA graphs, and this process's peak memory."""
     bench = open_engine(config, executor)
     try:
         warm_up(bench, vocab)
-        run = run_workload(bench, workload, temperature, seed)
+        with profiled(profile_path, config.device):
+            run = run_workload(bench, workload, temperature, seed)
         sample_run = None
         if sample is not None:
             same = sample.prompts == workload.prompts and sample.output_lens == workload.output_lens
@@ -82,7 +85,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     print(f"workload: {len(workload.prompts)} prompts, {workload.num_prompt_tokens} prompt tokens, "
           f"{workload.num_output_tokens} output tokens; device {config.device}, dtype {config.dtype}, "
           f"tp {config.tensor_parallel_size}", flush=True)
-    run, sample_run, graphs, peak = run_engine(config, workload, args.temperature, args.seed, vocab, sample=sample)
+    run, sample_run, graphs, peak = run_engine(config, workload, args.temperature, args.seed, vocab, sample=sample,
+                                               profile_path=args.profile)
     tok_s = run.output_tokens_per_s
     print(f"shardserve: {run.output_tokens} tokens in {run.elapsed_s:.2f} s = {tok_s:.1f} output tok/s "
           f"(CUDA graphs: {graphs or 'see the worker logs'})", flush=True)

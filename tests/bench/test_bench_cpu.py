@@ -123,3 +123,11 @@ def test_timed_executor_offers_submit_and_collect_only_when_the_executor_has_the
     assert timed.collect().step_id == 1 and timed.collect().step_id == 2
     assert [(t.num_seqs, t.num_tokens, t.decode_only, t.forward_ms) for t in timed.timings] == [
         (2, 2, True, 2.0), (1, 5, False, 2.0)]
+
+
+def test_profile_writes_the_operator_table_of_the_timed_run(model_dir, tmp_path):
+    table = tmp_path / "profile.txt"
+    run_bench(tmp_path, "latency", "--model", model_dir, "--input-len", "16", "--output-len", "6", "--no-roofline",
+              "--profile", str(table))
+    text = table.read_text()
+    assert "Self CPU" in text and "aten::mm" in text  # the model's matmuls ran inside the profiled window
