@@ -115,8 +115,11 @@ class BlockManager:
 
     def register_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
         """Offers seq's blocks that are now full of computed tokens to the prefix cache."""
-        num_full = min(num_computed_tokens // self.block_size, len(seq.block_ids))
-        if not self.enable_prefix_caching or num_full <= seq.num_registered_blocks:
+        num_full = num_computed_tokens // self.block_size
+        if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
+            return  # the common case each decode step: no block filled up
+        num_full = min(num_full, len(seq.block_ids))
+        if num_full <= seq.num_registered_blocks:
             return
         self._extend_hashes(seq, num_full)
         bs = self.block_size
@@ -167,7 +170,7 @@ class BlockManager:
     def append_slots(self, seq: Sequence, num_tokens: int) -> list[int] | None:
         """Grows seq's table to cover `num_tokens` positions. Returns the appended block ids ([] when none were
         needed), or None, changing nothing, when too few blocks are free."""
-        num_new = self.blocks_for(num_tokens) - len(seq.block_ids)
+        num_new = -(-num_tokens // self.block_size) - len(seq.block_ids)  # blocks_for, inline: called per request
         if num_new <= 0:
             return []
         if num_new > len(self._free):

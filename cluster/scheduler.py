@@ -115,11 +115,15 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def _wants_tokens(self, seq: Sequence) -> int:
+    @staticmethod
+    def _wants_tokens(seq: Sequence, max_model_len: int) -> int:
         """Tokens seq could compute now: the rest of its list, or 0 when it is done once pending tokens land."""
-        if seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        # seq.num_tokens and seq.num_output_tokens spelled out: this runs for every running request each step.
+        pending = seq.num_pending_tokens
+        num_tokens = len(seq.token_ids) + pending
+        if len(seq.output_token_ids) + pending >= seq.params.max_tokens or num_tokens >= max_model_len:
             return 0
-        return seq.num_tokens - seq.num_computed_tokens
+        return num_tokens - seq.num_computed_tokens
 
     def schedule(self) -> StepPlan | None:
         """The next step's plan, or None when nothing can run (then nothing is consumed)."""
@@ -131,10 +135,11 @@ class Scheduler:
         scheduled: list[Sequence] = []
         preempted = False
 
+        max_model_len = self.config.max_model_len
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(self._wants_tokens(seq), budget)
+            n = min(self._wants_tokens(seq, max_model_len), budget)
             if n <= 0:
                 i += 1
                 continue
@@ -194,7 +199,7 @@ class Scheduler:
         in_flight = []
         for seq, n in zip(scheduled, num_tokens):
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:  # reaches the end: the workers sample one token
+            if seq.num_computed_tokens == len(seq.token_ids) + seq.num_pending_tokens:  # the end: one token sampled
                 seq.num_pending_tokens += 1
             in_flight.append((seq, seq.epoch, seq.num_computed_tokens))
             seq.last_step_id = self.step_id

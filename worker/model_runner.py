@@ -147,7 +147,7 @@ class ModelRunner:
                 logits = self.model.compute_logits(hidden[index])
                 states = [batch[i].state for i in sampling_rows]
                 read_back_for_penalties(states)
-                rows = [self._sampling_row(state) for state in states]
+                rows = [SamplingRow(s.sampling, s.token_ids, s.num_prompt_tokens) for s in states]
                 step.hold(sample_tokens(logits, rows), states, logits, rows)
                 step.result.req_ids = [plan.req_ids[i] for i in sampling_rows]
             for s in batch:
@@ -177,10 +177,6 @@ class ModelRunner:
         fill_pending_inputs(input_ids, spans)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return hidden, meta.query_start_loc[1:].long() - 1
-
-    @staticmethod
-    def _sampling_row(state: RequestState) -> SamplingRow:
-        return SamplingRow(spec=state.sampling, token_ids=state.token_ids, num_prompt_tokens=state.num_prompt_tokens)
 
     def _apply_deltas(self, plan: StepPlan) -> None:
         """Drop finished/preempted, add new requests, append new blocks (plan.py's order)."""
@@ -216,14 +212,17 @@ class ModelRunner:
         if len(plan.req_ids) != len(plan.num_tokens):
             raise ValueError(f"plan {plan.step_id}: {len(plan.req_ids)} req_ids but {len(plan.num_tokens)} num_tokens")
         batch = []
+        requests, bs = self.requests, self.block_size
         for req_id, n in zip(plan.req_ids, plan.num_tokens):
-            state = self._state(req_id)
+            state = requests.get(req_id)
+            if state is None:
+                state = self._state(req_id)  # raises the KeyError that names the request
             end = state.num_computed + n
             if n < 1 or end > len(state.token_ids):
                 raise ValueError(
                     f"request {req_id!r}: {n} tokens from {state.num_computed} exceed its {len(state.token_ids)} tokens"
                 )
-            if -(-end // self.block_size) > len(state.block_ids):
+            if -(-end // bs) > len(state.block_ids):
                 raise ValueError(f"request {req_id!r}: {len(state.block_ids)} blocks cannot hold {end} tokens")
             batch.append(_Scheduled(state, state.num_computed, end))
         return batch
@@ -237,17 +236,19 @@ class ModelRunner:
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         for s in batch:
-            input_ids.extend(s.state.token_ids[s.start : s.end])
-            positions.extend(range(s.start, s.end))
-            query_lens.append(s.end - s.start)
-            seq_lens.append(s.end)
-            tables.append(s.state.block_ids[: -(-s.end // bs)])
+            state, start, end = s.state, s.start, s.end
+            input_ids += state.token_ids[start:end]
+            positions += range(start, end)
+            query_lens.append(end - start)
+            seq_lens.append(end)
+            tables.append(state.block_ids[: -(-end // bs)])
         num_tokens, num_seqs = len(input_ids), len(batch)
         width = max(len(t) for t in tables)
         flat = input_ids + positions + [0] * (num_seqs + 1) + seq_lens
         for t in tables:
-            flat.extend(t)
-            flat.extend([0] * (width - len(t)))
+            flat += t
+            if len(t) < width:
+                flat += [0] * (width - len(t))
         host = torch.tensor(flat, dtype=torch.int64)
         host[2 * num_tokens + 1 : 2 * num_tokens + 1 + num_seqs] = torch.tensor(query_lens).cumsum(0)
         if self._pin:

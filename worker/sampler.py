@@ -19,6 +19,7 @@ temperature, top-k, top-p, min-p and the draw. Logprobs come from the raw logits
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -78,9 +79,15 @@ def splitmix64(x: int) -> int:
     return z ^ (z >> 31)
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _seed_hash(seed: int) -> int:
+    """splitmix64(seed), kept per seed: a request draws with the same seed every step."""
+    return splitmix64(seed)
+
+
 def row_key(seed: int, output_index: int) -> int:
     """The per-(request, token index) key from which every vocabulary entry's draw is hashed."""
-    return splitmix64(splitmix64(seed) ^ (output_index & _MASK64))
+    return splitmix64(_seed_hash(seed) ^ (output_index & _MASK64))
 
 
 def uniform_draw(key: int) -> float:
