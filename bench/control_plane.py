@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from shardserve.bench.harness import EngineRun, median
-from shardserve.bench.record import BenchRecord, device_name
+from shardserve.bench.record import BenchRecord
 from shardserve.bench.workload import random_workload
 
 
@@ -48,10 +48,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     executors = ["cluster", "local"] if args.executor == "both" else [args.executor]  # the cluster first
     local_name = "in-process" if config.tensor_parallel_size == 1 else "local processes"
     results: dict[str, dict] = {}
-    record = BenchRecord(
-        benchmark="offline", model=args.model or "SmolLM2-135M-Instruct", load_format=config.load_format,
-        device=device_name(config.device), num_gpus=config.tensor_parallel_size if config.device == "cuda" else 0,
-        tp=config.tensor_parallel_size, replicas=1,
+    record = BenchRecord.for_engine(
+        "offline", args.model, config,
         workload=dict(num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
                       temperature=args.temperature, ignore_eos=True),
     )

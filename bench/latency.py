@@ -12,7 +12,7 @@ import argparse
 
 from shardserve.bench.harness import open_engine, run_workload, warm_up
 from shardserve.bench.profile import profiled
-from shardserve.bench.record import BenchRecord, Stats, device_name
+from shardserve.bench.record import BenchRecord, Stats
 from shardserve.bench.workload import random_workload
 
 SKIPPED_DECODE_STEPS = 3  # first decode steps: allocator and caches settling
@@ -49,10 +49,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     ms_per_step = stats.p50
     print(f"decode at batch {args.batch_size}: median {ms_per_step:.3f} ms per step over {len(decode)} steps "
           f"(tp {config.tensor_parallel_size}, CUDA graphs: {graphs or 'see the worker logs'})", flush=True)
-    record = BenchRecord(
-        benchmark="latency", model=args.model or "SmolLM2-135M-Instruct", load_format=config.load_format,
-        device=device_name(config.device), num_gpus=config.tensor_parallel_size if config.device == "cuda" else 0,
-        tp=config.tensor_parallel_size, replicas=1,
+    record = BenchRecord.for_engine(
+        "latency", args.model, config,
         workload=dict(num_prompts=args.batch_size, input_len=args.input_len, output_len=args.output_len,
                       concurrency=args.batch_size),
         ms_per_token=ms_per_step, tpot_ms=stats, peak_memory_gb=peak,

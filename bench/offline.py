@@ -9,7 +9,7 @@ import gc
 
 from shardserve.bench.harness import EngineRun, open_engine, run_workload, warm_up
 from shardserve.bench.profile import profiled
-from shardserve.bench.record import BenchRecord, device_name
+from shardserve.bench.record import BenchRecord
 from shardserve.bench.workload import Workload, parse_range, random_workload
 
 
@@ -90,10 +90,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     tok_s = run.output_tokens_per_s
     print(f"shardserve: {run.output_tokens} tokens in {run.elapsed_s:.2f} s = {tok_s:.1f} output tok/s "
           f"(CUDA graphs: {graphs or 'see the worker logs'})", flush=True)
-    record = BenchRecord(
-        benchmark="offline", model=args.model or "SmolLM2-135M-Instruct", load_format=config.load_format,
-        device=device_name(config.device), num_gpus=config.tensor_parallel_size if config.device == "cuda" else 0,
-        tp=config.tensor_parallel_size, replicas=1,
+    record = BenchRecord.for_engine(
+        "offline", args.model, config,
         workload=dict(num_prompts=len(workload.prompts), input_len=args.input_len, output_len=args.output_len,
                       temperature=args.temperature, ignore_eos=True),
         output_tokens_per_s=tok_s,

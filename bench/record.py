@@ -57,6 +57,14 @@ class BenchRecord:
     commit: str | None = field(default_factory=lambda: _git_commit())
     notes: dict = field(default_factory=dict)  # benchmark-specific extras (the ceiling arithmetic, ...)
 
+    @classmethod
+    def for_engine(cls, benchmark: str, model: str | None, config, **fields) -> "BenchRecord":
+        """A record whose model/device/TP fields come from the run's EngineConfig."""
+        tp = config.tensor_parallel_size
+        return cls(benchmark=benchmark, model=model or "SmolLM2-135M-Instruct", load_format=config.load_format,
+                   device=device_name(config.device), num_gpus=tp if config.device == "cuda" else 0, tp=tp,
+                   replicas=1, **fields)
+
     def write(self, path: str | None) -> None:
         text = json.dumps(asdict(self), indent=2)
         if path:

@@ -18,6 +18,7 @@ from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import StepPlan, StepResult
+from tests.engine_driver import drive
 
 BS = 4
 VOCAB = 1000
@@ -51,18 +52,7 @@ def make_engine(async_on: bool, num_blocks=64, tokenizer=None, eos=(), vocab=VOC
 
 def run(engine: Engine, abort_after: dict[str, int] | None = None, max_steps=2000) -> dict:
     """Steps until done, aborting abort_after's requests once they have that many tokens; final outputs by id."""
-    abort_after = dict(abort_after or {})
-    for _ in range(max_steps):
-        if not engine.has_unfinished():
-            break
-        for req_id, n in list(abort_after.items()):
-            out = engine.get_output(req_id)
-            if out is not None and len(out.token_ids) >= n:
-                engine.abort(req_id)
-                del abort_after[req_id]
-        engine.step()
-    else:
-        raise AssertionError("engine did not finish")
+    drive(engine, abort_after, max_steps)
     assert engine.block_manager.all_free()
     assert engine.scheduler.num_plans_in_flight == 0
     return {o.request_id: (o.token_ids, o.finish_reason, o.text) for o in engine.take_finished()}

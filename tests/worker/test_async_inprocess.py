@@ -18,6 +18,7 @@ from shardserve.worker.inprocess import InProcessExecutor
 from shardserve.worker.multiproc import MultiprocExecutor
 from shardserve.worker.step_in_flight import PENDING
 from tests.cluster._tiny_tokenizer import byte_level_bpe
+from tests.engine_driver import drive
 
 BS = 4
 VOCAB = 384  # make_tiny_model's default
@@ -55,17 +56,7 @@ def params(i: int) -> SamplingParams:
 def generate(engine: Engine, abort_after: dict[str, int]) -> dict:
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", prompt, params(i))
-    abort_after = dict(abort_after)
-    for _ in range(1000):
-        if not engine.has_unfinished():
-            break
-        for req_id, n in list(abort_after.items()):
-            out = engine.get_output(req_id)
-            if out is not None and len(out.token_ids) >= n:
-                engine.abort(req_id)
-                del abort_after[req_id]
-        engine.step()
-    assert not engine.has_unfinished()
+    drive(engine, abort_after, max_steps=1000)
     assert engine.block_manager.all_free()
     return {o.request_id: (o.token_ids, o.text, o.finish_reason, o.logprobs) for o in engine.take_finished()}
 
