@@ -51,6 +51,18 @@ def add_bench_parser(sub, add_engine_args) -> None:
     control.set_defaults(func=_run("shardserve.bench.control_plane"))
 
 
+    probe = kinds.add_parser("probe", help="where a step's time goes on one GPU: host, forward, LM head, sampling")
+    add_engine_args(probe)
+    probe.add_argument("--batch-sizes", default="1,64,256", help="decode batch sizes, comma-separated")
+    probe.add_argument("--context-len", type=int, default=800)
+    probe.add_argument("--temperature", type=float, default=0.6)
+    probe.add_argument("--repeats", type=int, default=20)
+    probe.add_argument("--prefill-tokens", type=int, default=8192, help="0: no prefill probe")
+    probe.add_argument("--prefill-seq-len", type=int, default=1024)
+    probe.add_argument("--json-out", default=None)
+    probe.set_defaults(func=_run("shardserve.bench.probe"))
+
+
 def _run(module: str):
     def run(args: argparse.Namespace) -> int:
         import importlib

@@ -18,6 +18,7 @@ PY=${PY:-python3}
 SMOKE=${SMOKE:-0}
 BUDGET_S=${BUDGET_S:-330}
 PROFILE=${PROFILE:-0}  # 1: torch profiler tables of offline_qwen3 and latency_llama8b_tp1 in $OUT (slows those two runs)
+ONLY=${ONLY:-}  # step names to run (space-separated); empty: every step
 START=$(date +%s)
 WORK=$(mktemp -d /tmp/shardserve-gpu-run.XXXXXX)
 mkdir -p "$OUT" "$WORK/json" "$WORK/logs"
@@ -99,9 +100,12 @@ ORDER=()
 
 # start_step NAME LIMIT_S MIN_S GPUS CMD...: runs CMD in the background, if at least MIN_S of the budget is left
 # (GPUS: CUDA_VISIBLE_DEVICES for the step, "all" = unchanged)
+wanted() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
+
 start_step() {
   local name=$1 limit=$2 min=$3 gpus=$4; shift 4
   ORDER+=("$name")
+  if ! wanted "$name"; then RC[$name]=not-run; DT[$name]=0; return; fi
   local left=$(( BUDGET_S - $(elapsed) ))
   if (( left < min )); then RC[$name]=skipped; DT[$name]=0; say "$name: skipped (${left}s of the budget left)"; return; fi
   (( limit > left )) && limit=$left
@@ -154,6 +158,15 @@ else
   MML_OFF=2048; MML_LAT=1024  # the workload's longest sequence is 1024 + 1024
 fi
 
+# (p) where a step's time goes (bench probe: host, forward, LM head, sampling, prefill) [GPU 0 || GPU 1]
+PROBE_LENS="--context-len 800 --max-model-len $MML_OFF"
+[ "$SMOKE" = 1 ] && PROBE_LENS="--context-len 40 --max-model-len 256 --prefill-tokens 64 --prefill-seq-len 32 --repeats 4"
+start_step probe_qwen3 150 60 0 $PY -m shardserve.cli bench probe --model $SMALL ${DEV/--num-kv-blocks 256/} \
+  --batch-sizes 1,64,256 $PROBE_LENS --json-out "$OUT/probe_qwen3.json"
+start_step probe_llama8b 150 60 1 $PY -m shardserve.cli bench probe --model $BIG ${DEV/--num-kv-blocks 256/} \
+  --batch-sizes 1,64,128 $PROBE_LENS --json-out "$OUT/probe_llama8b.json"
+finish_step probe_qwen3; finish_step probe_llama8b
+
 # (b) offline Qwen3-0.6B, nano-vllm's workload [GPU 0]  ||  (c) latency Llama-3-8B TP=1 [GPU 1]
 PROF_OFF=; PROF_LAT=
 [ "$PROFILE" = 1 ] && PROF_OFF="--profile $OUT/profile_offline_qwen3.txt" && PROF_LAT="--profile $OUT/profile_latency_tp1.txt"
@@ -181,11 +194,19 @@ start_step control_plane_tp2 150 60 all $(bench control_plane_tp2 control-plane 
   --executor both)
 finish_step control_plane_tp2
 
+# (p2) the fused layer kernels off (SHARDSERVE_FUSED_KERNELS=0): what they buy, Llama-3-8B [GPU 0]
+start_step probe_llama8b_unfused 120 50 0 env SHARDSERVE_FUSED_KERNELS=0 $PY -m shardserve.cli bench probe \
+  --model $BIG ${DEV/--num-kv-blocks 256/} --batch-sizes 1,64 $PROBE_LENS --prefill-tokens 0 \
+  --json-out "$OUT/probe_llama8b_unfused.json"
+finish_step probe_llama8b_unfused
+
 # (a) GPU tests last (kernels were checked on the GPU before; the benchmarks come first): kernels, CUDA graphs vs
 # eager (TP=1, TP=2), the graphs' memory reserve, with whatever budget is left
 ORDER+=(gpu_tests)
 GPU_TESTS_LIMIT=$(( BUDGET_S - $(elapsed) ))
-if (( GPU_TESTS_LIMIT < 30 )); then
+if ! wanted gpu_tests; then
+  RC[gpu_tests]=not-run; DT[gpu_tests]=0
+elif (( GPU_TESTS_LIMIT < 30 )); then
   RC[gpu_tests]=skipped; DT[gpu_tests]=0; say "gpu_tests: skipped (${GPU_TESTS_LIMIT}s of the budget left)"
 else
   (( GPU_TESTS_LIMIT > 120 )) && GPU_TESTS_LIMIT=120

@@ -45,6 +45,26 @@ class EngineRun:
                 if t is not None and t.decode_only and t.num_seqs >= min_batch]
 
 
+def phase_split(run: EngineRun) -> dict:
+    """Where the run's wall time went: steps with prefill tokens vs decode-only steps (by batch size range)."""
+    out: dict = {"prefill_steps": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0, "decode_by_batch": {}}
+    for ms, timing in zip(run.step_ms, run.steps):
+        if timing is None:
+            continue
+        kind = "decode" if timing.decode_only else "prefill"
+        out[f"{kind}_steps"] += 1
+        out[f"{kind}_s"] += ms / 1e3
+        if timing.decode_only:
+            low = 1 << (timing.num_seqs.bit_length() - 1)  # 1, 2-3, 4-7, ..., 128-255, 256-511
+            bucket = out["decode_by_batch"].setdefault(f"{low}-{2 * low - 1}", {"steps": 0, "s": 0.0, "tokens": 0})
+            bucket["steps"] += 1
+            bucket["s"] += ms / 1e3
+            bucket["tokens"] += timing.num_seqs
+    for bucket in out["decode_by_batch"].values():
+        bucket["ms_per_step"] = bucket["s"] * 1e3 / bucket["steps"]
+    return out
+
+
 class TimedExecutor:
     """Wraps an executor: records each step's plan shape and the workers' forward_ms, changes nothing else."""
 

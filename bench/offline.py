@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import gc
 
-from shardserve.bench.harness import EngineRun, open_engine, run_workload, warm_up
+from shardserve.bench.harness import EngineRun, open_engine, phase_split, run_workload, warm_up
 from shardserve.bench.profile import profiled
 from shardserve.bench.record import BenchRecord
 from shardserve.bench.workload import Workload, parse_range, random_workload
@@ -98,7 +98,12 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         total_tokens_per_s=(run.output_tokens + run.prompt_tokens) / run.elapsed_s,
         peak_memory_gb=peak,
     )
-    record.notes.update(elapsed_s=run.elapsed_s, output_tokens=run.output_tokens, steps=len(run.step_ms),
+    phases = phase_split(run)
+    print(f"phases: {phases['prefill_steps']} steps with prefill in {phases['prefill_s']:.2f} s, "
+          f"{phases['decode_steps']} decode-only steps in {phases['decode_s']:.2f} s; decode ms/step by batch: "
+          + ", ".join(f"{k}: {v['ms_per_step']:.2f} ({v['steps']})" for k, v in phases["decode_by_batch"].items()),
+          flush=True)
+    record.notes.update(elapsed_s=run.elapsed_s, output_tokens=run.output_tokens, steps=len(run.step_ms), phases=phases,
                         cuda_graphs=graphs, max_num_seqs=config.max_num_seqs,
                         max_num_batched_tokens=config.max_num_batched_tokens)
     bound = ceiling(config, workload, rates)

@@ -76,6 +76,10 @@ class ModelRunner:
                 init_dummy_weights(self.model, config.seed)
             else:
                 load_weights(self.model, config.model)
+        if self.device.type == "cuda":  # before any graph capture: the decode graphs record whichever path is on
+            from shardserve.worker.distributed import enable_one_shot_all_reduce
+
+            enable_one_shot_all_reduce(self.dtype, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from shardserve.worker.layers import _fused
 from shardserve.worker.layers._sharding import attach_loader, default_weight_loader
 
 
@@ -25,6 +26,10 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without residual: norm(x). With residual: s = x + residual; returns (norm(s), s), the new residual."""
+        if _fused.use_fused(x):
+            from shardserve.kernels.rmsnorm import add_rms_norm, rms_norm
+
+            return rms_norm(x, self.weight, self.eps) if residual is None else add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         summed = x + residual

@@ -15,6 +15,7 @@ from torch import nn
 
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
 from shardserve.worker.distributed import tp_size
+from shardserve.worker.layers import _fused
 from shardserve.worker.layers.activation import SiluAndMul
 from shardserve.worker.layers.attention import Attention
 from shardserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -63,9 +64,16 @@ class DecoderAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.reshape(tokens, -1, self.head_dim)
         k = k.reshape(tokens, -1, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        if _fused.use_fused(x):  # one kernel: (q/k norm and) RoPE, in place in the qkv output
+            from shardserve.kernels.rope import apply_rope_
+
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            apply_rope_(positions, q, k, self.rotary.cos_cache, self.rotary.sin_cache, norms, eps)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
         out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, kv_cache, meta)
         return self.o_proj(out)
 

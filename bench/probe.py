@@ -1,0 +1,219 @@
+"""`shardserve bench probe`: where one engine step's time goes, on one device (TP=1), part by part.
+
+For each batch size B it builds B requests with a context of --context-len tokens already "in the cache" (the
+cache holds whatever it holds: timing only) and runs decode steps straight on a ModelRunner, then times:
+  step       a whole decode step, launch + finish, waited for (what a step costs without overlap)
+  launch     host time of launch_step alone (plan -> inputs -> forward/graph launch -> sampling launch)
+  forward    the model forward on the device (a graph replay where a graph covers B; CUDA events)
+  lm_head    compute_logits on B rows (CUDA events)
+  sample     sample_tokens on B rows at --temperature (CUDA events), and greedy
+and, under the torch profiler over a few steps, the device time per step, the kernels per step and the top
+kernels. Then one prefill step of --prefill-tokens tokens (eager), timed and profiled the same way.
+The numbers say which part to attack: host (launch > device), forward kernels, LM head, sampling or prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan
+
+
+def _events_ms(fn, repeats: int) -> float:
+    """Median device time of fn over repeats, CUDA events (after one warm-up); wall time on CPU."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _activities():
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+
+def _kernel_table(prof, steps: int, rows: int = 12) -> dict:
+    """Device time and launches per step from a profile, and the top kernels by device time."""
+    kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA" and e.self_device_time_total > 0]
+    if not kernels:  # CPU: the top operators by self CPU time instead
+        kernels = [e for e in prof.key_averages() if e.self_cpu_time_total > 0]
+        for e in kernels:
+            e.self_device_time_total = e.self_cpu_time_total
+    total_us = sum(e.self_device_time_total for e in kernels)
+    count = sum(e.count for e in kernels)
+    top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:rows]
+    return {
+        "device_ms_per_step": total_us / 1e3 / steps,
+        "kernels_per_step": count / steps,
+        "top": [{"kernel": e.key[:90], "ms_per_step": e.self_device_time_total / 1e3 / steps,
+                 "launches_per_step": e.count / steps} for e in top],
+    }
+
+
+class _Batch:
+    """B synthetic requests on a runner, stepped one decode token at a time."""
+
+    def __init__(self, runner, batch: int, context: int, steps: int, temperature: float, vocab: int) -> None:
+        self.runner = runner
+        bs = runner.block_size
+        blocks_each = -(-(context + steps + 8) // bs)
+        gen = torch.Generator().manual_seed(batch)
+        self.req_ids = [f"probe-{batch}-{i}" for i in range(batch)]
+        new = []
+        for i, req_id in enumerate(self.req_ids):
+            ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
+            new.append(NewRequest(req_id, ids, context - 1, context - 1, list(range(i * blocks_each, (i + 1) * blocks_each)),
+                                  SamplingSpec(temperature=temperature, seed=i)))
+        self.pending_new = new
+        self.blocks_needed = batch * blocks_each
+
+    def plan(self) -> StepPlan:
+        runner = self.runner
+        plan = StepPlan(step_id=runner.last_step_id + 1, new_requests=self.pending_new, req_ids=self.req_ids,
+                        num_tokens=[1] * len(self.req_ids))
+        self.pending_new = []
+        return plan
+
+    def finish(self) -> None:
+        runner = self.runner
+        runner.finish_step(runner.launch_step(StepPlan(step_id=runner.last_step_id + 1,
+                                                       finished_req_ids=list(self.req_ids))))
+
+
+def probe_decode(runner, batch: int, context: int, temperature: float, vocab: int, repeats: int) -> dict:
+    from shardserve.worker.sampler import SamplingRow, sample_tokens
+    from torch.profiler import profile
+
+    steps = 3 * repeats + 20
+    b = _Batch(runner, batch, context, steps, temperature, vocab)
+    out: dict = {"batch": batch, "context": context, "temperature": temperature}
+    step_ms, launch_ms = [], []
+    with torch.inference_mode():
+        for i in range(repeats + 3):
+            _sync()
+            t0 = time.perf_counter()
+            flight = runner.launch_step(b.plan())
+            t1 = time.perf_counter()
+            runner.finish_step(flight)
+            t2 = time.perf_counter()
+            if i >= 3:
+                step_ms.append((t2 - t0) * 1e3)
+                launch_ms.append((t1 - t0) * 1e3)
+        out["step_ms"] = statistics.median(step_ms)
+        out["launch_host_ms"] = statistics.median(launch_ms)
+        graphs = runner.decode_graphs
+        from shardserve.worker.cuda_graphs import padded_batch_size
+
+        padded = padded_batch_size(batch, graphs.batch_sizes) if graphs is not None else None
+        if graphs is not None and padded in graphs._graphs:
+            out["forward_ms"] = _events_ms(graphs._graphs[padded].replay, repeats)
+            out["forward"] = f"graph of {padded}"
+        hidden = torch.randn(batch, runner.hf_config.hidden_size, device=runner.device, dtype=runner.dtype)
+        out["lm_head_ms"] = _events_ms(lambda: runner.model.compute_logits(hidden), repeats)
+        logits = runner.model.compute_logits(hidden)
+        state = runner.requests[b.req_ids[0]]
+        rows = [SamplingRow(SamplingSpec(temperature=temperature, seed=i), state.token_ids, 1) for i in range(batch)]
+        out["sample_ms"] = _events_ms(lambda: sample_tokens(logits, rows), repeats)
+        greedy = [SamplingRow(SamplingSpec(temperature=0.0), state.token_ids, 1)] * batch
+        out["sample_greedy_ms"] = _events_ms(lambda: sample_tokens(logits, greedy), repeats)
+        profiled_steps = 5
+        with profile(activities=_activities()) as prof:
+            for _ in range(profiled_steps):
+                runner.finish_step(runner.launch_step(b.plan()))
+            _sync()
+        out["profile"] = _kernel_table(prof, profiled_steps)
+        b.finish()
+    return out
+
+
+def probe_prefill(runner, tokens: int, seq_len: int, vocab: int, repeats: int) -> dict:
+    from torch.profiler import profile
+
+    bs = runner.block_size
+    n = max(1, tokens // seq_len)
+    blocks_each = -(-(seq_len + 1) // bs)
+    out: dict = {"tokens": n * seq_len, "seq_len": seq_len}
+    times = []
+    with torch.inference_mode():
+        for r in range(repeats + 2):
+            ids = [f"prefill-{r}-{i}" for i in range(n)]
+            new = [NewRequest(req_id, [(7 * i + j) % vocab for j in range(seq_len)], seq_len, 0,
+                              list(range(i * blocks_each, (i + 1) * blocks_each)), SamplingSpec(temperature=0.6, seed=i))
+                   for i, req_id in enumerate(ids)]
+            plan = StepPlan(step_id=runner.last_step_id + 1, new_requests=new, req_ids=ids, num_tokens=[seq_len] * n)
+            _sync()
+            t0 = time.perf_counter()
+            if r == repeats + 1:
+                with profile(activities=_activities()) as prof:
+                    runner.finish_step(runner.launch_step(plan))
+                    _sync()
+                out["profile"] = _kernel_table(prof, 1)
+            else:
+                runner.finish_step(runner.launch_step(plan))
+                if r >= 1:
+                    times.append((time.perf_counter() - t0) * 1e3)
+            runner.finish_step(runner.launch_step(StepPlan(step_id=runner.last_step_id + 1, finished_req_ids=ids)))
+    out["step_ms"] = statistics.median(times)
+    out["tokens_per_s"] = out["tokens"] / out["step_ms"] * 1e3
+    return out
+
+
+def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    from shardserve.config import build_engine_config, read_model_facts
+    from shardserve.worker.model_runner import ModelRunner
+
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    engine_kwargs = dict(engine_kwargs)
+    engine_kwargs["max_num_seqs"] = max(batches)
+    bs = engine_kwargs.get("block_size") or 16
+    need = max(sum(-(-(args.context_len + 3 * args.repeats + 28) // bs) for _ in range(b)) for b in batches)
+    need = max(need, (args.prefill_tokens // args.prefill_seq_len + 1) * (-(-(args.prefill_seq_len + 1) // bs)))
+    engine_kwargs["num_kv_blocks"] = engine_kwargs.get("num_kv_blocks") or need
+    config = build_engine_config(**engine_kwargs)
+    if config.tensor_parallel_size != 1:
+        raise SystemExit("bench probe runs on one device (--tp 1)")
+    vocab = read_model_facts(config.model).vocab_size
+    runner = ModelRunner(config)
+    runner.allocate_kv_cache(config.num_kv_blocks)
+    report = {"model": args.model, "config": {"max_num_seqs": config.max_num_seqs, "dtype": config.dtype},
+              "decode": [], "prefill": None}
+    for batch in batches:
+        result = probe_decode(runner, batch, args.context_len, args.temperature, vocab, args.repeats)
+        report["decode"].append(result)
+        print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+        print("  device ms/step {device_ms_per_step:.3f}, kernels/step {kernels_per_step:.0f}".format(**result["profile"]))
+        for row in result["profile"]["top"]:
+            print(f"    {row['ms_per_step']:8.3f} ms {row['launches_per_step']:6.1f}x  {row['kernel']}")
+    if args.prefill_tokens:
+        result = probe_prefill(runner, args.prefill_tokens, args.prefill_seq_len, vocab, args.repeats // 3 + 1)
+        report["prefill"] = result
+        print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+        print("  device ms/step {device_ms_per_step:.3f}, kernels/step {kernels_per_step:.0f}".format(**result["profile"]))
+        for row in result["profile"]["top"]:
+            print(f"    {row['ms_per_step']:8.3f} ms {row['launches_per_step']:6.1f}x  {row['kernel']}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
