@@ -28,7 +28,7 @@ def _decode_kernel(
     stride_cb, stride_cp, stride_ch, stride_bt,
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Grid (num_seqs, num_kv_heads, NUM_SPLITS). Program (s, h, j) attends the query heads h*GROUP ..
     h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles)."""
@@ -60,13 +60,13 @@ def _decode_kernel(
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
         s = tl.where(valid[None, :], s, _NEG_BIG)
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
         l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
 
     has_keys = l > 0.0
@@ -103,6 +103,12 @@ def _merge_splits_kernel(
                     mask=split_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     result = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """tl.dot's input precision: full fp32 for fp32 inputs (fp32 runs are correctness runs, held to transformers'
+    fp32 logits; tf32 would round the inputs to 10 mantissa bits), the default elsewhere (bf16/fp16 ignore it)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
@@ -158,7 +164,8 @@ def paged_decode_attention(
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n or (64 if block_d <= 128 else 32), num_warps=num_warps, num_stages=num_stages,
+        BLOCK_N=block_n or (64 if block_d <= 128 else 32), DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.paged_attention import check_paged_inputs
+from shardserve.kernels.paged_attention import check_paged_inputs, dot_precision
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" (see paged_attention.py)
@@ -43,7 +43,8 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
                     kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
     """One online-softmax step over keys tile_start .. tile_start + BLOCK_N - 1. Without CAUSAL every row sees
     every key of the tile (keys before the query tile's first position), so loads and scores go unmasked."""
     pos = tile_start + tl.arange(0, BLOCK_N)
@@ -61,14 +62,14 @@ def _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_
     else:
         k = tl.load(k_cache_ptr + kv_off)
         v = tl.load(v_cache_ptr + kv_off)
-    s = tl.dot(q, tl.trans(k)) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
     if CAUSAL:
         s = tl.where(pos[None, :] <= q_pos[:, None], s, _NEG_BIG)
     m_new = tl.maximum(m, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
     l = l * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l, acc
 
 
@@ -82,6 +83,7 @@ def _prefill_kernel(
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + B, num_kv_heads). Program (t, h): query tile t (of some sequence) x KV head h."""
     tile = tl.program_id(0)
@@ -115,11 +117,11 @@ def _prefill_kernel(
         for tile_start in range(0, unmasked_end, BLOCK_N):
             m, l, acc = _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
                                         kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N, False)
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION)
         for tile_start in range(unmasked_end, last_q_pos + 1, BLOCK_N):
             m, l, acc = _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
                                         kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N, True)
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION)
 
         result = acc / tl.where(l > 0.0, l, 1.0)[:, None]
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -159,7 +161,7 @@ def paged_prefill_attention(
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n or (64 if block_d <= 128 else 32),
-        num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
     )
     return out
 

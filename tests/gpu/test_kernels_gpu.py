@@ -114,3 +114,30 @@ def test_rope_bf16_llama_shapes():
     apply_rope_(positions, q, k, freqs.cos(), freqs.sin())
     torch.testing.assert_close(q, q_ref, **BF16)
     torch.testing.assert_close(k, k_ref, **BF16)
+
+
+@pytest.mark.parametrize("width", [3072, 14336])  # Qwen3-0.6B and Llama-3-8B intermediate sizes
+def test_silu_and_mul_bf16(width):
+    from shardserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+
+    gate_up = torch.randn(257, 2 * width, dtype=torch.bfloat16, device="cuda") * 3
+    torch.testing.assert_close(silu_and_mul(gate_up).float(), _float_ref(silu_and_mul_ref, gate_up), **BF16)
+
+
+def test_rope_with_qk_norm_bf16_qwen3_shapes():
+    from shardserve.kernels.rmsnorm import rms_norm_ref
+
+    tokens, heads, kv_heads, dim = 300, 16, 8, 128
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, dtype=torch.bfloat16, device="cuda") * 2
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    wq = torch.rand(dim, dtype=torch.bfloat16, device="cuda") + 0.5
+    wk = torch.rand(dim, dtype=torch.bfloat16, device="cuda") + 0.5
+    inv_freq = 1.0 / 1000000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim)
+    freqs = torch.outer(torch.arange(4096, device="cuda").float(), inv_freq)
+    positions = torch.randint(0, 4096, (tokens,), device="cuda")
+    q_ref, k_ref = rope_ref(positions, _float_ref(rms_norm_ref, q, wq, 1e-6), _float_ref(rms_norm_ref, k, wk, 1e-6),
+                            freqs.cos(), freqs.sin())
+    apply_rope_(positions, q, k, freqs.cos(), freqs.sin(), (wq, wk), 1e-6)
+    torch.testing.assert_close(q.float(), q_ref, **BF16)
+    torch.testing.assert_close(k.float(), k_ref, **BF16)
