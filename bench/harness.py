@@ -47,9 +47,12 @@ class EngineRun:
 
 def phase_split(run: EngineRun) -> dict:
     """Where the run's wall time went: steps with prefill tokens vs decode-only steps (by batch size range)."""
-    out: dict = {"prefill_steps": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0, "decode_by_batch": {}}
+    out: dict = {"prefill_steps": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0, "decode_by_batch": {},
+                 "first_step_s": run.step_ms[0] / 1e3 if run.step_ms else 0.0, "untimed_steps_s": 0.0,
+                 "outside_steps_s": run.elapsed_s - sum(run.step_ms) / 1e3}
     for ms, timing in zip(run.step_ms, run.steps):
-        if timing is None:
+        if timing is None:  # submitted a plan without collecting one (async scheduling's first step)
+            out["untimed_steps_s"] += ms / 1e3
             continue
         kind = "decode" if timing.decode_only else "prefill"
         out[f"{kind}_steps"] += 1

@@ -99,7 +99,9 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         peak_memory_gb=peak,
     )
     phases = phase_split(run)
-    print(f"phases: {phases['prefill_steps']} steps with prefill in {phases['prefill_s']:.2f} s, "
+    print(f"phases: first step {phases['first_step_s']:.3f} s, untimed steps {phases['untimed_steps_s']:.3f} s, "
+          f"outside steps {phases['outside_steps_s']:.3f} s; "
+          f"{phases['prefill_steps']} steps with prefill in {phases['prefill_s']:.2f} s, "
           f"{phases['decode_steps']} decode-only steps in {phases['decode_s']:.2f} s; decode ms/step by batch: "
           + ", ".join(f"{k}: {v['ms_per_step']:.2f} ({v['steps']})" for k, v in phases["decode_by_batch"].items()),
           flush=True)

@@ -19,7 +19,9 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps empty splits and masked tiles free of NaN
 
 
-@triton.jit
+# The block table's row stride is the step's widest table: left unspecialised, or each new value that is (not) a
+# multiple of 16 compiles another variant in the middle of serving (~1 s for this kernel).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,

@@ -73,7 +73,8 @@ def _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_
     return m_new, l, acc
 
 
-@triton.jit(do_not_specialize=["num_seqs"])  # a batch of 1 must not compile a constexpr bound
+# num_seqs: a batch of 1 must not compile a constexpr bound; stride_bt: see paged_attention.py
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,

@@ -248,19 +248,23 @@ class ModelRunner:
             tables.append(state.block_ids[: -(-end // bs)])
         num_tokens, num_seqs = len(input_ids), len(batch)
         width = max(len(t) for t in tables)
-        flat = input_ids + positions + [0] * (num_seqs + 1) + seq_lens
+        # Every section starts 16-byte aligned (an even int64 offset): Triton specialises kernels on pointer
+        # alignment, and a positions view at an odd offset would compile a second RoPE variant mid-run.
+        gap = [0] * (num_tokens % 2)
+        flat = input_ids + gap + positions + gap + [0] * (num_seqs + 1) + seq_lens
         for t in tables:
             flat += t
             if len(t) < width:
                 flat += [0] * (width - len(t))
         host = torch.tensor(flat, dtype=torch.int64)
-        host[2 * num_tokens + 1 : 2 * num_tokens + 1 + num_seqs] = torch.tensor(query_lens).cumsum(0)
+        span = num_tokens + len(gap)
+        host[2 * span + 1 : 2 * span + 1 + num_seqs] = torch.tensor(query_lens).cumsum(0)
         if self._pin:
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
         ids_t = dev[:num_tokens]
-        pos_t = dev[num_tokens : 2 * num_tokens]
-        offset = 2 * num_tokens
+        pos_t = dev[span : span + num_tokens]
+        offset = 2 * span
         query_start_loc = dev[offset : offset + num_seqs + 1].to(torch.int32)
         offset += num_seqs + 1
         seq_lens_t = dev[offset : offset + num_seqs].to(torch.int32)

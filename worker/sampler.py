@@ -1,10 +1,14 @@
 """Picks each request's next token from the model's logits: penalties, min_tokens, greedy or seeded sampling, logprobs.
 
 Design decision: randomness is a pure function of (seed, index of the token being generated).
-Each sampled row hashes its (seed, index) with splitmix64 into one uniform u in (0, 1) and takes the first token
-whose cumulative probability reaches u (inverse-CDF sampling: token i comes out with probability probs[i], and a
-token with probability 0 never does). One draw per row, not one per vocabulary entry: an earlier version drew
-an exponential race over the whole vocabulary, which cost ~40 ms a step on CPU at batch 32. No generator state, so:
+Each sampled row hashes its (seed, index) with splitmix64 into a 64-bit key. On CPU the key gives one uniform u in
+(0, 1) and the row takes the first token whose cumulative probability reaches u (inverse-CDF sampling: token i
+comes out with probability probs[i], and a token with probability 0 never does); one draw per row, because a draw
+per vocabulary entry cost ~40 ms a step on CPU at batch 32. On CUDA a Triton kernel hashes the key with each token
+index into Gumbel noise and takes the argmax (kernels/sampling.py): one pass over the logits instead of softmax,
+a float64 cumulative sum and a search (that torch path took 1.36 ms a step at batch 256 x 152k vocabulary on an
+H200). Both draw exactly from the filtered softmax; they are different draws, so the same seed gives
+different (equally distributed) tokens on CPU and on GPU. No generator state, so:
 - a request's tokens do not depend on what else is in the batch or on its row order;
 - after a preemption the request resumes with the same draws (the index is the number of tokens it generated
   before, which the resumed request carries);
@@ -180,7 +184,9 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then the seeded exponential race. Returns [n] int64 token ids."""
+    """Temperature, top-k, top-p, min-p, then the seeded draw. Returns [n] int64 token ids."""
+    if logits.is_cuda:
+        return _sample_rows_gumbel(logits, rows)
     device = logits.device
     temps = device_tensor([r.spec.temperature for r in rows], logits.dtype, device).unsqueeze(1)
     logits = logits / temps
@@ -198,6 +204,29 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     cdf = torch.cumsum(probs.double(), dim=1)
     u = device_tensor(draws, torch.float64, device).unsqueeze(1) * cdf[:, -1:]  # scaled: filtered rows sum < 1
     return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=probs.shape[1] - 1)
+
+
+def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The GPU draw: filters as -inf logits, then one Triton pass per row (kernels/sampling.py: Gumbel-max over
+    hashed uniforms of the same per-row key). Without top-k/top-p/min-p the logits are read once, unscaled."""
+    from shardserve.kernels.sampling import gumbel_sample, split_keys
+
+    device = logits.device
+    inv_temps = device_tensor([1.0 / r.spec.temperature for r in rows], torch.float32, device)
+    keys = device_tensor(split_keys([row_key(r.spec.seed, r.output_index) for r in rows]), torch.int64, device)
+    top_k = [r.spec.top_k for r in rows]
+    top_p = [r.spec.top_p for r in rows]
+    min_p = [r.spec.min_p for r in rows]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p) or any(m > 0.0 for m in min_p):
+        logits = logits * inv_temps.unsqueeze(1)
+        inv_temps = torch.ones_like(inv_temps)
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _filter_top_k_top_p(logits, top_k, top_p)
+        if any(m > 0.0 for m in min_p):
+            # probs >= m * max(probs)  <=>  logit >= max(logit) + log(m)
+            log_m = torch.log(device_tensor(min_p, torch.float32, device)).unsqueeze(1)
+            logits = logits.masked_fill(logits < logits.max(dim=1, keepdim=True).values + log_m, float("-inf"))
+    return gumbel_sample(logits, keys.view(-1, 2), inv_temps)
 
 
 def token_logprobs(
@@ -233,9 +262,11 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     the next step there). Leaves `logits` unchanged, so token_logprobs can read them afterwards."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
-    logits = logits.float().clone()
-    apply_penalties(logits, rows)
-    apply_min_tokens(logits, rows)
+    logits = logits.float()
+    if any(_edits_logits(r) for r in rows):  # penalties and min_tokens write in place: on a copy
+        logits = logits.clone()
+        apply_penalties(logits, rows)
+        apply_min_tokens(logits, rows)
     sampled = [i for i, r in enumerate(rows) if r.spec.temperature > 0.0]
     if len(sampled) == len(rows):
         tokens = _sample_rows(logits, rows)
@@ -245,3 +276,9 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
             idx = device_tensor(sampled, torch.int64, logits.device)
             tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
     return tokens
+
+
+def _edits_logits(row: SamplingRow) -> bool:
+    spec = row.spec
+    return (spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
+            or (bool(spec.stop_token_ids) and row.output_index < spec.min_tokens))

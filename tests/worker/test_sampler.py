@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from shardserve.proto.plan import SamplingSpec
@@ -16,6 +17,19 @@ from shardserve.worker.sampler import (
     splitmix64,
     uniform_draw,
 )
+
+
+@pytest.fixture(autouse=True, params=["inverse-cdf", "gumbel"])
+def draw_path(request, monkeypatch):
+    """Every test runs on both draws: the CPU one (inverse CDF) and the CUDA one (Gumbel-max over hashed
+    uniforms, worker/sampler._sample_rows_gumbel), the latter with its torch reference in place of the kernel."""
+    if request.param == "gumbel":
+        from shardserve.kernels import sampling as kernels
+        from shardserve.worker import sampler
+
+        monkeypatch.setattr(sampler, "_sample_rows", sampler._sample_rows_gumbel)
+        monkeypatch.setattr(kernels, "gumbel_sample", kernels.gumbel_sample_ref)
+    return request.param
 
 
 def _row(prompt=(1, 2, 3), generated=(), **spec) -> SamplingRow:

@@ -1,0 +1,95 @@
+"""Triton sampling: one pass over each row's logits, no softmax, no sort, no cumulative sum.
+
+The Gumbel-max trick: argmax_i(logit_i / T + g_i), with g_i = -log(-log(u_i)) and u_i uniform in (0, 1), picks
+token i with probability softmax(logit / T)_i. Each u_i is a hash of (the row's 64-bit key, i), so a row's token
+is a pure function of its logits and its key (sampler.row_key(seed, index of the token being generated)): the
+same on every tensor-parallel rank, whatever the batch around it. Masked tokens (-inf logits, from top-k, top-p,
+min-p or min_tokens) are never picked.
+
+The hash: two rounds of murmur3's 32-bit finaliser, over the token index xor each half of the key, computed in
+int64 and masked to 32 bits after every multiply (the same arithmetic in the interpreter and compiled). u takes the
+top 24 bits, centred: (h >> 8 + 0.5) / 2^24, never 0 or 1.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_BLOCK = 2048
+
+
+@triton.jit
+def _fmix32(h):
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, inv_temps_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+    """Grid (rows,). keys: [rows, 2] int64, the low and high 32 bits of each row's key."""
+    row = tl.program_id(0).to(tl.int64)
+    k0 = tl.load(keys_ptr + 2 * row)
+    k1 = tl.load(keys_ptr + 2 * row + 1)
+    inv_t = tl.load(inv_temps_ptr + row)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_idx = tl.zeros([BLOCK], tl.int64)
+    for start in range(0, vocab, BLOCK):
+        cols = start + tl.arange(0, BLOCK).to(tl.int64)
+        mask = cols < vocab
+        logit = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        h = _fmix32(_fmix32(cols ^ k0) ^ k1)
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        score = logit * inv_t - tl.log(-tl.log(u))
+        score = tl.where(mask & (logit > float("-inf")), score, float("-inf"))
+        better = score > best  # per lane: ties keep the lower index (seen first)
+        best = tl.where(better, score, best)
+        best_idx = tl.where(better, cols, best_idx)
+    top = tl.max(best, 0)
+    # the lowest index among lanes holding the maximum (a row of all -inf picks index 0)
+    winner = tl.min(tl.where(best == top, best_idx, vocab), 0)
+    tl.store(out_ptr + row, tl.minimum(winner, vocab - 1))
+
+
+def split_keys(keys: list[int]) -> list[int]:
+    """[k0 low, k0 high, k1 low, ...]: each 64-bit key as two 32-bit halves (the kernel's key layout)."""
+    out = []
+    for key in keys:
+        out.append(key & 0xFFFFFFFF)
+        out.append((key >> 32) & 0xFFFFFFFF)
+    return out
+
+
+def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Tensor) -> torch.Tensor:
+    """logits [n, V] (float32/bf16; -inf = excluded), keys [n, 2] int64 (split_keys), inv_temps [n] float32
+    (1 / temperature) -> [n] int64 token ids."""
+    n, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(n, dtype=torch.int64, device=logits.device)
+    if n:
+        _gumbel_argmax_kernel[(n,)](logits, logits.stride(0), keys, inv_temps, out, vocab, BLOCK=_BLOCK)
+    return out
+
+
+def _fmix32_ref(h: torch.Tensor) -> torch.Tensor:
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+    return h ^ (h >> 16)
+
+
+def gumbel_sample_ref(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Tensor) -> torch.Tensor:
+    """The same draw in torch (int64 arithmetic): the reference the kernel is tested against."""
+    n, vocab = logits.shape
+    cols = torch.arange(vocab, dtype=torch.int64, device=logits.device).unsqueeze(0)
+    h = _fmix32_ref(_fmix32_ref(cols ^ keys[:, :1]) ^ keys[:, 1:])
+    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    score = logits.float() * inv_temps.unsqueeze(1) - torch.log(-torch.log(u))
+    score = torch.where(logits.float() > float("-inf"), score, float("-inf"))
+    return score.argmax(dim=1)
