@@ -256,7 +256,7 @@ class ModelRunner:
             flat += t
             if len(t) < width:
                 flat += [0] * (width - len(t))
-        host = torch.tensor(flat, dtype=torch.int64)
+        host = cuda_graphs.host_int64(flat)
         span = num_tokens + len(gap)
         host[2 * span + 1 : 2 * span + 1 + num_seqs] = torch.tensor(query_lens).cumsum(0)
         if self._pin:

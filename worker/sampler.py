@@ -187,6 +187,7 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, then the seeded draw. Returns [n] int64 token ids."""
     if logits.is_cuda:
         return _sample_rows_gumbel(logits, rows)
+    logits = logits.float()
     device = logits.device
     temps = device_tensor([r.spec.temperature for r in rows], logits.dtype, device).unsqueeze(1)
     logits = logits / temps
@@ -251,7 +252,8 @@ def token_logprobs(
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-    """logits: [N, V] float32 (full vocabulary), one row per SamplingRow. Returns one token (and logprobs) per row."""
+    """logits: [N, V] (full vocabulary, any float dtype), one row per SamplingRow. Returns one token (and logprobs)
+    per row."""
     tokens = sample_tokens(logits, rows)
     return SamplerOutput(token_ids=tokens.tolist(), logprobs=token_logprobs(logits, rows, tokens))
 
@@ -262,9 +264,8 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     the next step there). Leaves `logits` unchanged, so token_logprobs can read them afterwards."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
-    logits = logits.float()
-    if any(_edits_logits(r) for r in rows):  # penalties and min_tokens write in place: on a copy
-        logits = logits.clone()
+    if any(_edits_logits(r) for r in rows):  # penalties and min_tokens write in place: on a float32 copy
+        logits = logits.to(torch.float32, copy=True)
         apply_penalties(logits, rows)
         apply_min_tokens(logits, rows)
     sampled = [i for i, r in enumerate(rows) if r.spec.temperature > 0.0]

@@ -54,7 +54,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.tied = tied_to is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 [N, vocab_size], the full vocabulary on every rank."""
-        local_logits = F.linear(hidden, self.weight).float()
+        """[N, hidden] -> [N, vocab_size] in the model dtype (as transformers computes them), the full vocabulary
+        on every rank. The sampler reads them as they are; float32 copies are made only where a step needs one."""
+        local_logits = F.linear(hidden, self.weight)
         logits = all_gather_last_dim(local_logits)
         return logits[..., : self.vocab_size]

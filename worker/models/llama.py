@@ -166,5 +166,5 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> float32 [N, vocab_size], the full vocabulary on every rank."""
+        """[N, hidden] -> [N, vocab_size] in the model dtype, the full vocabulary on every rank."""
         return self.lm_head(hidden)
