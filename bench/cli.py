@@ -59,6 +59,8 @@ def add_bench_parser(sub, add_engine_args) -> None:
     probe.add_argument("--repeats", type=int, default=20)
     probe.add_argument("--prefill-tokens", type=int, default=8192, help="0: no prefill probe")
     probe.add_argument("--prefill-seq-len", type=int, default=1024)
+    probe.add_argument("--sweep-attention", default="", metavar="BxC,...",
+                       help="also time the decode kernel's launch settings at these batch x context shapes")
     probe.add_argument("--json-out", default=None)
     probe.set_defaults(func=_run("shardserve.bench.probe"))
 

@@ -161,10 +161,14 @@ fi
 # (p) where a step's time goes (bench probe: host, forward, LM head, sampling, prefill) [GPU 0 || GPU 1]
 PROBE_LENS="--context-len 800 --max-model-len $MML_OFF"
 [ "$SMOKE" = 1 ] && PROBE_LENS="--context-len 40 --max-model-len 256 --prefill-tokens 64 --prefill-seq-len 32 --repeats 4"
-start_step probe_qwen3 150 60 0 $PY -m shardserve.cli bench probe --model $SMALL ${DEV/--num-kv-blocks 256/} \
-  --batch-sizes 1,64,256 $PROBE_LENS --json-out "$OUT/probe_qwen3.json"
-start_step probe_llama8b 150 60 1 $PY -m shardserve.cli bench probe --model $BIG ${DEV/--num-kv-blocks 256/} \
-  --batch-sizes 1,64,128 $PROBE_LENS --json-out "$OUT/probe_llama8b.json"
+SWEEP=${SWEEP:-0}  # 1: the probes also sweep the decode kernel's launch settings (+ ~1-2 min)
+SWEEP_SMALL=; SWEEP_BIG=; PROBE_LIMIT=150
+[ "$SWEEP" = 1 ] && SWEEP_SMALL="--sweep-attention 256x800,64x1600" && SWEEP_BIG="--sweep-attention 1x384,64x800" \
+  && PROBE_LIMIT=270
+start_step probe_qwen3 $PROBE_LIMIT 60 0 $PY -m shardserve.cli bench probe --model $SMALL ${DEV/--num-kv-blocks 256/} \
+  --batch-sizes 1,64,256 $PROBE_LENS $SWEEP_SMALL --json-out "$OUT/probe_qwen3.json"
+start_step probe_llama8b $PROBE_LIMIT 60 1 $PY -m shardserve.cli bench probe --model $BIG ${DEV/--num-kv-blocks 256/} \
+  --batch-sizes 1,64,128 $PROBE_LENS $SWEEP_BIG --json-out "$OUT/probe_llama8b.json"
 finish_step probe_qwen3; finish_step probe_llama8b
 
 # (b) offline Qwen3-0.6B, nano-vllm's workload [GPU 0]  ||  (c) latency Llama-3-8B TP=1 [GPU 1]

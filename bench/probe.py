@@ -213,7 +213,64 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         print("  device ms/step {device_ms_per_step:.3f}, kernels/step {kernels_per_step:.0f}".format(**result["profile"]))
         for row in result["profile"]["top"]:
             print(f"    {row['ms_per_step']:8.3f} ms {row['launches_per_step']:6.1f}x  {row['kernel']}")
+    if args.sweep_attention:
+        report["attention_sweep"] = []
+        for spec in args.sweep_attention.split(","):  # BATCHxCONTEXT
+            batch, context = (int(x) for x in spec.split("x"))
+            try:
+                rows, chosen = sweep_decode_attention(args.model, batch, context)
+            except Exception as exc:  # the probe's other numbers still count
+                print(f"decode attention sweep {spec} failed: {exc!r}", flush=True)
+                continue
+            best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+            default = next((r for r in rows if r.get("block_n") == 64 and r.get("warps") == 4
+                            and r.get("stages") == 2 and r.get("splits") == chosen and "ms" in r), None)
+            report["attention_sweep"].append({"batch": batch, "context": context, "chosen_splits": chosen,
+                                              "default": default, "best": best, "all": rows})
+            print(f"decode attention {batch}x{context}: default {default} | best {best}", flush=True)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)
     return 0
+
+
+def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 20) -> tuple[list[dict], int]:
+    """Times the paged decode kernel over its launch settings (BLOCK_N, warps, stages, splits) on the model's
+    per-rank attention shape, bf16, a random cache of batch x context tokens: the KV bytes read over the time."""
+    from transformers import AutoConfig
+
+    from shardserve.kernels.paged_attention import paged_decode_attention
+    from shardserve.models import resolve_model
+
+    hf = AutoConfig.from_pretrained(resolve_model(model, "dummy").model_dir)
+    heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
+    dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    bs = 16
+    blocks_each = -(-context // bs)
+    device = torch.device("cuda")
+    k_cache = torch.randn(batch * blocks_each, bs, kv_heads, dim, dtype=torch.bfloat16, device=device)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(batch * blocks_each, device=device).view(batch, blocks_each).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=device)
+    kv_bytes = batch * context * kv_heads * dim * 2 * 2
+    from shardserve.kernels.paged_attention import choose_num_splits
+
+    chosen = choose_num_splits(batch, kv_heads, context)
+    results = []
+    for num_splits in sorted({chosen, 2 * chosen} | ({1} if chosen <= 2 else set())):
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    def run():
+                        paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, num_splits=num_splits,
+                                               block_n=block_n, num_warps=warps, num_stages=stages)
+                    try:
+                        ms = _events_ms(run, repeats)
+                    except Exception as exc:  # a setting this GPU cannot compile (shared memory): skipped
+                        results.append({"splits": num_splits, "block_n": block_n, "warps": warps, "stages": stages,
+                                        "error": type(exc).__name__})
+                        continue
+                    results.append({"splits": num_splits, "block_n": block_n, "warps": warps, "stages": stages,
+                                    "ms": ms, "tb_per_s": kv_bytes / ms / 1e9})
+    return results, chosen

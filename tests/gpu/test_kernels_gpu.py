@@ -141,3 +141,16 @@ def test_rope_with_qk_norm_bf16_qwen3_shapes():
     apply_rope_(positions, q, k, freqs.cos(), freqs.sin(), (wq, wk), 1e-6)
     torch.testing.assert_close(q.float(), q_ref, **BF16)
     torch.testing.assert_close(k.float(), k_ref, **BF16)
+
+
+def test_gumbel_sampler_matches_its_reference_at_qwen3_vocabulary():
+    from shardserve.kernels.sampling import gumbel_sample, gumbel_sample_ref, split_keys
+
+    logits = (torch.randn(256, 151936, device="cuda") * 4).to(torch.bfloat16)
+    logits[::7, 1000:] = float("-inf")  # some rows restricted to their first 1000 tokens
+    keys = torch.tensor(split_keys([(0x9E3779B97F4A7C15 * (i + 1)) % 2**64 for i in range(256)]),
+                        dtype=torch.int64, device="cuda").view(-1, 2)
+    inv_t = torch.linspace(0.5, 3.0, 256, device="cuda")
+    tokens = gumbel_sample(logits, keys, inv_t)
+    assert torch.equal(tokens, gumbel_sample_ref(logits, keys, inv_t))
+    assert int(tokens[::7].max()) < 1000
