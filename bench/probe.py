@@ -223,7 +223,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
                 print(f"decode attention sweep {spec} failed: {exc!r}", flush=True)
                 continue
             best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-            default = next((r for r in rows if r.get("block_n") == 64 and r.get("warps") == 4
+            default = next((r for r in rows if r.get("block_n") == 64 and r.get("warps") == 4 and r.get("heads_first")
                             and r.get("stages") == 2 and r.get("splits") == chosen and "ms" in r), None)
             report["attention_sweep"].append({"batch": batch, "context": context, "chosen_splits": chosen,
                                               "default": default, "best": best, "all": rows})
@@ -258,19 +258,20 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
 
     chosen = choose_num_splits(batch, kv_heads, context)
     results = []
-    for num_splits in sorted({chosen, 2 * chosen} | ({1} if chosen <= 2 else set())):
-        for block_n in (32, 64, 128):
-            for warps in (4, 8):
-                for stages in (2, 3, 4):
-                    def run():
-                        paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, num_splits=num_splits,
-                                               block_n=block_n, num_warps=warps, num_stages=stages)
-                    try:
-                        ms = _events_ms(run, repeats)
-                    except Exception as exc:  # a setting this GPU cannot compile (shared memory): skipped
-                        results.append({"splits": num_splits, "block_n": block_n, "warps": warps, "stages": stages,
-                                        "error": type(exc).__name__})
-                        continue
-                    results.append({"splits": num_splits, "block_n": block_n, "warps": warps, "stages": stages,
-                                    "ms": ms, "tb_per_s": kv_bytes / ms / 1e9})
+    settings = [(splits, block_n, warps, stages, heads_first)
+                for splits in sorted({chosen, 2 * chosen, 4 * chosen} | ({1} if chosen <= 2 else set()))
+                for block_n in (32, 64) for warps in (4, 8) for stages in (2, 3) for heads_first in (False, True)]
+    for num_splits, block_n, warps, stages, heads_first in settings:
+        def run():
+            paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, num_splits=num_splits,
+                                   block_n=block_n, num_warps=warps, num_stages=stages,
+                                   heads_first=heads_first)
+        try:
+            ms = _events_ms(run, repeats)
+        except Exception as exc:  # a setting this GPU cannot compile (shared memory): skipped
+            results.append({"splits": num_splits, "block_n": block_n, "warps": warps, "stages": stages,
+                            "heads_first": heads_first, "error": type(exc).__name__})
+            continue
+        results.append({"splits": num_splits, "block_n": block_n, "warps": warps, "stages": stages,
+                        "heads_first": heads_first, "ms": ms, "tb_per_s": kv_bytes / ms / 1e9})
     return results, chosen

@@ -31,11 +31,18 @@ def _decode_kernel(
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HEADS_FIRST: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
 ):
-    """Grid (num_seqs, num_kv_heads, NUM_SPLITS). Program (s, h, j) attends the query heads h*GROUP ..
-    h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles)."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    """Grid (num_seqs, num_kv_heads, NUM_SPLITS), or (num_seqs * num_kv_heads, 1, NUM_SPLITS) with HEADS_FIRST.
+    Program (s, h, j) attends the query heads h*GROUP .. h*GROUP+GROUP-1 of sequence s to its context positions
+    in split j (a run of whole BLOCK_N tiles). HEADS_FIRST launches a sequence's KV heads next to each other, so
+    they read the same cache blocks (each head is a 256-byte slice of every token's row) at about the same time."""
+    if HEADS_FIRST:
+        seq = tl.program_id(0) // NUM_KV_HEADS
+        kv_head = tl.program_id(0) % NUM_KV_HEADS
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
@@ -79,7 +86,7 @@ def _decode_kernel(
                  result.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         # partials: part_out [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM], part_lse [num_seqs, num_heads, NUM_SPLITS]
-        row = (seq * (tl.num_programs(1) * GROUP) + heads) * NUM_SPLITS + split
+        row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], result, mask=out_mask)
         lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), _NEG_BIG)
         tl.store(part_lse_ptr + row, lse, mask=head_ok)
@@ -145,6 +152,7 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    heads_first: bool = True,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
@@ -158,7 +166,8 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(head_dim)
-    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+    grid = (num_seqs * num_kv_heads, 1, num_splits) if heads_first else (num_seqs, num_kv_heads, num_splits)
+    _decode_kernel[grid](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         scale * _LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -167,7 +176,7 @@ def paged_decode_attention(
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n or (64 if block_d <= 128 else 32), DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        HEADS_FIRST=heads_first, NUM_KV_HEADS=num_kv_heads, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

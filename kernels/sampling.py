@@ -30,17 +30,23 @@ def _fmix32(h):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, inv_temps_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
-    """Grid (rows,). keys: [rows, 2] int64, the low and high 32 bits of each row's key."""
+def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, inv_temps_ptr, best_ptr, index_ptr, vocab, chunk,
+                          BLOCK: tl.constexpr):
+    """Grid (rows, chunks). Program (r, c) scans vocabulary entries [c * chunk, (c + 1) * chunk) of row r and
+    writes its best score and index to best[r, c], index[r, c]. keys: [rows, 2] int64 (low, high 32 bits)."""
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    num_parts = tl.num_programs(1)
     k0 = tl.load(keys_ptr + 2 * row)
     k1 = tl.load(keys_ptr + 2 * row + 1)
     inv_t = tl.load(inv_temps_ptr + row)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int64)
-    for start in range(0, vocab, BLOCK):
+    lo = part * chunk
+    hi = tl.minimum(lo + chunk, vocab)
+    for start in range(lo, hi, BLOCK):
         cols = start + tl.arange(0, BLOCK).to(tl.int64)
-        mask = cols < vocab
+        mask = cols < hi
         logit = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
         h = _fmix32(_fmix32(cols ^ k0) ^ k1)
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
@@ -50,9 +56,10 @@ def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, inv_temps_ptr, out_ptr, 
         best = tl.where(better, score, best)
         best_idx = tl.where(better, cols, best_idx)
     top = tl.max(best, 0)
-    # the lowest index among lanes holding the maximum (a row of all -inf picks index 0)
-    winner = tl.min(tl.where(best == top, best_idx, vocab), 0)
-    tl.store(out_ptr + row, tl.minimum(winner, vocab - 1))
+    # the lowest index among lanes holding the maximum (a part of all -inf reports its first index)
+    winner = tl.min(tl.where(best == top, best_idx, hi), 0)
+    tl.store(best_ptr + row * num_parts + part, top)
+    tl.store(index_ptr + row * num_parts + part, tl.minimum(winner, tl.maximum(hi - 1, lo)))
 
 
 def split_keys(keys: list[int]) -> list[int]:
@@ -70,10 +77,21 @@ def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Ten
     n, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    out = torch.empty(n, dtype=torch.int64, device=logits.device)
-    if n:
-        _gumbel_argmax_kernel[(n,)](logits, logits.stride(0), keys, inv_temps, out, vocab, BLOCK=_BLOCK)
-    return out
+    if n == 0:
+        return torch.empty(0, dtype=torch.int64, device=logits.device)
+    # Few rows: split each row's vocabulary over several programs (one program scanning 152k entries alone
+    # takes ~0.1 ms), then pick the best part; many rows fill the GPU with one program each.
+    sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
+    parts = max(1, min(64, (2 * sms) // n, triton.cdiv(vocab, _BLOCK)))
+    chunk = triton.cdiv(triton.cdiv(vocab, parts), _BLOCK) * _BLOCK
+    parts = triton.cdiv(vocab, chunk)
+    best = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
+    index = torch.empty(n, parts, dtype=torch.int64, device=logits.device)
+    _gumbel_argmax_kernel[(n, parts)](logits, logits.stride(0), keys, inv_temps, best, index, vocab, chunk,
+                                      BLOCK=_BLOCK)
+    if parts == 1:
+        return index.view(n)
+    return index.gather(1, best.argmax(dim=1, keepdim=True)).view(n)
 
 
 def _fmix32_ref(h: torch.Tensor) -> torch.Tensor:

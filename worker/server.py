@@ -17,6 +17,7 @@ torch and the model code are imported lazily, so a process that only serves (a f
 from __future__ import annotations
 
 import os
+import queue
 import socket
 import threading
 import traceback
@@ -109,11 +110,41 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     # ---- the step stream -----------------------------------------------------------------------------------
     def Step(self, request_iterator, context: grpc.ServicerContext):
-        """One StepResult per StepPlan, in order. Refusals and failures travel in StepResult.error."""
-        for msg in request_iterator:
-            yield self._run_step(msg)
+        """One StepResult per StepPlan, in order. Refusals and failures travel in StepResult.error.
 
-    def _run_step(self, msg: pb.StepPlan) -> pb.StepResult:
+        Launch-ahead: a reader thread queues incoming plans. After launching plan N the loop waits for plan N+1
+        only while N's device work is still running; if it arrives, N+1 is launched behind N before N's tokens
+        are read back, so the GPU goes from step N to N+1 without waiting for this process (the engine sends
+        N+1 before it collects N: async scheduling). If N finishes first, N's result goes out at once."""
+        plans: queue.Queue = queue.Queue()
+        reader = threading.Thread(target=_read_plans, args=(request_iterator, plans), name="step-plans", daemon=True)
+        reader.start()
+        held: tuple[pb.StepPlan, Any] | None = None  # a launched step whose result is not sent yet
+        while True:
+            if held is None:
+                msg = plans.get()
+            else:
+                msg = _next_plan_while_running(plans, held[1])
+                if msg is None or msg is _END:
+                    yield self._finish_step(*held)
+                    held = None
+                    if msg is None:
+                        continue
+            if msg is _END:
+                break
+            launched = self._launch_step(msg)
+            if isinstance(launched, pb.StepResult):  # refused: answered in order, after the held step
+                if held is not None:
+                    yield self._finish_step(*held)
+                    held = None
+                yield launched
+                continue
+            if held is not None:
+                yield self._finish_step(*held)
+            held = (msg, launched)
+
+    def _launch_step(self, msg: pb.StepPlan) -> Any:
+        """Applies and queues a plan on the device (StepInFlight), or returns the refusal (a StepResult)."""
         with self._lock:
             if self.state != pb.WORKER_STATE_READY:
                 why = f"failed earlier: {self.error}" if self.state == pb.WORKER_STATE_FAILED else "not ready"
@@ -125,16 +156,30 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                     f"(stale or out of order); the plan was not applied",
                 )
             try:
-                result = self.runner.execute(step_plan_from_proto(msg))
+                flight = self.runner.launch_step(step_plan_from_proto(msg))
             except Exception:
-                self.state = pb.WORKER_STATE_FAILED
-                self.error = f"rank {self.rank} failed in step {msg.step_id}:\n{traceback.format_exc()}"
-                return self._refuse(msg, self.error)
+                return self._fail_step(msg)
             self.last_step_id = msg.step_id
-            if self.rank == 0:
-                return step_result_to_proto(result, rank=0)
-            # Every rank sampled the same tokens (worker/sampler.py): the others only acknowledge the step id.
-            return pb.StepResult(step_id=msg.step_id, rank=self.rank, forward_ms=result.forward_ms)
+            return flight
+
+    def _finish_step(self, msg: pb.StepPlan, flight: Any) -> pb.StepResult:
+        with self._lock:
+            if self.state == pb.WORKER_STATE_FAILED:  # an earlier step failed after this one was launched
+                return self._refuse(msg, f"rank {self.rank} refuses step {msg.step_id}: failed earlier: {self.error}")
+            try:
+                result = self.runner.finish_step(flight)
+            except Exception:
+                return self._fail_step(msg)
+        if self.rank == 0:
+            return step_result_to_proto(result, rank=0)
+        # Every rank sampled the same tokens (worker/sampler.py): the others only acknowledge the step id.
+        return pb.StepResult(step_id=msg.step_id, rank=self.rank, forward_ms=result.forward_ms)
+
+    def _fail_step(self, msg: pb.StepPlan) -> pb.StepResult:
+        """Called from an except block: this rank turns FAILED and refuses every later plan."""
+        self.state = pb.WORKER_STATE_FAILED
+        self.error = f"rank {self.rank} failed in step {msg.step_id}:\n{traceback.format_exc()}"
+        return self._refuse(msg, self.error)
 
     def _refuse(self, msg: pb.StepPlan, error: str) -> pb.StepResult:
         return pb.StepResult(step_id=msg.step_id, rank=self.rank, error=error)
@@ -171,6 +216,31 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.state = pb.WORKER_STATE_FAILED
         self.error = f"rank {self.rank} failed in {call}:\n{traceback.format_exc()}"
         context.abort(grpc.StatusCode.INTERNAL, self.error)
+
+
+_END = object()  # the Step stream's requests ended (or the call was cancelled)
+
+
+def _read_plans(request_iterator, plans: queue.Queue) -> None:
+    try:
+        for msg in request_iterator:
+            plans.put(msg)
+    except Exception:  # cancelled or broken stream: the loop ends after what it has
+        pass
+    finally:
+        plans.put(_END)
+
+
+def _next_plan_while_running(plans: queue.Queue, flight: Any, poll_s: float = 0.0002) -> Any:
+    """The next queued plan, waited for only while the launched step still runs on the device; None if it
+    finished first (CPU steps are finished at launch: then only a plan already queued is taken)."""
+    done = getattr(flight, "done", None)
+    while True:
+        try:
+            return plans.get_nowait() if done is None or done() else plans.get(timeout=poll_s)
+        except queue.Empty:
+            if done is None or done():
+                return None
 
 
 def _device_name(config: EngineConfig | None) -> str:

@@ -72,6 +72,10 @@ class StepInFlight:
         else:
             self._host_tokens = tokens
 
+    def done(self) -> bool:
+        """True once the step's tokens are in host memory (always on CPU, where launch computed them)."""
+        return self._ready is None or self._ready.query()
+
     def read_tokens(self) -> list[int]:
         """Waits for this step's tokens (not for later steps) and writes them over the placeholders. Idempotent."""
         if self._values is None:
