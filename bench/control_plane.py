@@ -2,9 +2,13 @@
 decode (every request in the batch, batch >= 64 by default), through the Ray + gRPC cluster and through local
 worker processes.
 
-Per decode step: the controller's wall time of engine.step() (scheduling, plan encoding, transport, the workers,
-result decoding, bookkeeping) against the slowest worker's forward_ms (its inputs, forward and sampling, measured
-inside the worker). share = (step - forward) / step, the median over the steady-state decode steps.
+Over the steady-state decode steps: the controller's wall time of engine.step() (scheduling, plan encoding,
+transport, the workers, result decoding, bookkeeping) against the slowest worker's forward_ms, which on CUDA is the
+step's device time (CUDA events around its kernels: inputs, forward, sampling). share = 1 - sum(forward) /
+sum(step): the fraction of the time the GPU is not working on a step, i.e. waiting for the control plane. With
+async scheduling and launch-ahead a step's device time overlaps the controller's next step, so per-step ratios
+mean little; the sums over the window are what the GPU could have done against what it did. On CPU forward_ms is
+host time and the share is the time outside the workers' step calls.
 """
 
 from __future__ import annotations
@@ -18,9 +22,9 @@ from shardserve.bench.workload import random_workload
 
 def control_plane_share(run: EngineRun, min_batch: int) -> dict:
     steps = run.decode_steps(min_batch)
-    shares = [(ms - t.forward_ms) / ms for ms, t in steps if ms > 0]
+    total = sum(ms for ms, _ in steps)
     return dict(
-        share=median(shares),
+        share=1.0 - sum(t.forward_ms for _, t in steps) / total if total > 0 else None,
         median_step_ms=median([ms for ms, _ in steps]),
         median_forward_ms=median([t.forward_ms for _, t in steps]),
         decode_steps=len(steps),

@@ -83,7 +83,8 @@ class StepResult:
     req_ids: list[str] = field(default_factory=list)  # requests that sampled a token this step, in batch order
     token_ids: list[int] = field(default_factory=list)  # the sampled token of each
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per entry, None where not asked
-    forward_ms: float = 0.0  # time the worker spent on this step (inputs, forward, sampling)
+    forward_ms: float = 0.0  # the worker's own time for this step (inputs, forward, sampling): device time on CUDA
+    #   (CUDA events around the step's kernels), host time elsewhere
 
 
 class Executor(Protocol):

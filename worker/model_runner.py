@@ -144,6 +144,7 @@ class ModelRunner:
         batch = self._schedule(plan)
         step = StepInFlight(StepResult(step_id=plan.step_id))
         if batch:
+            step.start_device_timer(self.device)
             hidden, ends = self._forward(batch)
             sampling_rows = [i for i, s in enumerate(batch) if s.end == len(s.state.token_ids)]
             if sampling_rows:
@@ -152,7 +153,9 @@ class ModelRunner:
                 states = [batch[i].state for i in sampling_rows]
                 read_back_for_penalties(states)
                 rows = [SamplingRow(s.sampling, s.token_ids, s.num_prompt_tokens) for s in states]
-                step.hold(sample_tokens(logits, rows), states, logits, rows)
+                tokens = sample_tokens(logits, rows)
+                step.stop_device_timer()
+                step.hold(tokens, states, logits, rows)
                 step.result.req_ids = [plan.req_ids[i] for i in sampling_rows]
             for s in batch:
                 s.state.num_computed = s.end

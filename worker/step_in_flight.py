@@ -42,7 +42,8 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 @dataclass(slots=True, eq=False)
 class StepInFlight:
     result: StepResult  # step_id and req_ids at launch; token_ids and logprobs once finished
-    host_s: float = 0.0  # host time spent launching and finishing: StepResult.forward_ms
+    host_s: float = 0.0  # host time spent launching and finishing: StepResult.forward_ms off CUDA
+    _timer: tuple[torch.cuda.Event, torch.cuda.Event | None] | None = None  # CUDA: the step's device time
     tokens: torch.Tensor | None = None  # [n] int64 sampled ids on the device, one per result.req_ids entry
     _host_tokens: torch.Tensor | None = None  # their host copy, written by a queued non-blocking copy
     _ready: torch.cuda.Event | None = None  # recorded after that copy (CUDA only)
@@ -71,6 +72,20 @@ class StepInFlight:
             self._ready.record()
         else:
             self._host_tokens = tokens
+
+    def start_device_timer(self, device: torch.device) -> None:
+        """CUDA: an event before the step's first kernel; with stop_device_timer() after its sampling, the step's
+        forward_ms is the device time between them (the GPU's own time for the step, wherever the host was)."""
+        if device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._timer = (start, None)
+
+    def stop_device_timer(self) -> None:
+        if self._timer is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._timer = (self._timer[0], end)
 
     def done(self) -> bool:
         """True once the step's tokens are in host memory (always on CPU, where launch computed them)."""
@@ -101,6 +116,11 @@ class StepInFlight:
         self._states = []
         self.host_s += time.perf_counter() - started
         self.result.forward_ms = self.host_s * 1e3
+        if self._timer is not None and self._timer[1] is not None:
+            start, end = self._timer
+            end.synchronize()  # recorded before the tokens' copy, so already complete here
+            self.result.forward_ms = start.elapsed_time(end)
+        self._timer = None
         return self.result
 
 
