@@ -58,8 +58,9 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
                       temperature=args.temperature, ignore_eos=True),
     )
     record.notes.update(measure="control_plane", executors=results,
-                        definition="median over decode steps with batch >= min_batch of (controller step ms - "
-                                   "slowest worker forward_ms) / controller step ms; the headline is the cluster's")
+                        definition="1 - sum(slowest worker forward_ms) / sum(controller step ms) over the decode "
+                                   "steps with batch >= min_batch; forward_ms is device time on CUDA (events), "
+                                   "host time on CPU; the headline is the cluster's")
     for executor in executors:
         name = "cluster (Ray + gRPC)" if executor == "cluster" else local_name
         if executor == "cluster" and not ray_importable():

@@ -8,6 +8,7 @@
 # project is installed editable without fetching, or (if that fails) mapped by a sitecustomize shim.
 # Output ($OUT, a few files): log.txt (every step's output), results.jsonl (one JSON record per benchmark),
 # gpu_tests.txt (pytest -m gpu), env.txt (versions, nvidia-smi), summary.txt (the table printed at the end).
+# SHARDSERVE_COMMIT=<hash> names the tree in the JSON records (the host's copy may carry a stale .git).
 # Steps run in order of value, each with its own timeout, none stopping the others; single-GPU steps run in
 # pairs, one per GPU. BUDGET_S (default 330) bounds the whole run: a step starts only with time left for it.
 set -u -o pipefail
@@ -75,7 +76,7 @@ EOF
 
 environment() {
   {
-    echo "date: $(date -u +%FT%TZ)  commit: $(git rev-parse --short HEAD 2>/dev/null)  smoke: $SMOKE"
+    echo "date: $(date -u +%FT%TZ)  commit: ${SHARDSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}  smoke: $SMOKE"
     $PY - <<'EOF'
 import importlib, sys
 print("python", sys.version.split()[0])

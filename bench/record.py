@@ -74,10 +74,18 @@ class BenchRecord:
 
 
 def _git_commit() -> str | None:
+    """SHARDSERVE_COMMIT when set (a copied tree whose .git is not the one it came from: the GPU hosts), else
+    the checkout's HEAD, marked "+dirty" when tracked files differ from it."""
+    if os.environ.get("SHARDSERVE_COMMIT"):
+        return os.environ["SHARDSERVE_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         out = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
+        head = out.stdout.strip()
+        if not head:
+            return None
+        dirty = subprocess.run(["git", "-C", here, "diff", "--quiet", "HEAD"], capture_output=True, timeout=5).returncode
+        return head + ("+dirty" if dirty else "")
     except Exception:
         return None
 
