@@ -26,21 +26,9 @@ from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan
 
 def _events_ms(fn, repeats: int) -> float:
     """Median device time of fn over repeats, CUDA events (after one warm-up); wall time on CPU."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        if not torch.cuda.is_available():
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-            continue
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    from shardserve.bench.roofline import time_ms
+
+    return time_ms(fn, torch.device("cuda" if torch.cuda.is_available() else "cpu"), repeats)
 
 
 def _sync() -> None:

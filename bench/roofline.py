@@ -36,7 +36,7 @@ class DeviceRates:
                 f"({self.matmul_n}^3)")
 
 
-def _time_ms(fn, device: torch.device, repeats: int) -> float:
+def time_ms(fn, device: torch.device, repeats: int) -> float:
     """Median ms of fn over repeats (after one warm-up), CUDA events on the GPU."""
     fn()
     times = []
@@ -58,13 +58,13 @@ def _time_ms(fn, device: torch.device, repeats: int) -> float:
 def _time_copy(nbytes: int, device: torch.device, repeats: int) -> float:
     src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=device)
     dst = torch.empty_like(src)
-    return _time_ms(lambda: dst.copy_(src), device, repeats)
+    return time_ms(lambda: dst.copy_(src), device, repeats)
 
 
 def _time_matmul(n: int, dtype: torch.dtype, device: torch.device, repeats: int) -> float:
     a = torch.randn(n, n, dtype=dtype, device=device)
     b = torch.randn(n, n, dtype=dtype, device=device)
-    return _time_ms(lambda: torch.mm(a, b), device, repeats)
+    return time_ms(lambda: torch.mm(a, b), device, repeats)
 
 
 def measure_rates(device: str = "cuda", copy_bytes: int | None = None, matmul_n: int | None = None,

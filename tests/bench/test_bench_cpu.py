@@ -131,3 +131,15 @@ def test_profile_writes_the_operator_table_of_the_timed_run(model_dir, tmp_path)
               "--profile", str(table))
     text = table.read_text()
     assert "Self CPU" in text and "aten::mm" in text  # the model's matmuls ran inside the profiled window
+
+
+def test_probe_reports_each_part_of_a_step_per_batch_size(model_dir, tmp_path):
+    out = tmp_path / "probe.json"
+    assert cli(["bench", "probe", "--model", model_dir, *SMALL, "--batch-sizes", "1,4", "--context-len", "40",
+                "--repeats", "3", "--prefill-tokens", "64", "--prefill-seq-len", "32", "--json-out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [d["batch"] for d in report["decode"]] == [1, 4]
+    for part in report["decode"]:
+        assert all(part[k] > 0 for k in ("step_ms", "launch_host_ms", "lm_head_ms", "sample_ms", "sample_greedy_ms"))
+        assert part["profile"]["kernels_per_step"] > 0 and part["profile"]["top"]
+    assert report["prefill"]["tokens"] == 64 and report["prefill"]["tokens_per_s"] > 0

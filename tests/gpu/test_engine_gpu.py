@@ -100,21 +100,12 @@ def test_tp2_with_all_reduces_inside_the_graphs_equals_tp1_eager(model_dir, eage
 def test_greedy_on_the_gpu_in_fp32_equals_transformers(arch, tmp_path):
     """The whole GPU path (fused layer kernels, Triton attention in full fp32, decode graphs) against transformers'
     fp32 greedy tokens (computed on the CPU), with the engine issue's near-tie rule (1e-3 in transformers' logits)."""
-    from shardserve import LLM, SamplingParams
     from tests.hf_reference import assert_greedy_match, hf_greedy, make_tiny_model
 
     folder = make_tiny_model(tmp_path / arch, arch, num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=256,
                              intermediate_size=512, vocab_size=512)
-    llm = LLM(model=folder, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=512, num_kv_blocks=256)
-    try:
-        assert llm.executor.runner.decode_graphs is not None
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    finally:
-        llm.shutdown()
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+    outputs, info = generate(folder)
+    assert info["graphs"] is not None and all(info["served"])  # the decode steps ran through the graphs
     for output, ref in zip(outputs, hf_greedy(folder, PROMPTS, MAX_TOKENS)):
         assert_greedy_match(output.token_ids, ref)
 
