@@ -154,7 +154,7 @@ make_tiny_model('$WORK/big', 'llama', num_heads=4, num_kv_heads=2)" >> "$LOG" 2>
 else
   SMALL=qwen3-0.6b; BIG=llama-3-8b
   DEV="--device cuda --load-format dummy"
-  N_SMALL=256; N_BIG=${N_BIG:-256}; N_HF=32; N_CP=64; LENS="100-1024"; OLENS="100-1024"; HF_OUT=256
+  N_SMALL=256; N_BIG=${N_BIG:-256}; N_HF=${N_HF:-64}; N_CP=64; LENS="100-1024"; OLENS="100-1024"; HF_OUT=256
   LAT_IN=128; LAT_OUT=256; CP_OUT=64; CP_IN=128
   MML_OFF=2048; MML_LAT=1024  # the workload's longest sequence is 1024 + 1024
 fi
@@ -185,6 +185,11 @@ finish_step offline_qwen3; finish_step latency_llama8b_tp1
 start_step latency_llama8b_tp2 90 35 all $(bench latency_llama8b_tp2 latency --model $BIG $DEV --tp 2 \
   --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT)
 finish_step latency_llama8b_tp2
+
+# (d2) the same with NCCL for every all-reduce (SHARDSERVE_SYMM_MEM_ALL_REDUCE=0): what the one-shot path buys
+start_step latency_llama8b_tp2_nccl 90 35 all env SHARDSERVE_SYMM_MEM_ALL_REDUCE=0 $(bench latency_llama8b_tp2_nccl \
+  latency --model $BIG $DEV --tp 2 --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT)
+finish_step latency_llama8b_tp2_nccl
 
 # (e) offline Llama-3-8B [GPU 0]  ||  (f) transformers' continuous batching vs ours on Qwen3-0.6B [GPU 1]
 start_step offline_llama8b 120 45 0 $(bench offline_llama8b offline --model $BIG $DEV --num-prompts $N_BIG \
