@@ -186,10 +186,10 @@ start_step latency_llama8b_tp2 90 35 all $(bench latency_llama8b_tp2 latency --m
   --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT)
 finish_step latency_llama8b_tp2
 
-# (d2) the same with NCCL for every all-reduce (SHARDSERVE_SYMM_MEM_ALL_REDUCE=0): what the one-shot path buys
-start_step latency_llama8b_tp2_nccl 90 35 all env SHARDSERVE_SYMM_MEM_ALL_REDUCE=0 $(bench latency_llama8b_tp2_nccl \
+# (d2) the same with the one-shot symmetric-memory all-reduce (SHARDSERVE_SYMM_MEM_ALL_REDUCE=1, off by default)
+start_step latency_llama8b_tp2_symm 90 35 all env SHARDSERVE_SYMM_MEM_ALL_REDUCE=1 $(bench latency_llama8b_tp2_symm \
   latency --model $BIG $DEV --tp 2 --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT)
-finish_step latency_llama8b_tp2_nccl
+finish_step latency_llama8b_tp2_symm
 
 # (e) offline Llama-3-8B [GPU 0]  ||  (f) transformers' continuous batching vs ours on Qwen3-0.6B [GPU 1]
 start_step offline_llama8b 120 45 0 $(bench offline_llama8b offline --model $BIG $DEV --num-prompts $N_BIG \

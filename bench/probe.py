@@ -6,8 +6,7 @@ cache holds whatever it holds: timing only) and runs decode steps straight on a 
   launch     host time of launch_step alone (plan -> inputs -> forward/graph launch -> sampling launch)
   forward    the model forward on the device (a graph replay where a graph covers B; CUDA events)
   lm_head    compute_logits on B rows (CUDA events)
-  sample     sample_tokens on B rows at --temperature (CUDA events), greedy, and with top_p 0.9 (the largest-
-             logits shortcut, and the full-vocabulary sort it replaces)
+  sample     sample_tokens on B rows at --temperature (CUDA events), greedy, and with top_p 0.9
 and, under the torch profiler over a few steps, the device time per step, the kernels per step and the top
 kernels. Then one prefill step of --prefill-tokens tokens (eager), timed and profiled the same way.
 The numbers say which part to attack: host (launch > device), forward kernels, LM head, sampling or prefill.
@@ -130,13 +129,6 @@ def probe_decode(runner, batch: int, context: int, temperature: float, vocab: in
         nucleus = [SamplingRow(SamplingSpec(temperature=temperature, top_p=0.9, seed=i), state.token_ids, 1)
                    for i in range(batch)]
         out["sample_top_p_ms"] = _events_ms(lambda: sample_tokens(logits, nucleus), repeats)
-        from shardserve.worker import sampler
-
-        saved, sampler.TOP_P_CANDIDATES = sampler.TOP_P_CANDIDATES, logits.shape[1]  # the full-vocabulary sort
-        try:
-            out["sample_top_p_full_sort_ms"] = _events_ms(lambda: sample_tokens(logits, nucleus), repeats)
-        finally:
-            sampler.TOP_P_CANDIDATES = saved
         profiled_steps = 5
         with profile(activities=_activities()) as prof:
             for _ in range(profiled_steps):

@@ -172,12 +172,10 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
         threshold = top_vals.gather(1, (k.clamp(max=kmax) - 1).unsqueeze(1))
         threshold = torch.where(k.unsqueeze(1) >= vocab, torch.full_like(threshold, float("-inf")), threshold)
         return logits.masked_fill(logits < threshold, float("-inf"))
-    active_k = [kk for kk in top_k if 0 < kk < vocab]
-    cap = max([TOP_P_CANDIDATES] + active_k)
-    if cap < vocab:
-        filtered = _top_p_among_candidates(logits, k, top_p, cap)
-        if filtered is not None:
-            return filtered
+    # One sort of the whole vocabulary. Measured on an H200 (batch 256 x 151,936, bf16 logits): the sampling call
+    # with top_p takes 6.0 ms this way; taking the 1024 largest logits first (exact when they hold top_p of the
+    # mass) took 6.8 ms, because torch.topk at that size is slower than the sort. A Triton top-p without a sort
+    # (a search for the cut-off value over a few passes) is what would win here.
     sorted_logits, order = torch.sort(logits, dim=1, descending=True)
     rank = torch.arange(vocab, device=device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
@@ -188,33 +186,6 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     # Rows without top-p (1.0) keep everything: their float32 running sum can round up to 1 before the tail.
     sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0), float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-
-
-TOP_P_CANDIDATES = 1024  # top-p looks at the largest 1024 logits first; the full sort only when they are not enough
-
-
-def _top_p_among_candidates(logits: torch.Tensor, k: torch.Tensor, top_p: list[float], cap: int) -> torch.Tensor | None:
-    """Top-k and top-p from the `cap` largest logits of each row instead of a sort of the whole vocabulary (a
-    [256, 151936] sort is most of the sampler's time on a GPU). Exact whenever each row's candidates hold at least
-    top_p of its probability mass: every token past them then has at least that much mass before it and is dropped
-    anyway. Returns None when some row's candidates hold less (flat distributions): the caller sorts everything."""
-    vocab = logits.shape[1]
-    device = logits.device
-    vals, idx = torch.topk(logits, cap, dim=1)  # sorted, largest first
-    rank = torch.arange(cap, device=device).unsqueeze(0)
-    vals = vals.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
-    # Normaliser: over the row's top-k tokens (all among the candidates) or, without top-k, over the whole row.
-    norm = torch.where(k.unsqueeze(1) >= vocab, torch.logsumexp(logits.float(), dim=1, keepdim=True),
-                       torch.logsumexp(vals.float(), dim=1, keepdim=True))
-    probs = torch.exp(vals.float() - norm)
-    cumulative = torch.cumsum(probs, dim=1)
-    p = device_tensor(top_p, torch.float32, device).unsqueeze(1)
-    no_p = p >= 1.0  # rows without top-p: only their top-k applies (or nothing)
-    if not bool(((cumulative[:, -1:] >= p) | no_p).all()):  # one host sync; rare outside flat distributions
-        return None
-    vals = vals.masked_fill((cumulative - probs >= p) & ~no_p, float("-inf"))
-    out = torch.full_like(logits, float("-inf")).scatter(1, idx, vals)
-    return torch.where(no_p & (k.unsqueeze(1) >= vocab), logits, out)
 
 
 def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

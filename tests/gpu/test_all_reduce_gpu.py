@@ -53,14 +53,16 @@ def _rank_main(rank: int, port: int, out_dir: str) -> None:
     distributed.destroy_distributed()
 
 
-def test_one_shot_all_reduce_on_two_gpus(tmp_path):
+def test_one_shot_all_reduce_on_two_gpus(tmp_path, monkeypatch):
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-    os.environ.update(env)
+    env = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+           "SHARDSERVE_SYMM_MEM_ALL_REDUCE": "1"}  # opt-in (off by default)
+    for name, value in env.items():  # inherited by the spawned ranks, restored after the test
+        monkeypatch.setenv(name, value)
     mp.spawn(_rank_main, args=(port, str(tmp_path)), nprocs=2, join=True)
     reports = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     for report in reports:
