@@ -36,6 +36,10 @@ class ServerUnavailable(RuntimeError):
     """Not serving now: starting, draining, stopped, or a worker failed (gRPC UNAVAILABLE)."""
 
 
+class ServerOverloaded(RuntimeError):
+    """max_live_requests requests are live already (gRPC RESOURCE_EXHAUSTED): retry later or elsewhere."""
+
+
 class UnknownRequest(KeyError):
     """No live request has this id (gRPC NOT_FOUND)."""
 
@@ -70,6 +74,7 @@ class ControllerConfig:
     metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
     replica: str = "replica-0"  # named in every stream's last message
     health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
+    max_live_requests: int = 4096  # admission limit: beyond it Generate answers RESOURCE_EXHAUSTED (read per call)
 
 
 @dataclass(slots=True)
@@ -234,6 +239,9 @@ class Controller:
         try:
             if self.state is not State.SERVING:
                 raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
+            if len(self._live) >= self.config.max_live_requests:
+                raise ServerOverloaded(f"{len(self._live)} requests are live, the limit is "
+                                       f"{self.config.max_live_requests}: retry later")
             req_id = req_id if req_id is not None else uuid.uuid4().hex
             if req_id in self._live:
                 raise ValueError(f"request id {req_id!r} is already in use")
@@ -250,7 +258,7 @@ class Controller:
                 elif not isinstance(e, ValueError):  # the engine loop died meanwhile
                     raise ServerUnavailable(f"the engine failed: {e!r}") from e
                 raise
-        except (ValueError, ServerUnavailable):
+        except (ValueError, ServerUnavailable, ServerOverloaded):
             self.note_rejected()
             raise
         self.metrics.prompt_tokens.inc(live.num_prompt_tokens)

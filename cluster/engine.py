@@ -180,8 +180,11 @@ class Engine:
         min_tokens = seq.params.min_tokens
         # The workers mask stop ids for the first min_tokens tokens; the check here mirrors that.
         if token in seq.stop_token_set and n > min_tokens:
+            if token in seq.params.stop_token_ids:  # a user stop token is reported; EOS is not (as vLLM)
+                seq.stop_reason = str(token)
             return "stop"  # the stop token stays in token_ids; its text is never added
         if seq.detokenizer is not None and seq.detokenizer.add_token(token, check_stop=n >= min_tokens):
+            seq.stop_reason = seq.detokenizer.stopped_by
             return "stop"
         if n >= seq.params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
             return "length"
@@ -198,6 +201,7 @@ class Engine:
             logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
             finished=final,
             finish_reason=seq.finish_reason if final else None,
+            stop_reason=seq.stop_reason if final else None,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_generated=len(seq.output_token_ids),
         )
@@ -217,6 +221,7 @@ class Engine:
             text=seq.detokenizer.text if seq.detokenizer is not None else "",
             token_ids=list(seq.output_token_ids),
             finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             finished=seq.is_finished,
             num_cached_tokens=seq.num_cached_tokens,

@@ -15,6 +15,7 @@ class RequestOutput:
     text: str  # "" when the engine has no tokenizer (dummy weights); never contains a stop string
     token_ids: list[int]  # generated tokens (a stop token id included, as transformers' generate does)
     finish_reason: str | None = None  # None while running, else "stop", "length" or "abort"
+    stop_reason: str | None = None  # with "stop": the stop string, or a user stop token's id (None for EOS)
     logprobs: list[TokenLogprobs | None] | None = None  # one per generated token when asked for
     finished: bool = False
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
@@ -30,5 +31,6 @@ class RequestDelta:
     logprobs: list[TokenLogprobs | None] | None = None  # one per entry of token_ids when asked for
     finished: bool = False
     finish_reason: str | None = None
+    stop_reason: str | None = None  # on the final delta, as RequestOutput.stop_reason
     num_prompt_tokens: int = 0
     num_generated: int = 0  # generated tokens so far, this delta included

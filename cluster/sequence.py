@@ -40,6 +40,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)  # generated only
     logprobs: list[TokenLogprobs | None] | None = None  # one per generated token when asked for
     finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: str | None = None  # with "stop": the stop string, or the id of a user stop token (None for EOS)
 
     # KV bookkeeping
     num_computed_tokens: int = 0  # positions scheduled for computation (advanced when a plan is made)

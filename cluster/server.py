@@ -17,6 +17,7 @@ from grpc_reflection.v1alpha import reflection
 from shardserve.cluster.controller import (
     Controller,
     LiveRequest,
+    ServerOverloaded,
     ServerUnavailable,
     StreamItem,
     UnknownRequest,
@@ -45,6 +46,8 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(error)
     if isinstance(error, ServerUnavailable):
         return grpc.StatusCode.UNAVAILABLE, str(error)
+    if isinstance(error, ServerOverloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
     if isinstance(error, UnknownRequest):
         return grpc.StatusCode.NOT_FOUND, f"no live request has id {error.args[0]!r}"
     return grpc.StatusCode.INTERNAL, f"internal error: {error!r}"
@@ -104,7 +107,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(*status_of(e))
         try:
             live: LiveRequest = await self.controller.add_request(prompt, params, req_id)
-        except (ValueError, ServerUnavailable) as e:  # counted as rejected by the controller
+        except (ValueError, ServerUnavailable, ServerOverloaded) as e:  # counted as rejected by the controller
             await context.abort(*status_of(e))
         finished = False
         try:
@@ -126,6 +129,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         finish_reason=FINISH_REASONS.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
                         usage=pb.Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated),
                         replica=self.controller.config.replica,
+                        stop_reason=d.stop_reason or "",
                     ))
                     return
         finally:

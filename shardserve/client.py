@@ -67,6 +67,7 @@ class GenerationResult:
     usage: Usage
     logprobs: list[TokenLogprob] | None
     replica: str  # the engine replica that served it
+    stop_reason: str | None = None  # with "stop": the stop string or user stop token id that matched (None: EOS)
 
 
 def build_request(prompt, request_id: str | None, sampling: dict) -> pb.GenerateRequest:
@@ -134,6 +135,7 @@ class _Collector:
                 usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens),
                 logprobs=self.logprobs,
                 replica=f.replica,
+                stop_reason=f.stop_reason or None,
             )
         return None
 

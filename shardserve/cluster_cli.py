@@ -20,6 +20,8 @@ def add_cluster_parsers(sub, add_engine_args, add_sampling_args) -> None:
                        help="'local' starts a Ray here; 'auto' or an address joins one "
                        "(default: join this node's cluster if there is one, else local)")
     serve.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics on this port")
+    serve.add_argument("--max-live-requests", type=int, default=4096,
+                       help="admission limit: requests beyond it are refused with RESOURCE_EXHAUSTED")
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may take to finish after SIGTERM")
     serve.add_argument("--placement-strategy", default="STRICT_PACK",
@@ -49,7 +51,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = build_engine_config(**engine_kwargs(args))
     return serve(config, ray_address=args.ray_address, host=args.host, port=args.port,
                  worker_host=args.worker_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
-                 strategy=args.placement_strategy, model_name=args.served_model_name)
+                 strategy=args.placement_strategy, model_name=args.served_model_name,
+                 max_live_requests=args.max_live_requests)
 
 
 def _sampling(args: argparse.Namespace) -> dict:

@@ -87,6 +87,7 @@ def start_cluster(
     strategy: str = "STRICT_PACK",
     model_name: str | None = None,
     ready_timeout_s: float = 600.0,
+    max_live_requests: int = 4096,
 ) -> RunningCluster:
     """Launches the workers and the controller (Ray must be connected: shardserve.launcher.ensure_ray) and
     returns once health is SERVING. Everything started is torn down again if any of it fails."""
@@ -113,6 +114,7 @@ def start_cluster(
             port=port,
             metrics_port=metrics_port,
             replica=f"{name}/0",
+            max_live_requests=max_live_requests,
         )
         here = ray.get_runtime_context().get_node_id()
         controller = (
@@ -156,7 +158,7 @@ def resolve_ray_address(address: str | None) -> str:
 
 def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
-          model_name: str | None = None) -> int:
+          model_name: str | None = None, max_live_requests: int = 4096) -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails (exits 1)."""
     import ray
 
@@ -184,7 +186,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
     try:
         start = time.perf_counter()
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
-                                strategy=strategy, model_name=model_name)
+                                strategy=strategy, model_name=model_name, max_live_requests=max_live_requests)
         for s in previous:
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""

@@ -162,3 +162,42 @@ def test_client_side_argument_errors_raise_before_sending(address):
 def test_importing_the_client_pulls_in_no_torch():
     code = "import sys, shardserve.client; sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
+
+
+def test_requests_beyond_the_admission_limit_get_resource_exhausted_and_harm_no_one(gated, address):
+    """With max_live_requests 2 and two streams running, a third request is refused with RESOURCE_EXHAUSTED;
+    the two finish normally, and once they have, a new request is admitted again."""
+    gated.controller.config.max_live_requests = 2
+    try:
+        with Client(address, timeout=120) as client:
+            streams = [client.stream("Count slowly:", temperature=0, max_tokens=40, ignore_eos=True) for _ in range(2)]
+            iterators = [iter(s) for s in streams]
+            for it in iterators:
+                next(it)  # both are live (admitted and generating)
+            with pytest.raises(grpc.RpcError) as error:
+                client.generate("One more", temperature=0, max_tokens=4)
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "limit is 2" in error.value.details()
+            for it, stream in zip(iterators, streams):
+                list(it)
+                assert stream.result.finish_reason == "length" and len(stream.result.token_ids) == 40
+            deadline = time.monotonic() + 60
+            while client.server_stats().num_running:  # the finished streams' requests leave the server
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert client.generate("One more", temperature=0, max_tokens=4).finish_reason == "length"
+    finally:
+        gated.controller.config.max_live_requests = 4096
+
+
+def test_finished_reports_the_stop_string_or_stop_token_that_matched(address):
+    with Client(address, timeout=120) as client:
+        free = client.generate("The capital of France is", temperature=0, max_tokens=8, ignore_eos=True)
+        word = free.text.split()[0]  # " Paris." -> "Paris."
+        by_string = client.generate("The capital of France is", temperature=0, max_tokens=8, stop=[word])
+        by_token = client.generate("The capital of France is", temperature=0, max_tokens=8,
+                                   stop_token_ids=[free.token_ids[1]])
+        by_length = client.generate("The capital of France is", temperature=0, max_tokens=2, ignore_eos=True)
+    assert by_string.finish_reason == "stop" and by_string.stop_reason == word
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == str(free.token_ids[1])
+    assert by_length.finish_reason == "length" and by_length.stop_reason is None
