@@ -72,7 +72,8 @@ class _Batch:
         new = []
         for i, req_id in enumerate(self.req_ids):
             ids = torch.randint(0, vocab, (context,), generator=gen).tolist()
-            new.append(NewRequest(req_id, ids, context - 1, context - 1, list(range(i * blocks_each, (i + 1) * blocks_each)),
+            blocks = list(range(i * blocks_each, (i + 1) * blocks_each))
+            new.append(NewRequest(req_id, ids, context - 1, context - 1, blocks,
                                   SamplingSpec(temperature=temperature, seed=i)))
         self.pending_new = new
         self.blocks_needed = batch * blocks_each
@@ -151,7 +152,8 @@ def probe_prefill(runner, tokens: int, seq_len: int, vocab: int, repeats: int) -
         for r in range(repeats + 2):
             ids = [f"prefill-{r}-{i}" for i in range(n)]
             new = [NewRequest(req_id, [(7 * i + j) % vocab for j in range(seq_len)], seq_len, 0,
-                              list(range(i * blocks_each, (i + 1) * blocks_each)), SamplingSpec(temperature=0.6, seed=i))
+                              list(range(i * blocks_each, (i + 1) * blocks_each)),
+                              SamplingSpec(temperature=0.6, seed=i))
                    for i, req_id in enumerate(ids)]
             plan = StepPlan(step_id=runner.last_step_id + 1, new_requests=new, req_ids=ids, num_tokens=[seq_len] * n)
             _sync()
@@ -169,6 +171,14 @@ def probe_prefill(runner, tokens: int, seq_len: int, vocab: int, repeats: int) -
     out["step_ms"] = statistics.median(times)
     out["tokens_per_s"] = out["tokens"] / out["step_ms"] * 1e3
     return out
+
+
+def _print_part(result: dict) -> None:
+    print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
+    profile = result["profile"]
+    print(f"  device ms/step {profile['device_ms_per_step']:.3f}, kernels/step {profile['kernels_per_step']:.0f}")
+    for row in profile["top"]:
+        print(f"    {row['ms_per_step']:8.3f} ms {row['launches_per_step']:6.1f}x  {row['kernel']}")
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
@@ -193,17 +203,11 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     for batch in batches:
         result = probe_decode(runner, batch, args.context_len, args.temperature, vocab, args.repeats)
         report["decode"].append(result)
-        print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
-        print("  device ms/step {device_ms_per_step:.3f}, kernels/step {kernels_per_step:.0f}".format(**result["profile"]))
-        for row in result["profile"]["top"]:
-            print(f"    {row['ms_per_step']:8.3f} ms {row['launches_per_step']:6.1f}x  {row['kernel']}")
+        _print_part(result)
     if args.prefill_tokens:
         result = probe_prefill(runner, args.prefill_tokens, args.prefill_seq_len, vocab, args.repeats // 3 + 1)
         report["prefill"] = result
-        print(json.dumps({k: v for k, v in result.items() if k != "profile"}), flush=True)
-        print("  device ms/step {device_ms_per_step:.3f}, kernels/step {kernels_per_step:.0f}".format(**result["profile"]))
-        for row in result["profile"]["top"]:
-            print(f"    {row['ms_per_step']:8.3f} ms {row['launches_per_step']:6.1f}x  {row['kernel']}")
+        _print_part(result)
     if args.sweep_attention:
         report["attention_sweep"] = []
         for spec in args.sweep_attention.split(","):  # BATCHxCONTEXT

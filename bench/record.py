@@ -84,7 +84,8 @@ def _git_commit() -> str | None:
         head = out.stdout.strip()
         if not head:
             return None
-        dirty = subprocess.run(["git", "-C", here, "diff", "--quiet", "HEAD"], capture_output=True, timeout=5).returncode
+        dirty = subprocess.run(["git", "-C", here, "diff", "--quiet", "HEAD"], capture_output=True,
+                               timeout=5).returncode
         return head + ("+dirty" if dirty else "")
     except Exception:
         return None

@@ -81,7 +81,8 @@ def apply_rope_(
             positions, q, k, cos_cache, sin_cache, q_norm, k_norm,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0),
             num_heads, k.shape[1], eps,
-            HALF=half, NORM=norm_weights is not None, BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
+            HALF=half, NORM=norm_weights is not None,
+            BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
             BLOCK_HALF=triton.next_power_of_2(half),
         )
     return q, k

@@ -63,7 +63,9 @@ def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
 def host_int64(values: list[int]) -> torch.Tensor:
     """A CPU int64 tensor over a list, through array('q'): ~3x faster than torch.tensor(list) (0.29 vs 0.97 ms for
     the 14k entries of a batch-256 decode step, measured on the development VM)."""
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64) if values else torch.empty(0, dtype=torch.int64)
+    if not values:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
 
 
 def pack_decode_inputs(

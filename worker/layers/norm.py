@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
         if _fused.use_fused(x):
             from shardserve.kernels.rmsnorm import add_rms_norm, rms_norm
 
-            return rms_norm(x, self.weight, self.eps) if residual is None else add_rms_norm(x, residual, self.weight, self.eps)
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return add_rms_norm(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         summed = x + residual
