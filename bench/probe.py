@@ -60,13 +60,25 @@ def _kernel_table(prof, steps: int, rows: int = 12) -> dict:
     }
 
 
+def _decode_steps(repeats: int) -> int:
+    """Decode steps probe_decode runs on one batch (timed, warm-up and profiled ones), with room to spare."""
+    return 3 * repeats + 20
+
+
+def _blocks_each(tokens: int, block_size: int) -> int:
+    return -(-(tokens + 8) // block_size)
+
+
+def _finish(runner, req_ids: list[str]) -> None:
+    runner.execute(StepPlan(step_id=runner.last_step_id + 1, finished_req_ids=list(req_ids)))
+
+
 class _Batch:
     """B synthetic requests on a runner, stepped one decode token at a time."""
 
     def __init__(self, runner, batch: int, context: int, steps: int, temperature: float, vocab: int) -> None:
         self.runner = runner
-        bs = runner.block_size
-        blocks_each = -(-(context + steps + 8) // bs)
+        blocks_each = _blocks_each(context + steps, runner.block_size)
         gen = torch.Generator().manual_seed(batch)
         self.req_ids = [f"probe-{batch}-{i}" for i in range(batch)]
         new = []
@@ -76,7 +88,6 @@ class _Batch:
             new.append(NewRequest(req_id, ids, context - 1, context - 1, blocks,
                                   SamplingSpec(temperature=temperature, seed=i)))
         self.pending_new = new
-        self.blocks_needed = batch * blocks_each
 
     def plan(self) -> StepPlan:
         runner = self.runner
@@ -85,18 +96,13 @@ class _Batch:
         self.pending_new = []
         return plan
 
-    def finish(self) -> None:
-        runner = self.runner
-        runner.finish_step(runner.launch_step(StepPlan(step_id=runner.last_step_id + 1,
-                                                       finished_req_ids=list(self.req_ids))))
 
 
 def probe_decode(runner, batch: int, context: int, temperature: float, vocab: int, repeats: int) -> dict:
     from shardserve.worker.sampler import SamplingRow, sample_tokens
     from torch.profiler import profile
 
-    steps = 3 * repeats + 20
-    b = _Batch(runner, batch, context, steps, temperature, vocab)
+    b = _Batch(runner, batch, context, _decode_steps(repeats), temperature, vocab)
     out: dict = {"batch": batch, "context": context, "temperature": temperature}
     step_ms, launch_ms = [], []
     with torch.inference_mode():
@@ -133,19 +139,18 @@ def probe_decode(runner, batch: int, context: int, temperature: float, vocab: in
         profiled_steps = 5
         with profile(activities=_activities()) as prof:
             for _ in range(profiled_steps):
-                runner.finish_step(runner.launch_step(b.plan()))
+                runner.execute(b.plan())
             _sync()
         out["profile"] = _kernel_table(prof, profiled_steps)
-        b.finish()
+        _finish(runner, b.req_ids)
     return out
 
 
 def probe_prefill(runner, tokens: int, seq_len: int, vocab: int, repeats: int) -> dict:
     from torch.profiler import profile
 
-    bs = runner.block_size
     n = max(1, tokens // seq_len)
-    blocks_each = -(-(seq_len + 1) // bs)
+    blocks_each = _blocks_each(seq_len, runner.block_size)
     out: dict = {"tokens": n * seq_len, "seq_len": seq_len}
     times = []
     with torch.inference_mode():
@@ -160,14 +165,14 @@ def probe_prefill(runner, tokens: int, seq_len: int, vocab: int, repeats: int) -
             t0 = time.perf_counter()
             if r == repeats + 1:
                 with profile(activities=_activities()) as prof:
-                    runner.finish_step(runner.launch_step(plan))
+                    runner.execute(plan)
                     _sync()
                 out["profile"] = _kernel_table(prof, 1)
             else:
-                runner.finish_step(runner.launch_step(plan))
+                runner.execute(plan)
                 if r >= 1:
                     times.append((time.perf_counter() - t0) * 1e3)
-            runner.finish_step(runner.launch_step(StepPlan(step_id=runner.last_step_id + 1, finished_req_ids=ids)))
+            _finish(runner, ids)
     out["step_ms"] = statistics.median(times)
     out["tokens_per_s"] = out["tokens"] / out["step_ms"] * 1e3
     return out
@@ -189,8 +194,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     engine_kwargs = dict(engine_kwargs)
     engine_kwargs["max_num_seqs"] = max(batches)
     bs = engine_kwargs.get("block_size") or 16
-    need = max(sum(-(-(args.context_len + 3 * args.repeats + 28) // bs) for _ in range(b)) for b in batches)
-    need = max(need, (args.prefill_tokens // args.prefill_seq_len + 1) * (-(-(args.prefill_seq_len + 1) // bs)))
+    need = max(batches) * _blocks_each(args.context_len + _decode_steps(args.repeats), bs)
+    need = max(need, (args.prefill_tokens // args.prefill_seq_len + 1) * _blocks_each(args.prefill_seq_len, bs))
     engine_kwargs["num_kv_blocks"] = engine_kwargs.get("num_kv_blocks") or need
     config = build_engine_config(**engine_kwargs)
     if config.tensor_parallel_size != 1:
@@ -218,7 +223,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
                 print(f"decode attention sweep {spec} failed: {exc!r}", flush=True)
                 continue
             best = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
-            default = next((r for r in rows if r.get("block_n") == 64 and r.get("warps") == 4 and r.get("heads_first")
+            default = next((r for r in rows if r.get("block_n") == 64 and r.get("warps") == 4
                             and r.get("stages") == 2 and r.get("splits") == chosen and "ms" in r), None)
             report["attention_sweep"].append({"batch": batch, "context": context, "chosen_splits": chosen,
                                               "default": default, "best": best, "all": rows})
@@ -253,20 +258,19 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
 
     chosen = choose_num_splits(batch, kv_heads, context)
     results = []
-    settings = [(splits, block_n, warps, stages, heads_first)
+    settings = [(splits, block_n, warps, stages)
                 for splits in sorted({chosen, 2 * chosen, 4 * chosen} | ({1} if chosen <= 2 else set()))
-                for block_n in (32, 64) for warps in (4, 8) for stages in (2, 3) for heads_first in (False, True)]
-    for num_splits, block_n, warps, stages, heads_first in settings:
+                for block_n in (32, 64) for warps in (4, 8) for stages in (2, 3)]
+    for num_splits, block_n, warps, stages in settings:
         def run():
             paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, num_splits=num_splits,
-                                   block_n=block_n, num_warps=warps, num_stages=stages,
-                                   heads_first=heads_first)
+                                   block_n=block_n, num_warps=warps, num_stages=stages)
         try:
             ms = _events_ms(run, repeats)
         except Exception as exc:  # a setting this GPU cannot compile (shared memory): skipped
             results.append({"splits": num_splits, "block_n": block_n, "warps": warps, "stages": stages,
-                            "heads_first": heads_first, "error": type(exc).__name__})
+                            "error": type(exc).__name__})
             continue
         results.append({"splits": num_splits, "block_n": block_n, "warps": warps, "stages": stages,
-                        "heads_first": heads_first, "ms": ms, "tb_per_s": kv_bytes / ms / 1e9})
+                        "ms": ms, "tb_per_s": kv_bytes / ms / 1e9})
     return results, chosen

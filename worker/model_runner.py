@@ -7,6 +7,7 @@ token (the sampler is deterministic given the seed), so rank 0's result speaks f
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from shardserve.kernels.backends import AttentionMetadata, get_backend
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import SamplingSpec, StepPlan, StepResult
 from shardserve.worker import cuda_graphs, kv_cache
-from shardserve.worker.sampler import SamplingRow, sample, sample_tokens
+from shardserve.worker.sampler import SamplingRow, device_tensor, sample, sample_tokens
 from shardserve.worker.step_in_flight import StepInFlight, fill_pending_inputs, read_back_for_penalties, to_device
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -84,7 +85,6 @@ class ModelRunner:
         self.num_blocks = 0
         self.requests: dict[str, RequestState] = {}
         self.last_step_id = 0
-        self._pin = self.device.type == "cuda"
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None  # captured by allocate_kv_cache on CUDA
         self._graph_reserve: int | None = None  # bytes the KV sizing left for the graphs (measured)
 
@@ -154,6 +154,8 @@ class ModelRunner:
                 read_back_for_penalties(states)
                 rows = [SamplingRow(s.sampling, s.token_ids, s.num_prompt_tokens) for s in states]
                 tokens = sample_tokens(logits, rows)
+                # Timed steps are the ones that sample: finish_step waits for those anyway (their tokens), while a
+                # prefill-chunk step's finish must not wait for the device.
                 step.stop_device_timer()
                 step.hold(tokens, states, logits, rows)
                 step.result.req_ids = [plan.req_ids[i] for i in sampling_rows]
@@ -254,17 +256,13 @@ class ModelRunner:
         # Every section starts 16-byte aligned (an even int64 offset): Triton specialises kernels on pointer
         # alignment, and a positions view at an odd offset would compile a second RoPE variant mid-run.
         gap = [0] * (num_tokens % 2)
-        flat = input_ids + gap + positions + gap + [0] * (num_seqs + 1) + seq_lens
+        flat = input_ids + gap + positions + gap + [0, *itertools.accumulate(query_lens)] + seq_lens
         for t in tables:
             flat += t
             if len(t) < width:
                 flat += [0] * (width - len(t))
-        host = cuda_graphs.host_int64(flat)
+        dev = device_tensor(flat, torch.int64, self.device)
         span = num_tokens + len(gap)
-        host[2 * span + 1 : 2 * span + 1 + num_seqs] = torch.tensor(query_lens).cumsum(0)
-        if self._pin:
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
         ids_t = dev[:num_tokens]
         pos_t = dev[span : span + num_tokens]
         offset = 2 * span

@@ -147,8 +147,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """Applies and queues a plan on the device (StepInFlight), or returns the refusal (a StepResult)."""
         with self._lock:
             if self.state != pb.WORKER_STATE_READY:
-                why = f"failed earlier: {self.error}" if self.state == pb.WORKER_STATE_FAILED else "not ready"
-                return self._refuse(msg, f"rank {self.rank} refuses step {msg.step_id}: the worker is {why}")
+                return self._refuse_not_ready(msg)
             if msg.step_id != self.last_step_id + 1:
                 return self._refuse(
                     msg,
@@ -164,8 +163,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     def _finish_step(self, msg: pb.StepPlan, flight: Any) -> pb.StepResult:
         with self._lock:
-            if self.state == pb.WORKER_STATE_FAILED:  # an earlier step failed after this one was launched
-                return self._refuse(msg, f"rank {self.rank} refuses step {msg.step_id}: failed earlier: {self.error}")
+            if self.state != pb.WORKER_STATE_READY:  # e.g. an earlier step failed after this one was launched
+                return self._refuse_not_ready(msg)
             try:
                 result = self.runner.finish_step(flight)
             except Exception:
@@ -180,6 +179,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.state = pb.WORKER_STATE_FAILED
         self.error = f"rank {self.rank} failed in step {msg.step_id}:\n{traceback.format_exc()}"
         return self._refuse(msg, self.error)
+
+    def _refuse_not_ready(self, msg: pb.StepPlan) -> pb.StepResult:
+        why = f"failed earlier: {self.error}" if self.state == pb.WORKER_STATE_FAILED else "not ready"
+        return self._refuse(msg, f"rank {self.rank} refuses step {msg.step_id}: the worker is {why}")
 
     def _refuse(self, msg: pb.StepPlan, error: str) -> pb.StepResult:
         return pb.StepResult(step_id=msg.step_id, rank=self.rank, error=error)

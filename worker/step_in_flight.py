@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from shardserve.proto.plan import StepResult
-from shardserve.worker.sampler import SamplingRow, device_tensor, token_logprobs
+from shardserve.worker.sampler import SamplingRow, device_tensor, token_logprobs, uses_penalties
 
 PENDING = -1  # a token sampled on the device whose value the host has not read yet
 
@@ -43,7 +43,8 @@ def to_device(values: list[int], device: torch.device) -> torch.Tensor:
 class StepInFlight:
     result: StepResult  # step_id and req_ids at launch; token_ids and logprobs once finished
     host_s: float = 0.0  # host time spent launching and finishing: StepResult.forward_ms off CUDA
-    _timer: tuple[torch.cuda.Event, torch.cuda.Event | None] | None = None  # CUDA: the step's device time
+    _started: torch.cuda.Event | None = None  # CUDA: recorded before the step's first kernel ...
+    _stopped: torch.cuda.Event | None = None  # ... and after its last: forward_ms is the device time between
     tokens: torch.Tensor | None = None  # [n] int64 sampled ids on the device, one per result.req_ids entry
     _host_tokens: torch.Tensor | None = None  # their host copy, written by a queued non-blocking copy
     _ready: torch.cuda.Event | None = None  # recorded after that copy (CUDA only)
@@ -74,18 +75,16 @@ class StepInFlight:
             self._host_tokens = tokens
 
     def start_device_timer(self, device: torch.device) -> None:
-        """CUDA: an event before the step's first kernel; with stop_device_timer() after its sampling, the step's
+        """CUDA: an event before the step's first kernel; with stop_device_timer() after its last, the step's
         forward_ms is the device time between them (the GPU's own time for the step, wherever the host was)."""
         if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._timer = (start, None)
+            self._started = torch.cuda.Event(enable_timing=True)
+            self._started.record()
 
     def stop_device_timer(self) -> None:
-        if self._timer is not None:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._timer = (self._timer[0], end)
+        if self._started is not None:
+            self._stopped = torch.cuda.Event(enable_timing=True)
+            self._stopped.record()
 
     def done(self) -> bool:
         """True once the step's tokens are in host memory (always on CPU, where launch computed them)."""
@@ -116,20 +115,17 @@ class StepInFlight:
         self._states = []
         self.host_s += time.perf_counter() - started
         self.result.forward_ms = self.host_s * 1e3
-        if self._timer is not None and self._timer[1] is not None:
-            start, end = self._timer
-            end.synchronize()  # recorded before the tokens' copy, so already complete here
-            self.result.forward_ms = start.elapsed_time(end)
-        self._timer = None
+        if self._stopped is not None:
+            self._stopped.synchronize()  # recorded before the tokens' copy: already complete here
+            self.result.forward_ms = self._started.elapsed_time(self._stopped)
+        self._started = self._stopped = None
         return self.result
 
 
 def read_back_for_penalties(states: list["_TokenState"]) -> None:
     """Penalties read token values on the host: resolve the placeholders of requests that use them."""
     for state in states:
-        spec = state.sampling
-        uses_values = spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
-        if uses_values and state.pending:
+        if state.pending and uses_penalties(state.sampling):
             for step, _ in list(state.pending.values()):
                 step.read_tokens()
 
