@@ -239,7 +239,7 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
     per-rank attention shape, bf16, a random cache of batch x context tokens: the KV bytes read over the time."""
     from transformers import AutoConfig
 
-    from shardserve.kernels.paged_attention import paged_decode_attention
+    from shardserve.kernels.paged_decode import paged_decode_attention
     from shardserve.models import resolve_model
 
     hf = AutoConfig.from_pretrained(resolve_model(model, "dummy").model_dir)
@@ -254,7 +254,7 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=device)
     kv_bytes = batch * context * kv_heads * dim * 2 * 2
-    from shardserve.kernels.paged_attention import choose_num_splits
+    from shardserve.kernels.paged_decode import choose_num_splits
 
     chosen = choose_num_splits(batch, kv_heads, context)
     results = []
