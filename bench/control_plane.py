@@ -15,21 +15,9 @@ from __future__ import annotations
 
 import argparse
 
-from shardserve.bench.harness import EngineRun, median
+from shardserve.bench.measure import control_plane_share, run_engine
 from shardserve.bench.record import BenchRecord
 from shardserve.bench.workload import random_workload
-
-
-def control_plane_share(run: EngineRun, min_batch: int) -> dict:
-    steps = run.decode_steps(min_batch)
-    total = sum(ms for ms, _ in steps)
-    return dict(
-        share=1.0 - sum(t.forward_ms for _, t in steps) / total if total > 0 else None,
-        median_step_ms=median([ms for ms, _ in steps]),
-        median_forward_ms=median([t.forward_ms for _, t in steps]),
-        decode_steps=len(steps),
-        min_batch=min_batch,
-    )
 
 
 def ray_importable() -> bool:
@@ -41,7 +29,6 @@ def ray_importable() -> bool:
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    from shardserve.bench.offline import run_engine
     from shardserve.config import build_engine_config, read_model_facts
 
     config = build_engine_config(**engine_kwargs)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU run: GPU tests and every benchmark of issue 4 on a 2x H200 host, within one time budget.
+# The GPU run: GPU tests and every benchmark (docs/performance.md) on a 2x H200 host, within one time budget.
 #
 #   bash bench/gpu_run.sh                 # on the GPU host, from the project root; writes to $OUT (default ./gpu-out)
 #   SMOKE=1 bash bench/gpu_run.sh         # on a CPU machine: the same commands on tiny models (checks the plumbing)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 
 from shardserve.bench.harness import open_engine, run_workload, warm_up
+from shardserve.bench.measure import free_device_memory, peak_memory_gb
 from shardserve.bench.profile import profiled
 from shardserve.bench.record import BenchRecord, Stats
 from shardserve.bench.workload import random_workload
@@ -21,7 +22,6 @@ SKIPPED_DECODE_STEPS = 3  # first decode steps: allocator and caches settling
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from transformers import AutoConfig
 
-    from shardserve.bench.offline import free_device_memory, peak_memory_gb
     from shardserve.bench.roofline import ModelShape, measure_rates, weight_read_bound_ms
     from shardserve.config import build_engine_config, read_model_facts
 

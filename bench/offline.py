@@ -5,51 +5,11 @@ transformers (--compare hf) and through the Ray + gRPC cluster (--cluster)."""
 from __future__ import annotations
 
 import argparse
-import gc
 
-from shardserve.bench.harness import EngineRun, open_engine, phase_split, run_workload, warm_up
-from shardserve.bench.profile import profiled
+from shardserve.bench.harness import EngineRun, phase_split
+from shardserve.bench.measure import control_plane_share, run_engine
 from shardserve.bench.record import BenchRecord
 from shardserve.bench.workload import Workload, parse_range, random_workload
-
-
-def peak_memory_gb(device: str, tp: int = 1) -> float | None:
-    """This process's peak: the engine's at TP=1 (in-process); None on CUDA at TP>1 (the ranks are other processes)."""
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.max_memory_allocated() / 2**30 if tp == 1 else None
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
-
-
-def free_device_memory() -> None:
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def run_engine(config, workload: Workload, temperature: float, seed: int, vocab: int, executor: str = "local",
-               sample: Workload | None = None, profile_path: str | None = None,
-               ) -> tuple[EngineRun, EngineRun | None, str | None, float]:
-    """Runs the workload (and the transformers sample, when given) on one engine; returns the runs, what the
-    runner captured as CUDA graphs, and this process's peak memory."""
-    bench = open_engine(config, executor)
-    try:
-        warm_up(bench, vocab)
-        with profiled(profile_path, config.device):
-            run = run_workload(bench, workload, temperature, seed)
-        sample_run = None
-        if sample is not None:
-            same = sample.prompts == workload.prompts and sample.output_lens == workload.output_lens
-            sample_run = run if same else run_workload(bench, sample, temperature, seed)
-        return run, sample_run, bench.graphs, peak_memory_gb(config.device, config.tensor_parallel_size)
-    finally:
-        bench.close()
-        free_device_memory()
 
 
 def ceiling(config, workload: Workload, rates) -> dict | None:
@@ -126,8 +86,6 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
 
 
 def _compare_cluster(args, config, workload: Workload, vocab: int, local_tok_s: float, record: BenchRecord) -> None:
-    from shardserve.bench.control_plane import control_plane_share
-
     run, _, _, _ = run_engine(config, workload, args.temperature, args.seed, vocab, executor="cluster")
     cluster_tok_s = run.output_tokens_per_s
     share = control_plane_share(run, min_batch=1)

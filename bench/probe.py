@@ -87,6 +87,7 @@ class _Batch:
             blocks = list(range(i * blocks_each, (i + 1) * blocks_each))
             new.append(NewRequest(req_id, ids, context - 1, context - 1, blocks,
                                   SamplingSpec(temperature=temperature, seed=i)))
+        self.prompt = list(new[0].token_ids) if new else []  # the first request's prompt
         self.pending_new = new
 
     def plan(self) -> StepPlan:
@@ -97,10 +98,11 @@ class _Batch:
         return plan
 
 
-
 def probe_decode(runner, batch: int, context: int, temperature: float, vocab: int, repeats: int) -> dict:
-    from shardserve.worker.sampler import SamplingRow, sample_tokens
     from torch.profiler import profile
+
+    from shardserve.worker.cuda_graphs import padded_batch_size
+    from shardserve.worker.sampler import SamplingRow, sample_tokens
 
     b = _Batch(runner, batch, context, _decode_steps(repeats), temperature, vocab)
     out: dict = {"batch": batch, "context": context, "temperature": temperature}
@@ -119,21 +121,20 @@ def probe_decode(runner, batch: int, context: int, temperature: float, vocab: in
         out["step_ms"] = statistics.median(step_ms)
         out["launch_host_ms"] = statistics.median(launch_ms)
         graphs = runner.decode_graphs
-        from shardserve.worker.cuda_graphs import padded_batch_size
-
         padded = padded_batch_size(batch, graphs.batch_sizes) if graphs is not None else None
-        if graphs is not None and padded in graphs._graphs:
-            out["forward_ms"] = _events_ms(graphs._graphs[padded].replay, repeats)
+        if padded is not None and graphs.use_cuda_graphs:
+            (graph, _), = graphs.probe(padded, copies=1)  # a graph like the one serving this batch, kept here
+            out["forward_ms"] = _events_ms(graph.replay, repeats)
             out["forward"] = f"graph of {padded}"
         hidden = torch.randn(batch, runner.hf_config.hidden_size, device=runner.device, dtype=runner.dtype)
         out["lm_head_ms"] = _events_ms(lambda: runner.model.compute_logits(hidden), repeats)
         logits = runner.model.compute_logits(hidden)
-        state = runner.requests[b.req_ids[0]]
-        rows = [SamplingRow(SamplingSpec(temperature=temperature, seed=i), state.token_ids, 1) for i in range(batch)]
+        tokens = b.prompt  # what a row's tokens are only matters to penalties, which these specs leave off
+        rows = [SamplingRow(SamplingSpec(temperature=temperature, seed=i), tokens, 1) for i in range(batch)]
         out["sample_ms"] = _events_ms(lambda: sample_tokens(logits, rows), repeats)
-        greedy = [SamplingRow(SamplingSpec(temperature=0.0), state.token_ids, 1)] * batch
+        greedy = [SamplingRow(SamplingSpec(temperature=0.0), tokens, 1)] * batch
         out["sample_greedy_ms"] = _events_ms(lambda: sample_tokens(logits, greedy), repeats)
-        nucleus = [SamplingRow(SamplingSpec(temperature=temperature, top_p=0.9, seed=i), state.token_ids, 1)
+        nucleus = [SamplingRow(SamplingSpec(temperature=temperature, top_p=0.9, seed=i), tokens, 1)
                    for i in range(batch)]
         out["sample_top_p_ms"] = _events_ms(lambda: sample_tokens(logits, nucleus), repeats)
         profiled_steps = 5
@@ -239,7 +240,7 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
     per-rank attention shape, bf16, a random cache of batch x context tokens: the KV bytes read over the time."""
     from transformers import AutoConfig
 
-    from shardserve.kernels.paged_attention import paged_decode_attention
+    from shardserve.kernels.paged_decode import choose_num_splits, paged_decode_attention
     from shardserve.models import resolve_model
 
     hf = AutoConfig.from_pretrained(resolve_model(model, "dummy").model_dir)
@@ -254,8 +255,6 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
     seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=device)
     kv_bytes = batch * context * kv_heads * dim * 2 * 2
-    from shardserve.kernels.paged_attention import choose_num_splits
-
     chosen = choose_num_splits(batch, kv_heads, context)
     results = []
     settings = [(splits, block_n, warps, stages)

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 
 import xxhash
 
-from shardserve.cluster.sequence import Sequence
+from shardserve.cluster.request import Request
 
 ROOT_HASH = 0  # the parent hash of a chain's first block
 
 
-def hash_block(parent_hash: int, token_ids: Seq[int]) -> int:
+def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
     """Chain hash of one full block: depends on every token before it through `parent_hash`."""
     return xxhash.xxh3_64_intdigest(parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes())
 
@@ -82,7 +82,7 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # ---- prefix cache --------------------------------------------------------------------------------------
-    def _extend_hashes(self, seq: Sequence, num_full_blocks: int) -> None:
+    def _extend_hashes(self, seq: Request, num_full_blocks: int) -> None:
         """Extends seq.block_hashes to its first `num_full_blocks` blocks (their tokens must be known)."""
         bs = self.block_size
         hashes = seq.block_hashes
@@ -90,7 +90,7 @@ class BlockManager:
             parent = hashes[i - 1] if i else ROOT_HASH
             hashes.append(hash_block(parent, seq.token_ids[i * bs : (i + 1) * bs]))
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+    def find_cached_prefix(self, seq: Request) -> list[int]:
         """Ids of the longest run of cached blocks equal to seq's leading blocks; no side effects.
 
         Stops one token short of the whole list: a request must compute at least one position.
@@ -113,7 +113,7 @@ class BlockManager:
             hits.append(block)
         return hits
 
-    def register_full_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+    def register_full_blocks(self, seq: Request, num_computed_tokens: int) -> None:
         """Offers seq's blocks that are now full of computed tokens to the prefix cache."""
         num_full = num_computed_tokens // self.block_size
         if num_full <= seq.num_registered_blocks or not self.enable_prefix_caching:
@@ -151,7 +151,7 @@ class BlockManager:
         self._ref_count[block] = 1
         return block
 
-    def allocate(self, seq: Sequence, cached_blocks: list[int], num_tokens: int) -> bool:
+    def allocate(self, seq: Request, cached_blocks: list[int], num_tokens: int) -> bool:
         """Gives a request without blocks a table covering `num_tokens` positions, starting with `cached_blocks`
         (from find_cached_prefix). Returns False, changing nothing, when too few blocks are free."""
         assert not seq.block_ids, f"{seq.req_id} already holds blocks"
@@ -167,7 +167,7 @@ class BlockManager:
         seq.num_registered_blocks = len(cached_blocks)
         return True
 
-    def append_slots(self, seq: Sequence, num_tokens: int) -> list[int] | None:
+    def append_slots(self, seq: Request, num_tokens: int) -> list[int] | None:
         """Grows seq's table to cover `num_tokens` positions. Returns the appended block ids ([] when none were
         needed), or None, changing nothing, when too few blocks are free."""
         num_new = -(-num_tokens // self.block_size) - len(seq.block_ids)  # blocks_for, inline: called per request
@@ -179,7 +179,7 @@ class BlockManager:
         seq.block_ids.extend(new)
         return new
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Request) -> None:
         """Releases seq's table, tail first (see the eviction order in the module docstring)."""
         for b in reversed(seq.block_ids):
             self._ref_count[b] -= 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence as Seq
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from shardserve.cluster.detokenizer import IncrementalDetokenizer
 from shardserve.cluster.outputs import RequestDelta, RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
-from shardserve.cluster.sequence import Sequence
+from shardserve.cluster.request import Request
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import Executor, StepPlan, StepResult
 
@@ -54,7 +54,7 @@ class Engine:
         config: EngineConfig,
         executor: Executor,
         tokenizer: Any = None,
-        eos_token_ids: Seq[int] = (),
+        eos_token_ids: Sequence[int] = (),
         *,
         vocab_size: int,
     ) -> None:
@@ -104,7 +104,7 @@ class Engine:
                 raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
         self.scheduler.check_fits(len(ids), params.max_tokens)
         spec = params.to_spec(self.eos_token_ids, self.vocab_size)
-        seq = Sequence(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=prompt)
+        seq = Request(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=prompt)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
         self.scheduler.add(seq)
@@ -174,7 +174,7 @@ class Engine:
             else:
                 deltas.append(self._delta(seq, final=False))
 
-    def _check_stop(self, seq: Sequence) -> str | None:
+    def _check_stop(self, seq: Request) -> str | None:
         token = seq.output_token_ids[-1]
         n = len(seq.output_token_ids)
         min_tokens = seq.params.min_tokens
@@ -191,7 +191,7 @@ class Engine:
         return None
 
     # ---- outputs -------------------------------------------------------------------------------------------
-    def _delta(self, seq: Sequence, final: bool) -> RequestDelta:
+    def _delta(self, seq: Request, final: bool) -> RequestDelta:
         start = seq.num_emitted_tokens
         seq.num_emitted_tokens = len(seq.output_token_ids)
         return RequestDelta(
@@ -206,14 +206,14 @@ class Engine:
             num_generated=len(seq.output_token_ids),
         )
 
-    def _on_finished(self, seq: Sequence) -> RequestDelta:
+    def _on_finished(self, seq: Request) -> RequestDelta:
         if seq.detokenizer is not None and seq.finish_reason != "stop":
             seq.detokenizer.flush()
         self.num_finished += 1
         self._finished[seq.req_id] = self._output(seq)
         return self._delta(seq, final=True)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Request) -> RequestOutput:
         return RequestOutput(
             request_id=seq.req_id,
             prompt=seq.prompt,

@@ -28,7 +28,7 @@ import bisect
 from collections import deque
 
 from shardserve.cluster.block_manager import BlockManager
-from shardserve.cluster.sequence import RequestStatus, Sequence
+from shardserve.cluster.request import RequestStatus, Request
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, StepPlan, StepResult
 
@@ -37,17 +37,17 @@ class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # sorted by arrival
-        self.requests: dict[str, Sequence] = {}  # every live (not finished) request
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # sorted by arrival
+        self.requests: dict[str, Request] = {}  # every live (not finished) request
         self.step_id = 0
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hits at first admission
         self._finished_ids: list[str] = []  # to tell the workers in the next plan
         self._preempted_ids: list[str] = []
         # step id -> (seq, its epoch when planned, num_computed_tokens after that step): what update() confirms
-        self._in_flight: dict[int, list[tuple[Sequence, int, int]]] = {}
-        self._free_after: dict[int, list[Sequence]] = {}  # step id -> finished requests whose blocks it may write
+        self._in_flight: dict[int, list[tuple[Request, int, int]]] = {}
+        self._free_after: dict[int, list[Request]] = {}  # step id -> finished requests whose blocks it may write
         self.last_applied_step_id = 0  # the newest plan whose result update() has applied
 
     # ---- admission -----------------------------------------------------------------------------------------
@@ -67,7 +67,7 @@ class Scheduler:
                 f"{self.block_manager.block_size} tokens, but the cache has only {self.block_manager.num_blocks}"
             )
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         if seq.req_id in self.requests:
             raise ValueError(f"request id {seq.req_id!r} is already in use")
         self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
@@ -75,7 +75,7 @@ class Scheduler:
         self.requests[seq.req_id] = seq
         self.waiting.append(seq)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Request, reason: str) -> None:
         """Ends a live request (stop, length or abort): frees its blocks and tells the workers next plan."""
         if seq.is_finished:
             return
@@ -103,7 +103,7 @@ class Scheduler:
         return len(self._in_flight)
 
     # ---- planning ------------------------------------------------------------------------------------------
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Request) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -116,7 +116,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     @staticmethod
-    def _wants_tokens(seq: Sequence, max_model_len: int) -> int:
+    def _wants_tokens(seq: Request, max_model_len: int) -> int:
         """Tokens seq could compute now: the rest of its list, or 0 when it is done once pending tokens land."""
         # seq.num_tokens and seq.num_output_tokens spelled out: this runs for every running request each step.
         pending = seq.num_pending_tokens
@@ -132,7 +132,7 @@ class Scheduler:
         num_tokens: list[int] = []
         new_block_ids: dict[str, list[int]] = {}
         new_requests: list[NewRequest] = []
-        scheduled: list[Sequence] = []
+        scheduled: list[Request] = []
         preempted = False
 
         max_model_len = self.config.max_model_len
@@ -217,7 +217,7 @@ class Scheduler:
         return plan
 
     # ---- results -------------------------------------------------------------------------------------------
-    def update(self, plan: StepPlan, result: StepResult) -> list[Sequence]:
+    def update(self, plan: StepPlan, result: StepResult) -> list[Request]:
         """Applies a plan's result: appends sampled tokens and registers blocks now full of computed KV.
 
         Returns the live requests that got a token (in result order), for the engine's stop checks.
@@ -233,7 +233,7 @@ class Scheduler:
             self.block_manager.free(seq)
         # By object, not by id: a finished request's id may already belong to a new request.
         planned = {seq.req_id: seq for seq, _, _ in records}
-        got_token: list[Sequence] = []
+        got_token: list[Request] = []
         logprobs = result.logprobs or [None] * len(result.req_ids)
         for req_id, token, lp in zip(result.req_ids, result.token_ids, logprobs):
             seq = planned.get(req_id)

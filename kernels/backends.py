@@ -1,4 +1,4 @@
-"""The attention-backend interface: what a model layer hands to attention, and the choice of backend.
+"""The attention-backend interface: what a model layer hands to attention (which backend: backend_choice.py).
 
 A step's batch is a flat list of T tokens from B sequences. Sequence i contributes query_lens[i] new tokens
 at positions [seq_lens[i] - query_lens[i], seq_lens[i]); its keys and values for all seq_lens[i] positions
@@ -38,7 +38,9 @@ class AttentionMetadata:
 
 
 class AttentionBackend:
-    """Stores the new K/V into the paged cache, then attends each query to its sequence's cached context."""
+    """Stores the new K/V into the paged cache, then attends each query to its sequence's cached context.
+
+    A backend supplies the two halves: store_kv (slot -1 skipped) and attend (over the cache, new K/V included)."""
 
     name = "base"
 
@@ -52,30 +54,13 @@ class AttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta, scale)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
         raise NotImplementedError
 
-
-def get_backend(name: str, device: str) -> AttentionBackend:
-    """"auto": flash-attn where importable on CUDA, else Triton on CUDA, else the torch reference."""
-    from shardserve.kernels.reference import TorchAttentionBackend
-
-    if name == "torch" or (name == "auto" and device != "cuda"):
-        return TorchAttentionBackend()
-    if name in ("flash-attn", "auto"):
-        try:
-            from shardserve.kernels.flash import FlashAttentionBackend
-
-            return FlashAttentionBackend()
-        except ImportError:
-            if name == "flash-attn":
-                raise
-    if name in ("triton", "auto"):
-        try:
-            from shardserve.kernels.triton_backend import TritonAttentionBackend
-
-            return TritonAttentionBackend()
-        except ImportError:
-            if name == "triton":
-                raise
-            return TorchAttentionBackend()
-    raise ValueError(f"attention_backend must be one of auto, torch, triton, flash-attn; got {name!r}")
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        raise NotImplementedError

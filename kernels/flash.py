@@ -21,20 +21,13 @@ from shardserve.kernels.store_kv import store_kv
 class FlashAttentionBackend(AttentionBackend):
     name = "flash-attn"
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
+    store_kv = staticmethod(store_kv)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         block_size = k_cache.shape[1]
         if block_size % 256:
             raise ValueError(f"flash-attn's paged attention needs a block size that is a multiple of 256, got {block_size}")
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         cu_seqlens_k = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
         return flash_attn_varlen_func(
             q, k_cache, v_cache,

@@ -19,10 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.paged_attention import check_paged_inputs, dot_precision
-
-_LOG2E = 1.4426950408889634
-_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity" (see paged_attention.py)
+from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, dot_precision
 
 
 @triton.jit
@@ -64,7 +61,7 @@ def _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_
         v = tl.load(v_cache_ptr + kv_off)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
     if CAUSAL:
-        s = tl.where(pos[None, :] <= q_pos[:, None], s, _NEG_BIG)
+        s = tl.where(pos[None, :] <= q_pos[:, None], s, NEG_BIG)
     m_new = tl.maximum(m, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
@@ -73,7 +70,7 @@ def _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_
     return m_new, l, acc
 
 
-# num_seqs: a batch of 1 must not compile a constexpr bound; stride_bt: see paged_attention.py
+# num_seqs: a batch of 1 must not compile a constexpr bound; stride_bt: see paged_decode.py
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -107,7 +104,7 @@ def _prefill_kernel(
                     mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
         q_pos = context_start + tok  # [BLOCK_M]
 
-        m = tl.full([BLOCK_M], _NEG_BIG, dtype=tl.float32)
+        m = tl.full([BLOCK_M], NEG_BIG, dtype=tl.float32)
         l = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -156,7 +153,7 @@ def paged_prefill_attention(
     grid = (tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
-        num_seqs, scale * _LOG2E,
+        num_seqs, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1],

@@ -1,6 +1,7 @@
 """Triton kernel: write the step's new K/V into the paged cache at their slots (slot -1 = skip).
 
 Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]; slot = block * block_size + offset.
+Its torch reference is the torch backend's store_kv (torch_backend.py).
 """
 
 from __future__ import annotations
@@ -60,13 +61,3 @@ def store_kv(
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
     )
 
-
-def store_kv_ref(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
-) -> None:
-    """The torch reference: index_copy into the flattened caches, skipping slot -1."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[keep].to(v_cache.dtype))

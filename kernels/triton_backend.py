@@ -9,30 +9,22 @@ from __future__ import annotations
 import torch
 
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
-from shardserve.kernels.paged_attention import choose_num_splits, paged_decode_attention
+from shardserve.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from shardserve.kernels.prefill import paged_prefill_attention
 from shardserve.kernels.store_kv import store_kv
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
+    store_kv = staticmethod(store_kv)
 
     def __init__(self, decode_num_splits: int | None = None) -> None:
         # None: pick splits per step from batch size and max_seq_len. A CUDA graph bakes in whatever its
         # capture step chose; any fixed value stays correct at replay (split ranges are computed on device).
         self.decode_num_splits = decode_num_splits
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         if meta.is_decode_only and q.shape[0] == meta.num_seqs:
             splits = self.decode_num_splits
             if splits is None:

@@ -137,7 +137,7 @@ class DecodeGraphRunner:
     # ---- capture -------------------------------------------------------------------------------------------
     def num_splits(self, padded: int) -> int:
         """The decode split count baked into the graph of this size (chosen for the longest context)."""
-        from shardserve.kernels.paged_attention import choose_num_splits
+        from shardserve.kernels.paged_decode import choose_num_splits
 
         num_kv_heads = self.kv_caches[0][0].shape[2] if self.kv_caches else 1
         return choose_num_splits(padded, num_kv_heads, self.max_model_len)

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardserve.kernels.backends import AttentionMetadata, get_backend
+from shardserve.kernels.backend_choice import get_backend
+from shardserve.kernels.backends import AttentionMetadata
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import SamplingSpec, StepPlan, StepResult
 from shardserve.worker import cuda_graphs, kv_cache

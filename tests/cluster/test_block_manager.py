@@ -1,22 +1,22 @@
 from shardserve.cluster import block_manager as bm_module
 from shardserve.cluster.block_manager import BlockManager
-from shardserve.cluster.sequence import Sequence
+from shardserve.cluster.request import Request
 
 BS = 4
 
 
-def seq(req_id: str, tokens: list[int]) -> Sequence:
-    return Sequence(req_id, list(tokens))
+def seq(req_id: str, tokens: list[int]) -> Request:
+    return Request(req_id, list(tokens))
 
 
-def admit(bm: BlockManager, s: Sequence, num_tokens: int | None = None) -> int:
+def admit(bm: BlockManager, s: Request, num_tokens: int | None = None) -> int:
     """Allocates like the scheduler does; returns the cached prefix length."""
     hits = bm.find_cached_prefix(s)
     assert bm.allocate(s, hits, num_tokens if num_tokens is not None else len(s.token_ids))
     return len(hits) * BS
 
 
-def computed(bm: BlockManager, s: Sequence) -> None:
+def computed(bm: BlockManager, s: Request) -> None:
     """The workers computed all of s's tokens: its full blocks become findable."""
     bm.register_full_blocks(s, len(s.token_ids))
 

@@ -4,7 +4,7 @@ from _fake_executor import FakeExecutor, expected_output
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
-from shardserve.cluster.sequence import RequestStatus, Sequence
+from shardserve.cluster.request import RequestStatus, Request
 from shardserve.proto.config import EngineConfig
 
 BS = 4
@@ -20,12 +20,12 @@ class Harness:
         self.bm = BlockManager(num_blocks, BS, prefix_caching)
         self.sched = Scheduler(self.config, self.bm)
         self.ex = FakeExecutor(num_blocks, BS, VOCAB)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Request] = {}
         self.finish_order: list[str] = []
         self._arrival = 0
 
     def add(self, req_id, prompt, max_tokens=4):
-        seq = Sequence(req_id, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0), arrival=self._arrival)
+        seq = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0), arrival=self._arrival)
         self._arrival += 1
         self.sched.add(seq)
         self.seqs[req_id] = seq

@@ -13,11 +13,12 @@ if not torch.cuda.is_available():  # skip before importing triton kernels (CPU C
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 from _paged_batch import make_batch  # noqa: E402
 
-from shardserve.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from shardserve.kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from shardserve.kernels.prefill import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from shardserve.kernels.rmsnorm import add_rms_norm, rms_norm_ref  # noqa: E402
 from shardserve.kernels.rope import apply_rope_, rope_ref  # noqa: E402
-from shardserve.kernels.store_kv import store_kv, store_kv_ref  # noqa: E402
+from shardserve.kernels.store_kv import store_kv  # noqa: E402
+from shardserve.kernels.torch_backend import store_kv as store_kv_ref  # noqa: E402
 from shardserve.kernels.triton_backend import TritonAttentionBackend  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -10,7 +10,7 @@ if not torch.cuda.is_available():
 from _paged_batch import make_batch  # noqa: E402
 
 from shardserve.kernels.flash import FlashAttentionBackend  # noqa: E402
-from shardserve.kernels.reference import TorchAttentionBackend  # noqa: E402
+from shardserve.kernels.torch_backend import TorchAttentionBackend  # noqa: E402
 
 
 def test_flash_backend_matches_torch_backend_on_mixed_batch():

@@ -52,7 +52,7 @@ def test_rope_with_qk_norm_equals_norm_then_rope_on_strided_views(dtype):
 def test_model_forward_with_fused_kernels_equals_torch_path(arch, tmp_path, monkeypatch):
     from transformers import AutoConfig
 
-    from shardserve.kernels.reference import TorchAttentionBackend
+    from shardserve.kernels.torch_backend import TorchAttentionBackend
     from shardserve.worker.layers import _fused
     from shardserve.worker.loader import load_weights
     from shardserve.worker.models.registry import build_model

@@ -5,9 +5,9 @@ include a non-power-of-2 size."""
 import pytest
 import torch
 
-from shardserve.kernels.paged_attention import paged_decode_attention, paged_decode_attention_ref
+from shardserve.kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
 from shardserve.kernels.prefill import paged_prefill_attention, paged_prefill_attention_ref
-from shardserve.kernels.store_kv import store_kv_ref
+from shardserve.kernels.torch_backend import store_kv as store_kv_ref
 from shardserve.kernels.triton_backend import TritonAttentionBackend
 from _paged_batch import make_batch  # tests/kernels is on sys.path (pytest rootdir-less "prepend" import)
 
@@ -17,7 +17,7 @@ SCALE = 0.3
 
 
 def _torch_backend():
-    return pytest.importorskip("shardserve.kernels.reference").TorchAttentionBackend()
+    return pytest.importorskip("shardserve.kernels.torch_backend").TorchAttentionBackend()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -5,7 +5,8 @@ import torch
 
 from shardserve.kernels.rmsnorm import add_rms_norm, rms_norm, rms_norm_ref
 from shardserve.kernels.rope import apply_rope_, rope_ref
-from shardserve.kernels.store_kv import store_kv, store_kv_ref
+from shardserve.kernels.store_kv import store_kv
+from shardserve.kernels.torch_backend import store_kv as store_kv_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

@@ -65,7 +65,7 @@ def test_staging_yields_the_eager_slots_and_masks_padding_rows():
 
 
 def test_graphs_only_on_cuda_with_the_triton_backend_and_not_when_eager_is_enforced(tmp_path):
-    from shardserve.kernels.reference import TorchAttentionBackend
+    from shardserve.kernels.torch_backend import TorchAttentionBackend
 
     config = EngineConfig(model=str(tmp_path))
     triton_like = type("B", (), {"name": "triton"})()

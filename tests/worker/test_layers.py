@@ -20,7 +20,7 @@ from shardserve.worker.layers.norm import RMSNorm
 from shardserve.worker.layers.rotary import RotaryEmbedding, rope_settings
 from shardserve.worker.loader import init_dummy_weights
 from shardserve.worker.models.registry import build_model
-from shardserve.kernels.reference import TorchAttentionBackend
+from shardserve.kernels.torch_backend import TorchAttentionBackend
 
 
 @pytest.fixture

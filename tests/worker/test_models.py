@@ -19,7 +19,7 @@ from transformers import Qwen2ForCausalLM as HFQwen2
 from transformers import Qwen3ForCausalLM as HFQwen3
 
 from shardserve.kernels.backends import AttentionMetadata
-from shardserve.kernels.reference import TorchAttentionBackend
+from shardserve.kernels.torch_backend import TorchAttentionBackend
 from shardserve.worker import distributed
 from shardserve.worker.loader import load_weights
 from shardserve.worker.models.registry import build_model

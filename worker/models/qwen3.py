@@ -1,13 +1,13 @@
-"""Qwen3ForCausalLM: the Llama decoder with per-head RMSNorm on q and k before RoPE, and no q/k/v bias by default."""
+"""Qwen3ForCausalLM: the shared decoder with per-head RMSNorm on q and k before RoPE, and no q/k/v bias by default."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from shardserve.worker.models.llama import DecoderVariant, LlamaForCausalLM
+from shardserve.worker.models.decoder import DecoderForCausalLM, DecoderVariant
 
 
-class Qwen3ForCausalLM(LlamaForCausalLM):
+class Qwen3ForCausalLM(DecoderForCausalLM):
     @classmethod
     def variant_for(cls, hf_config: Any) -> DecoderVariant:
         attention_bias = bool(getattr(hf_config, "attention_bias", False))

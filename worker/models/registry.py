@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 from shardserve.kernels.backends import AttentionBackend
+from shardserve.worker.models.decoder import DecoderForCausalLM
 from shardserve.worker.models.llama import LlamaForCausalLM
 from shardserve.worker.models.qwen2 import Qwen2ForCausalLM
 from shardserve.worker.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,  # dense Mistral is the Llama network (no sliding window here)
     "Qwen2ForCausalLM": Qwen2ForCausalLM,

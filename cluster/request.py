@@ -1,6 +1,6 @@
 """A request's state on the controller: its tokens, block table, status and what has been streamed so far.
 
-One `Sequence` per request, owned by the scheduler while the request is live. Token lists only grow by appends,
+A `Request` is owned by the scheduler while the request is live. Token lists only grow by appends,
 so everything per step is O(1) per request; the only O(tokens) work happens at admission (hashing the prompt's
 blocks once) and when a preempted request is resent to the workers in full.
 """
@@ -26,7 +26,7 @@ class RequestStatus(enum.Enum):
 
 
 @dataclass(slots=True, eq=False)
-class Sequence:
+class Request:
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)

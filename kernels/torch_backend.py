@@ -18,10 +18,11 @@ from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
 def store_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Writes k/v [T, kv_heads, head_dim] into the flattened caches at slot_mapping [T]; slot -1 is skipped."""
+    """Writes k/v [T, kv_heads, head_dim] into the flattened caches at slot_mapping [T]; slot -1 is skipped.
+    Also the reference the Triton store_kv (store_kv.py) is tested against."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
+    slots = slot_mapping[keep].long()
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[keep].to(k_cache.dtype))
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[keep].to(v_cache.dtype))
 
@@ -37,18 +38,10 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
+    store_kv = staticmethod(store_kv)
 
-    def forward(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        scale: float,
-    ) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         query_lens = meta.query_lens_cpu
         starts = [0]

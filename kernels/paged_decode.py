@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-_LOG2E = 1.4426950408889634
-_NEG_BIG = tl.constexpr(-1.0e30)  # finite "minus infinity": keeps empty splits and masked tiles free of NaN
+from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, dot_precision
 
 
 # The block table's row stride is the step's widest table: left unspecialised, or each new value that is (not) a
@@ -54,7 +53,7 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
 
-    m = tl.full([BLOCK_G], _NEG_BIG, dtype=tl.float32)
+    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
@@ -67,7 +66,7 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
-        s = tl.where(valid[None, :], s, _NEG_BIG)
+        s = tl.where(valid[None, :], s, NEG_BIG)
         m_new = tl.maximum(m, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m - m_new)
@@ -85,7 +84,7 @@ def _decode_kernel(
         # partials: part_out [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM], part_lse [num_seqs, num_heads, NUM_SPLITS]
         row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], result, mask=out_mask)
-        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), _NEG_BIG)
+        lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), NEG_BIG)
         tl.store(part_lse_ptr + row, lse, mask=head_ok)
 
 
@@ -102,29 +101,13 @@ def _merge_splits_kernel(
     d = tl.arange(0, BLOCK_D)
     row0 = (seq * tl.num_programs(1) + head) * NUM_SPLITS
     split_ok = splits < NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row0 + splits, mask=split_ok, other=_NEG_BIG)
+    lse = tl.load(part_lse_ptr + row0 + splits, mask=split_ok, other=NEG_BIG)
     weight = tl.exp2(lse - tl.max(lse, 0))
     weight = tl.where(split_ok, weight, 0.0)
     parts = tl.load(part_out_ptr + (row0 + splits)[:, None] * HEAD_DIM + d[None, :],
                     mask=split_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     result = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision: full fp32 for fp32 inputs (fp32 runs are correctness runs, held to transformers'
-    fp32 logits; tf32 would round the inputs to 10 mantissa bits), the default elsewhere (bf16/fp16 ignore it)."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-def check_paged_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int]:
-    """The layout both attention kernels rely on; returns (num_kv_heads, query heads per KV head)."""
-    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
-    if k_cache.stride() != v_cache.stride() or q.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError("q and the caches need head_dim contiguous, and k_cache/v_cache the same strides")
-    return num_kv_heads, num_heads // num_kv_heads
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_programs: int = 528,
@@ -164,7 +147,7 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        scale * _LOG2E,
+        scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1],

@@ -1,4 +1,4 @@
-"""The torch reference backend against a naive dense softmax attention, on random paged layouts.
+"""The torch attention backend against a naive dense softmax attention, on random paged layouts.
 
 Covers decode-only batches, prefills over a cached prefix (prefix-cache hit / chunked prefill), batches
 mixing both, GQA, and slot -1 (a token whose K/V must not be written).
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardserve.kernels.backends import AttentionMetadata
-from shardserve.kernels.reference import TorchAttentionBackend
+from shardserve.kernels.torch_backend import TorchAttentionBackend
 
 HEADS, KV_HEADS, DIM, BLOCK, NUM_BLOCKS = 4, 2, 8, 4, 40
 

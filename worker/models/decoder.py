@@ -1,0 +1,164 @@
+"""The decoder every model shares (Llama 2/3, SmolLM2, Mistral-style dense, Qwen2, Qwen3), with its knobs.
+
+The models are the same network with small differences, expressed as a `DecoderVariant`: Qwen2 adds a bias to
+q/k/v; Qwen3 RMS-normalises each q/k head before RoPE. Module names follow HF checkpoints
+(model.layers.N.self_attn.qkv_proj, mlp.gate_up_proj, ...) so the loader's mapping is short.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
+from shardserve.worker.distributed import tp_size
+from shardserve.worker.layers import _fused
+from shardserve.worker.layers.activation import SiluAndMul
+from shardserve.worker.layers.attention import Attention
+from shardserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from shardserve.worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shardserve.worker.layers.norm import RMSNorm
+from shardserve.worker.layers.rotary import RotaryEmbedding, rope_settings
+
+
+@dataclass(frozen=True)
+class DecoderVariant:
+    qkv_bias: bool  # bias on q/k/v projections
+    o_bias: bool  # bias on o_proj
+    mlp_bias: bool
+    qk_norm: bool  # per-head RMSNorm on q and k before RoPE (Qwen3)
+
+
+def head_dim_of(hf_config: Any) -> int:
+    return getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, hf_config: Any, variant: DecoderVariant, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        hidden = hf_config.hidden_size
+        self.head_dim = head_dim_of(hf_config)
+        self.qkv_proj = QKVParallelLinear(
+            hidden, self.head_dim, hf_config.num_attention_heads, hf_config.num_key_value_heads, bias=variant.qkv_bias
+        )
+        heads, kv_heads = self.qkv_proj.num_heads_per_rank, self.qkv_proj.num_kv_heads_per_rank
+        self.o_proj = RowParallelLinear(hf_config.num_attention_heads * self.head_dim, hidden, bias=variant.o_bias)
+        self.rotary = rotary  # one instance shared by all layers: one cos/sin cache
+        self.q_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps) if variant.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, hf_config.rms_norm_eps) if variant.qk_norm else None
+        self.attn = Attention(heads, kv_heads, self.head_dim, self.head_dim**-0.5, backend)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.reshape(tokens, -1, self.head_dim)
+        k = k.reshape(tokens, -1, self.head_dim)
+        if _fused.use_fused(x):  # one kernel: (q/k norm and) RoPE, in place in the qkv output
+            from shardserve.kernels.rope import apply_rope_
+
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            apply_rope_(positions, q, k, self.rotary.cos_cache, self.rotary.sin_cache, norms, eps)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary(positions, q, k)
+        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, kv_cache, meta)
+        return self.o_proj(out)
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, hf_config: Any, variant: DecoderVariant) -> None:
+        super().__init__()
+        act = getattr(hf_config, "hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        inter = hf_config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias=variant.mlp_bias)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias=variant.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hf_config: Any, variant: DecoderVariant, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(hf_config, variant, rotary, backend)
+        self.mlp = DecoderMLP(hf_config, variant)
+        self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, positions, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, hf_config: Any, variant: DecoderVariant, backend: AttentionBackend) -> None:
+        super().__init__()
+        theta, scaling = rope_settings(hf_config)
+        rotary = RotaryEmbedding(head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling)
+        self.rotary = rotary
+        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(hf_config, variant, rotary, backend) for _ in range(hf_config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+
+    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class DecoderForCausalLM(nn.Module):
+    """The decoder with its LM head; a model class (llama.py, qwen2.py, qwen3.py) only chooses its DecoderVariant."""
+
+    @classmethod
+    def variant_for(cls, hf_config: Any) -> DecoderVariant:
+        raise NotImplementedError
+
+    def __init__(self, hf_config: Any, backend: AttentionBackend) -> None:
+        super().__init__()
+        tp = tp_size()
+        if hf_config.num_attention_heads % tp:
+            raise ValueError(
+                f"tensor_parallel_size ({tp}) must divide num_attention_heads ({hf_config.num_attention_heads})"
+            )
+        self.model = DecoderModel(hf_config, self.variant_for(hf_config), backend)
+        self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
+        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tied_to=tied_to)
+        qkv = self.model.layers[0].self_attn.qkv_proj if hf_config.num_hidden_layers else None
+        self.num_layers = hf_config.num_hidden_layers
+        self.head_dim = head_dim_of(hf_config)
+        self.num_kv_heads_per_rank = qkv.num_kv_heads_per_rank if qkv is not None else 0
+        self.vocab_size = hf_config.vocab_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab_size] in the model dtype, the full vocabulary on every rank."""
+        return self.lm_head(hidden)
