@@ -1,7 +1,7 @@
 """The step plan and the step result: the only things the controller (cluster/) and the workers (worker/) exchange.
 
 Both sides import this file and nothing of each other. In one process these dataclasses travel as they are
-(worker/inprocess.py); across processes the cluster issue maps them one-to-one onto protobuf messages in
+(worker/inprocess.py); across processes proto/convert.py maps them one-to-one onto protobuf messages in
 worker.proto. Plans carry deltas only:
 
 - A request the workers have not seen yet (or one coming back after preemption) arrives once in `new_requests`,
@@ -68,6 +68,11 @@ class StepPlan:
     @property
     def num_batched_tokens(self) -> int:
         return sum(self.num_tokens)
+
+
+def cdiv(a: int, b: int) -> int:
+    """a / b rounded up (non-negative ints): e.g. the blocks that hold a tokens at b tokens a block."""
+    return -(-a // b)
 
 
 @dataclass(slots=True)

@@ -7,13 +7,15 @@ What is captured: the model forward only (embedding -> layers -> final norm, all
 calls are capturable) for a decode-only batch padded to one of graph_batch_sizes(). The LM head, the logits and
 sampling stay eager: they run on the real rows only and the sampler branches on host data.
 
-Inputs of a graph of size B with n real rows, written once per step into static device buffers:
+Inputs of a graph of size B with n real rows: worker/input_batch.py prepares a decode batch the graphs cover
+already padded to B (pack_inputs), and run() copies that host list into static device buffers:
   staging (int64): token ids [B] | positions [B] | context lengths [B] | the rows' block tables [n x w]
     (one host-to-device copy; padding rows get id 0, position 0, context length 0),
-  then one device copy of the [n x w] tables into the static [max B, max_blocks] int32 block table.
-Inside the graph each row's cache slot is table[row, pos // block_size] * block_size + pos % block_size, or -1
-where the context length is 0: store_kv skips padding rows and the decode kernel reads no keys for them (their
-output is zeros that nobody reads). Entries of a table row past its context are stale and never read.
+  then one device copy of the [n x w] tables into the static [max B, max_blocks] int32 block table, and the
+  tokens still on the device (async scheduling) gathered into the ids.
+Inside the graph each row's cache slot comes from input_batch.slot_mapping (its table entry at pos // block_size),
+or is -1 where the context length is 0: store_kv skips padding rows and the decode kernel reads no keys for them
+(their output is zeros that nobody reads). Entries of a table row past its context are stale and never read.
 
 Attention: only the Triton backend is graph-safe here. Its decode kernel computes the split ranges on the device
 from seq_lens, so a split count fixed per captured size (chosen for max_model_len) is correct for any length.
@@ -32,7 +34,7 @@ import gc
 import sys
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 from unittest import mock
 
 import torch
@@ -40,7 +42,9 @@ from torch import nn
 
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
 from shardserve.proto.config import EngineConfig
-from shardserve.worker.sampler import host_int64
+from shardserve.proto.plan import cdiv
+from shardserve.worker.device_copy import copy_to_buffer
+from shardserve.worker.input_batch import StepInputs, slot_mapping
 
 MAX_GRAPH_BATCH_SIZE = 512  # a larger max_num_seqs still runs: bigger decode batches go eager
 PROBE_COPIES = 4  # graphs of the smallest size the memory dry run captures to measure one graph's cost
@@ -60,31 +64,20 @@ def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
     return sizes[i] if i < len(sizes) else None
 
 
-def pack_decode_inputs(
-    token_ids: list[int], positions: list[int], block_tables: list[list[int]], padded: int
-) -> tuple[list[int], int]:
-    """The staging layout as one host list, and the width w of the packed block tables (the longest row)."""
-    pad = [0] * (padded - len(token_ids))
-    width = max(len(t) for t in block_tables)
-    flat = token_ids + pad + positions + pad + [p + 1 for p in positions] + pad
-    for table in block_tables:
-        flat.extend(table)
-        flat.extend([0] * (width - len(table)))
-    return flat, width
-
-
 def decode_inputs_from_staging(
     staging: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor, padded: int, block_size: int,
-    max_seq_len: int,
+    max_seq_len: int, rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Input ids, positions and attention metadata of a padded decode batch, as views and device ops only
-    (what a graph captures). max_seq_len only sizes host-side choices; the kernels read seq_lens."""
+    (what a graph captures). max_seq_len only sizes host-side choices; the kernels read seq_lens. rows: [padded]
+    int64 0, 1, ... on the device, the sequence of each token (the runner passes its static one)."""
     input_ids = staging[:padded]
     positions = staging[padded : 2 * padded]
     seq_lens = staging[2 * padded : 3 * padded].to(torch.int32)
     tables = block_tables[:padded]
-    blocks = tables.gather(1, (positions // block_size).unsqueeze(1)).squeeze(1).long()
-    slots = torch.where(seq_lens > 0, blocks * block_size + positions % block_size, -1)
+    if rows is None:
+        rows = torch.arange(padded, device=staging.device)
+    slots = torch.where(seq_lens > 0, slot_mapping(tables, rows, positions, block_size), -1)
     meta = AttentionMetadata(
         slot_mapping=slots,
         query_start_loc=query_start_loc[: padded + 1],
@@ -119,7 +112,7 @@ class DecodeGraphRunner:
         self.batch_sizes = sorted(batch_sizes)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = cdiv(max_model_len, block_size)
         self.device = device
         self.use_cuda_graphs = use_cuda_graphs
         largest = self.batch_sizes[-1]
@@ -156,7 +149,8 @@ class DecodeGraphRunner:
 
     def _forward(self, padded: int) -> torch.Tensor:
         ids, positions, meta = decode_inputs_from_staging(
-            self._staging, self._block_tables, self._query_start_loc, padded, self.block_size, self.max_model_len
+            self._staging, self._block_tables, self._query_start_loc, padded, self.block_size, self.max_model_len,
+            self._rows[:padded],
         )
         return self.model(ids, positions, self.kv_caches, meta)
 
@@ -201,38 +195,30 @@ class DecodeGraphRunner:
         return graph, output
 
     # ---- replay --------------------------------------------------------------------------------------------
-    def run(
-        self,
-        token_ids: list[int],
-        positions: list[int],
-        block_tables: list[list[int]],
-        fill_inputs: Callable[[torch.Tensor], None] | None = None,
-    ) -> torch.Tensor | None:
-        """Hidden states [n, hidden] of a decode step (row i = sequence i), or None when no graph covers it.
-
-        fill_inputs(input_ids) may patch the [n] input ids on the device before the replay (tokens sampled by a
-        step still in flight). The result is a view of the graph's output: use it before the next run.
-        """
-        n = len(token_ids)
-        padded = padded_batch_size(n, self.batch_sizes)
+    def padded_size(self, num_seqs: int, max_seq_len: int) -> int | None:
+        """The captured size a decode batch pads to, or None where no graph covers it (it runs eagerly)."""
+        padded = padded_batch_size(num_seqs, self.batch_sizes)
         if padded is None or (self.use_cuda_graphs and padded not in self._graphs):
             return None
-        flat, width = pack_decode_inputs(token_ids, positions, block_tables, padded)
-        if width > self.max_blocks:
-            return None
-        host = host_int64(flat)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        staged = self._staging[: host.numel()]
-        staged.copy_(host, non_blocking=True)
+        return padded if cdiv(max_seq_len, self.block_size) <= self.max_blocks else None
+
+    def run(self, batch: StepInputs) -> torch.Tensor:
+        """Hidden states [n, hidden] of a decode batch prepared for this runner (batch.padded: a size that
+        padded_size chose; row i = sequence i): its inputs into the static buffers, then the replay.
+        The result is a view of the graph's output: use it before the next run."""
+        n, padded, width = batch.num_seqs, batch.padded, batch.width
+        staged = copy_to_buffer(self._staging, batch.flat)
         self._block_tables[:n, :width].copy_(staged[3 * padded :].view(n, width))
-        if fill_inputs is not None:
-            fill_inputs(self._staging[:n])
+        batch.gather_pending(staged[:n])
+        return self.replay(padded)[:n]
+
+    def replay(self, padded: int) -> torch.Tensor:
+        """The forward of the graph of one captured size over what the static buffers hold (all padded rows)."""
         if self.use_cuda_graphs:
             self._graphs[padded].replay()
-            return self._outputs[padded][:n]
+            return self._outputs[padded]
         with self._fixed_splits(padded):
-            return self._forward(padded)[:n]
+            return self._forward(padded)
 
     def rows(self, n: int) -> torch.Tensor:
         """[0, n) on the device: the row of each sequence's token in run()'s output."""
@@ -296,7 +282,7 @@ def leave_room_for_graphs(
         return blocks, None
     if blocks >= max_useful_blocks(config):
         return blocks, reserve
-    left = blocks - -(-reserve // bytes_per_block(model, config.block_size, dtype))
+    left = blocks - cdiv(reserve, bytes_per_block(model, config.block_size, dtype))
     if left < 1:
         raise RuntimeError(
             f"no memory left for the KV cache after reserving {reserve / 2**20:.0f} MiB for CUDA graphs: "

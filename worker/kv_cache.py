@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from shardserve.proto.config import EngineConfig
+from shardserve.proto.plan import cdiv
 
 DEFAULT_CPU_CACHE_GB = 1.0
 _GIB = 1 << 30
@@ -26,7 +27,7 @@ def bytes_per_block(model: nn.Module, block_size: int, dtype: torch.dtype) -> in
 
 def max_useful_blocks(config: EngineConfig) -> int:
     """More blocks than max_num_seqs full-length sequences (plus one block of slack each) can never be used."""
-    blocks_per_seq = -(-config.max_model_len // config.block_size) + 1
+    blocks_per_seq = cdiv(config.max_model_len, config.block_size) + 1
     return config.max_num_seqs * blocks_per_seq
 
 

@@ -23,7 +23,6 @@ temperature, top-k, top-p, min-p and the draw. Logprobs come from the raw logits
 
 from __future__ import annotations
 
-import array
 import functools
 from dataclasses import dataclass
 from typing import Sequence
@@ -31,6 +30,7 @@ from typing import Sequence
 import torch
 
 from shardserve.proto.plan import SamplingSpec, TokenLogprobs
+from shardserve.worker.device_copy import device_tensor
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -56,24 +56,6 @@ class SamplingRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
-
-
-def host_int64(values: list[int]) -> torch.Tensor:
-    """A CPU int64 tensor over a list, through array('q'): ~3x faster than torch.tensor(list) (0.29 vs 0.97 ms for
-    the 14k entries of a batch-256 decode step, measured on the development VM)."""
-    if not values:
-        return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(array.array("q", values), dtype=torch.int64)
-
-
-def device_tensor(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """torch.tensor(values, dtype=dtype, device=device) without a host sync. On CUDA a blocking host-to-device copy
-    waits for every kernel queued before it, which would stall async scheduling's launch of the next step
-    (worker/step_in_flight.py): copy from pinned memory without blocking instead."""
-    host = host_int64(values) if dtype == torch.int64 else torch.tensor(values, dtype=dtype)
-    if torch.device(device).type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
 
 
 # ---------------------------------------------------------------------------------------------- random draws

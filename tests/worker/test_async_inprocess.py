@@ -16,7 +16,7 @@ from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan
 from shardserve.worker.inprocess import InProcessExecutor
 from shardserve.worker.multiproc import MultiprocExecutor
-from shardserve.worker.step_in_flight import PENDING
+from shardserve.worker.input_batch import PENDING
 from tests.cluster._tiny_tokenizer import byte_level_bpe
 from tests.engine_driver import drive
 

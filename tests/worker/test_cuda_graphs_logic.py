@@ -9,15 +9,15 @@ import pytest
 import torch
 
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult
+from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, cdiv
 from shardserve.worker.cuda_graphs import (
     DecodeGraphRunner,
     decode_inputs_from_staging,
     graph_batch_sizes,
     graphs_unsupported_reason,
-    pack_decode_inputs,
     padded_batch_size,
 )
+from shardserve.worker.input_batch import pack_inputs as pack_decode_inputs
 from shardserve.worker.model_runner import ModelRunner
 
 BLOCK = 4
@@ -100,7 +100,7 @@ def make_runner(model_dir: str, max_model_len: int, graph_sizes: list[int] | Non
         def counting_run(*args, **kwargs):
             out = inner_run(*args, **kwargs)
             if out is not None:
-                served.append(len(args[0]))
+                served.append(args[0].num_seqs)
             return out
 
         graphs.run = counting_run
@@ -110,10 +110,10 @@ def make_runner(model_dir: str, max_model_len: int, graph_sizes: list[int] | Non
 
 def run_overlapped(runner: ModelRunner) -> list[StepResult]:
     """A prefill of all prompts, then decode steps, each launched before the previous one is finished (so decode
-    inputs are tokens still on the device: the fill_inputs path)."""
+    inputs are tokens still on the device: StepInputs.gather_pending)."""
     greedy = SamplingSpec(temperature=0.0, logprobs=1)
     blocks = iter(range(32))
-    new = [NewRequest(str(i), list(p), len(p), 0, [next(blocks) for _ in range(-(-(len(p) + DECODE_STEPS) // BLOCK))],
+    new = [NewRequest(str(i), list(p), len(p), 0, [next(blocks) for _ in range(cdiv(len(p) + DECODE_STEPS, BLOCK))],
                       greedy) for i, p in enumerate(PROMPTS)]
     ids = [r.req_id for r in new]
     plans = [StepPlan(1, new_requests=new, req_ids=ids, num_tokens=[len(p) for p in PROMPTS])]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult
+from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, cdiv
 from shardserve.worker.inprocess import InProcessExecutor
 
 BLOCK_SIZE = 4
@@ -67,7 +67,7 @@ class PlanDriver:
         plan = StepPlan(self.step_id, new_requests=list(new), finished_req_ids=list(finished),
                         preempted_req_ids=list(preempted))
         for req_id, n in schedule.items():
-            needed = -(-(self.computed[req_id] + n) // self.block_size)
+            needed = cdiv(self.computed[req_id] + n, self.block_size)
             added = []
             while len(self.blocks[req_id]) < needed:
                 self.blocks[req_id].append(self.next_block)

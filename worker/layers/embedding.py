@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.proto.plan import cdiv
 from shardserve.worker.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from shardserve.worker.layers._sharding import attach_loader, copy_into, loaded_shape, narrow_loaded
 
@@ -23,7 +24,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.vocab_size = vocab_size
-        self.rows_per_rank = -(-vocab_size // self.tp_size)
+        self.rows_per_rank = cdiv(vocab_size, self.tp_size)
         self.vocab_start = self.tp_rank * self.rows_per_rank
         self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)  # exclusive; real rows only
         self.weight = nn.Parameter(torch.zeros(self.rows_per_rank, hidden_size), requires_grad=False)

@@ -1,0 +1,286 @@
+"""Per-request worker state and one step's flat batch built from it: InputBatch owns both.
+
+Plans carry deltas (proto/plan.py); InputBatch keeps what they add up to, per request (RequestState: token ids,
+computed count, block table, sampling settings). ModelRunner.launch_step calls prepare(plan), which
+  1. applies the plan's deltas (drop finished and preempted requests, add new ones, append new blocks);
+  2. checks every scheduled request and takes its positions [num_computed, num_computed + n): input ids,
+     positions, context length, its block table up to the last block this step writes, whether it samples;
+  3. lays them out as one int64 host list (pack_inputs) that a single copy moves to the device: into a fresh
+     tensor (StepInputs.to_device, the eager forward), or, for a decode batch that a captured CUDA graph covers,
+     padded to that graph's size, into the graph's static buffers (worker/cuda_graphs.py: DecodeGraphRunner.run).
+
+Async scheduling: a sampled token stays on the device until its step is finished (worker/step_in_flight.py).
+add_placeholders() appends a PENDING placeholder to each sampling request's token list and notes which step's
+sampled ids (and which row) hold it; a later step computing that position gathers the value on the device into its
+input ids (StepInputs.gather_pending, right after the inputs' copy), so a decode never waits for the host.
+resolve_placeholders() writes the values over the placeholders once the step is read back: at finish_step, or
+earlier for requests with penalties, which read token values on the host (sampling_rows). Everything else the
+sampler needs (seeds, min_tokens) is the token lists' length.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from shardserve.kernels.backends import AttentionMetadata
+from shardserve.proto.plan import SamplingSpec, StepPlan, cdiv
+from shardserve.worker.device_copy import device_tensor
+from shardserve.worker.sampler import SamplingRow, uses_penalties
+from shardserve.worker.step_in_flight import StepInFlight
+
+PENDING = -1  # a token sampled on the device whose value the host has not read yet
+
+
+@dataclass(slots=True)
+class RequestState:
+    token_ids: list[int]  # prompt + generated, including the tokens sampled here (PENDING until read back)
+    num_prompt_tokens: int
+    num_computed: int  # positions whose KV is in the cache
+    block_ids: list[int]
+    sampling: SamplingSpec
+    pending: dict[int, tuple[int, int]] = field(default_factory=dict)  # PENDING position -> (step id, row) of its id
+
+
+class GraphSizes(Protocol):
+    """What prepare() asks the decode graphs (worker/cuda_graphs.py: DecodeGraphRunner)."""
+
+    def padded_size(self, num_seqs: int, max_seq_len: int) -> int | None: ...
+
+
+def pack_inputs(
+    input_ids: list[int],
+    positions: list[int],
+    block_tables: list[list[int]],
+    padded: int | None = None,
+    seq_lens: list[int] | None = None,
+    query_lens: list[int] | None = None,
+) -> tuple[list[int], int]:
+    """A step's inputs as one int64 host list, and the block tables' width w (the longest table):
+
+        input ids [L] | positions [L] | context lengths [S] | block tables [n x w, 0-padded] | query_start_loc [n + 1]
+
+    Eager (padded None): L is the token count rounded up to even, so that the two sections read in place as int64
+    start 16-byte aligned (Triton specialises kernels on pointer alignment: positions at an odd offset would
+    compile a second RoPE variant mid-run); S = n. For a decode graph of size padded (one token per sequence):
+    L = S = padded, padding rows get id 0, position 0 and context length 0, and there is no query_start_loc
+    (the graph keeps a static one). seq_lens and query_lens default to one token per sequence (position + 1, 1).
+    """
+    num_tokens = len(input_ids)
+    pad = [0] * ((padded if padded is not None else num_tokens + num_tokens % 2) - num_tokens)
+    width = max(len(t) for t in block_tables)
+    flat = input_ids + pad + positions + pad + (seq_lens if seq_lens is not None else [p + 1 for p in positions])
+    if padded is not None:
+        flat += pad
+    for table in block_tables:
+        flat += table
+        if len(table) < width:
+            flat += [0] * (width - len(table))
+    if padded is None:
+        flat.append(0)
+        flat += itertools.accumulate(query_lens) if query_lens is not None else range(1, num_tokens + 1)
+    return flat, width
+
+
+def slot_mapping(
+    block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    """[T] int64 cache slot of each token: its block (from its row's table, by position) * block_size + the offset."""
+    return block_tables[rows, positions // block_size].long() * block_size + positions % block_size
+
+
+@dataclass(slots=True, eq=False)
+class StepInputs:
+    """One step's batch: the scheduled requests and their inputs as pack_inputs lays them out (host side)."""
+
+    states: list[RequestState]  # the scheduled requests, in plan order
+    sample_rows: list[int]  # which of them sample (this step reaches the end of their token list) ...
+    sampling_states: list[RequestState]  # ... and their states
+    flat: list[int]
+    num_tokens: int
+    width: int  # of the block tables
+    padded: int | None  # the decode graph size the batch is padded to; None: eager
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_size: int
+    gathers: list[tuple[torch.Tensor, list[int], list[int]]]  # (a step's sampled ids, input rows, their rows)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.states)
+
+    def gather_pending(self, input_ids: torch.Tensor) -> None:
+        """Writes the tokens still on the device into input_ids (this batch's ids, copied to the device already),
+        from the sampled ids that hold them: one index copy per step in flight, no host sync."""
+        for tokens, dst, src in self.gathers:
+            index = device_tensor(dst + src, torch.int64, input_ids.device)
+            input_ids.index_copy_(0, index[: len(dst)], tokens.index_select(0, index[len(dst) :]))
+
+    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The eager forward's inputs: one copy of the flat list to the device, then views of it (input ids with
+        the pending tokens gathered, positions) and the attention metadata."""
+        num_tokens, num_seqs, width, bs = self.num_tokens, self.num_seqs, self.width, self.block_size
+        dev = device_tensor(self.flat, torch.int64, device)
+        span = num_tokens + num_tokens % 2
+        input_ids = dev[:num_tokens]
+        positions = dev[span : span + num_tokens]
+        offset = 2 * span
+        seq_lens = dev[offset : offset + num_seqs].to(torch.int32)
+        offset += num_seqs
+        block_tables = dev[offset : offset + num_seqs * width].view(num_seqs, width)
+        query_start_loc = dev[offset + num_seqs * width :].to(torch.int32)
+        seq_of_token = torch.repeat_interleave(
+            torch.arange(num_seqs, device=device), query_start_loc.diff(), output_size=num_tokens
+        )
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping(block_tables, seq_of_token, positions, bs),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_tables=block_tables.to(torch.int32),
+            query_lens_cpu=self.query_lens,
+            seq_lens_cpu=self.seq_lens,
+            max_query_len=max(self.query_lens),
+            max_seq_len=max(self.seq_lens),
+        )
+        self.gather_pending(input_ids)
+        return input_ids, positions, meta
+
+
+class InputBatch:
+    """Every request's state on this rank, each step's batch built from it, and the placeholders of the tokens
+    sampled by steps still in flight."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.requests: dict[str, RequestState] = {}
+        self.last_step_id = 0
+        # step id -> (the launched step, its sampling requests, where each one's placeholder sits), until resolved
+        self._in_flight: dict[int, tuple[StepInFlight, list[RequestState], list[int]]] = {}
+
+    # ---- a plan -> the step's batch ------------------------------------------------------------------------
+
+    def prepare(self, plan: StepPlan, graphs: GraphSizes | None = None) -> StepInputs:
+        """Applies the plan's deltas and builds its batch; a decode batch is padded for a graph that covers it."""
+        self._apply_deltas(plan)
+        if len(plan.req_ids) != len(plan.num_tokens):
+            raise ValueError(f"plan {plan.step_id}: {len(plan.req_ids)} req_ids but {len(plan.num_tokens)} num_tokens")
+        requests, bs = self.requests, self.block_size
+        states: list[RequestState] = []
+        sample_rows: list[int] = []
+        sampling_states: list[RequestState] = []
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[list[int]] = []
+        gathers: dict[int, tuple[list[int], list[int]]] = {}  # step id -> (input rows, rows of its sampled ids)
+        for req_id, n in zip(plan.req_ids, plan.num_tokens):
+            state = requests.get(req_id)
+            if state is None:
+                state = self._state(req_id)  # raises the KeyError that names the request
+            token_ids, start = state.token_ids, state.num_computed
+            end = start + n
+            if n < 1 or end > len(token_ids):
+                raise ValueError(f"request {req_id!r}: {n} tokens from {start} exceed its {len(token_ids)} tokens")
+            num_blocks = cdiv(end, bs)
+            if num_blocks > len(state.block_ids):
+                raise ValueError(f"request {req_id!r}: {len(state.block_ids)} blocks cannot hold {end} tokens")
+            if state.pending:
+                for position, (step_id, row) in state.pending.items():
+                    if start <= position < end:
+                        dst, src = gathers.setdefault(step_id, ([], []))
+                        dst.append(len(input_ids) + position - start)
+                        src.append(row)
+            if end == len(token_ids):
+                sample_rows.append(len(states))
+                sampling_states.append(state)
+            states.append(state)
+            if n == 1:  # a decode: no slice, no range
+                input_ids.append(token_ids[start])
+                positions.append(start)
+            else:
+                input_ids += token_ids[start:end]
+                positions += range(start, end)
+            query_lens.append(n)
+            seq_lens.append(end)
+            tables.append(state.block_ids[:num_blocks])
+        for state, end in zip(states, seq_lens):
+            state.num_computed = end
+        padded, flat, width = None, [], 0
+        if states:
+            if graphs is not None and len(input_ids) == len(states):  # decode only: one token per request
+                padded = graphs.padded_size(len(states), max(seq_lens))
+            flat, width = pack_inputs(input_ids, positions, tables, padded, seq_lens, query_lens)
+        return StepInputs(
+            states=states, sample_rows=sample_rows, sampling_states=sampling_states, flat=flat,
+            num_tokens=len(input_ids), width=width, padded=padded, query_lens=query_lens, seq_lens=seq_lens,
+            block_size=bs,
+            gathers=[(self._in_flight[step_id][0].tokens, dst, src) for step_id, (dst, src) in gathers.items()],
+        )
+
+    def _apply_deltas(self, plan: StepPlan) -> None:
+        """Drop finished/preempted, add new requests, append new blocks (plan.py's order)."""
+        if plan.step_id != self.last_step_id + 1:
+            raise RuntimeError(f"step plan {plan.step_id} after {self.last_step_id}: plans must arrive in order")
+        self.last_step_id = plan.step_id
+        for req_id in plan.finished_req_ids:
+            self.requests.pop(req_id, None)
+        for req_id in plan.preempted_req_ids:
+            self.requests.pop(req_id, None)
+        new_ids = set()
+        for req in plan.new_requests:
+            self.requests[req.req_id] = RequestState(
+                token_ids=list(req.token_ids),
+                num_prompt_tokens=req.num_prompt_tokens,
+                num_computed=req.num_computed_tokens,
+                block_ids=list(req.block_ids),
+                sampling=req.sampling,
+            )
+            new_ids.add(req.req_id)
+        for req_id, blocks in plan.new_block_ids.items():
+            if req_id in new_ids:
+                continue  # a new request's block_ids is already its whole table at this step
+            self._state(req_id).block_ids.extend(blocks)
+
+    def _state(self, req_id: str) -> RequestState:
+        state = self.requests.get(req_id)
+        if state is None:
+            raise KeyError(f"request {req_id!r} is scheduled but the worker has no state for it (never sent or dropped)")
+        return state
+
+    # ---- sampled tokens: placeholders until read back ------------------------------------------------------
+
+    def sampling_rows(self, batch: StepInputs) -> list[SamplingRow]:
+        """One SamplingRow per sampling request. Penalties read token values on the host: the placeholders of
+        requests that use them are resolved first (their steps read back early, losing their overlap)."""
+        for state in batch.sampling_states:
+            if state.pending and uses_penalties(state.sampling):
+                for step_id, _ in list(state.pending.values()):
+                    self._resolve(step_id)
+        return [SamplingRow(s.sampling, s.token_ids, s.num_prompt_tokens) for s in batch.sampling_states]
+
+    def add_placeholders(self, step: StepInFlight, batch: StepInputs) -> None:
+        """Appends a placeholder per sampling request for the id step.tokens holds in its row (called at launch)."""
+        positions = []
+        for row, state in enumerate(batch.sampling_states):
+            position = len(state.token_ids)
+            state.pending[position] = (step.step_id, row)
+            state.token_ids.append(PENDING)
+            positions.append(position)
+        self._in_flight[step.step_id] = (step, batch.sampling_states, positions)
+
+    def resolve_placeholders(self, step: StepInFlight) -> None:
+        """Writes a step's sampled ids over its placeholders (waits for that step only). No-op once resolved."""
+        self._resolve(step.step_id)
+
+    def _resolve(self, step_id: int) -> None:
+        held = self._in_flight.pop(step_id, None)
+        if held is None:
+            return
+        step, states, positions = held
+        for state, position, value in zip(states, positions, step.read_tokens()):
+            state.token_ids[position] = value
+            state.pending.pop(position, None)
