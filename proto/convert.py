@@ -1,4 +1,6 @@
-"""Conversions between the dataclasses of proto/plan.py and proto/config.py and their worker.proto messages.
+"""Conversions between the dataclasses of proto/plan.py and proto/config.py and their worker.proto messages, and
+`message_fields`: a message's fields as a same-named dataclass's keywords (also GenerateRequest -> SamplingParams,
+cluster/generation_service.py).
 
 Both sides of the Step stream call these every step (the controller encodes plans and decodes results, the
 workers decode plans and encode results), so they stay flat: repeated scalar fields are filled and read in
