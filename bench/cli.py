@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from shardserve.flags import add_engine_args, engine_kwargs
 
-def add_bench_parser(sub, add_engine_args) -> None:
+
+def add_bench_parser(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks (results as JSON records with --json-out)")
     kinds = bench.add_subparsers(dest="bench", required=True)
 
@@ -49,8 +51,6 @@ def add_bench_parser(sub, add_engine_args) -> None:
     control.add_argument("--seed", type=int, default=0)
     control.add_argument("--json-out", default=None)
     control.set_defaults(func=_run("shardserve.bench.control_plane"))
-
-
     probe = kinds.add_parser("probe", help="where a step's time goes on one GPU: host, forward, LM head, sampling")
     add_engine_args(probe)
     probe.add_argument("--batch-sizes", default="1,64,256", help="decode batch sizes, comma-separated")
@@ -68,8 +68,6 @@ def add_bench_parser(sub, add_engine_args) -> None:
 def _run(module: str):
     def run(args: argparse.Namespace) -> int:
         import importlib
-
-        from shardserve.cli import engine_kwargs
 
         return importlib.import_module(module).main(args, engine_kwargs(args))
 

@@ -116,33 +116,29 @@ class BenchEngine:
 
 def open_engine(config: EngineConfig, executor: str = "local") -> BenchEngine:
     """An Engine over a timed executor. "cluster": a local Ray (loopback), one placement group, GrpcExecutor."""
-    from shardserve.cluster.engine import Engine
-    from shardserve.config import load_tokenizer, model_facts
+    from shardserve.engine_factory import build_engine
 
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     closers: list[Callable[[], None]] = []
     if executor == "local":
-        from shardserve.llm import create_executor
-
-        inner = create_executor(config)
+        from shardserve.llm import create_executor as make_executor
     else:
-        from shardserve.cluster.grpc_executor import GrpcExecutor
         from shardserve.launcher import ensure_ray, launch_worker_group
+        from shardserve.ray_cluster import GrpcExecutorFactory
 
         ensure_ray("local")
         group = launch_worker_group(config, startup_timeout_s=300.0)
         closers.append(group.shutdown)
-        try:
-            inner = GrpcExecutor(config, group.endpoints, group.init_method)
-        except BaseException:
-            group.shutdown()
-            raise
-    closers.insert(0, inner.shutdown)
-    timed = TimedExecutor(inner)
-    tokenizer = load_tokenizer(config)
-    facts = model_facts(config, tokenizer)
-    engine = Engine(config, timed, tokenizer=tokenizer, eos_token_ids=facts.eos_token_ids, vocab_size=facts.vocab_size)
+        make_executor = GrpcExecutorFactory(group.endpoints, group.init_method)
+    try:
+        engine = build_engine(config, lambda cfg: TimedExecutor(make_executor(cfg)))
+    except BaseException:
+        for closer in closers:
+            closer()
+        raise
+    timed = engine.executor
+    closers.insert(0, timed.shutdown)
 
     def close() -> None:
         for closer in closers:
@@ -151,7 +147,7 @@ def open_engine(config: EngineConfig, executor: str = "local") -> BenchEngine:
             except Exception as exc:  # shutdown is best effort; the next benchmark must still run
                 print(f"warning: shutdown step failed: {exc!r}")
 
-    return BenchEngine(engine, timed, config, close, graphs=_graphs_summary(inner))
+    return BenchEngine(engine, timed, config, close, graphs=_graphs_summary(timed.inner))
 
 
 def _graphs_summary(executor: Any) -> str | None:

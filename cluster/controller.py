@@ -1,5 +1,6 @@
-"""Controller: one engine replica behind the client-facing gRPC server. `shardserve serve` runs it as a Ray actor
-(an asyncio actor: its methods run on the actor's event loop); tests may also run it in their own event loop.
+"""Controller: one engine replica behind the client-facing gRPC service (cluster/generation_service.py).
+`shardserve serve` runs it as a Ray actor (an asyncio actor: its methods run on the actor's event loop); tests may
+also run it in their own event loop.
 
 Threads: the event loop serves gRPC (Generate streams, health, stats) and never blocks; the EngineLoop thread owns
 the Engine and runs its steps (which block on the workers), then hands each step's deltas back to the event loop,
@@ -17,31 +18,18 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
+from shardserve.cluster.admission import Prompt, has_chat_template
 from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import EngineLoop, StepReport
+from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
+from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.outputs import RequestDelta
-from shardserve.cluster.prompt import Prompt, admit
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import Executor
 
 log = logging.getLogger(__name__)
-
-
-
-class ServerUnavailable(RuntimeError):
-    """Not serving now: starting, draining, stopped, or a worker failed (gRPC UNAVAILABLE)."""
-
-
-class ServerOverloaded(RuntimeError):
-    """max_live_requests requests are live already (gRPC RESOURCE_EXHAUSTED): retry later or elsewhere."""
-
-
-class UnknownRequest(KeyError):
-    """No live request has this id (gRPC NOT_FOUND)."""
 
 
 class State(enum.Enum):
@@ -67,8 +55,10 @@ class ServedModel:
 class ControllerConfig:
     engine: EngineConfig
     model: ServedModel
-    make_executor: Callable[[EngineConfig], Executor]  # runs in the controller; e.g. connects to the workers
-    load_tokenizer: Callable[[EngineConfig], Any]  # runs in the controller; None = token ids only
+    # Runs in the controller, off its event loop: loads the tokenizer, connects to the workers (returning once
+    # every rank has loaded and allocated its cache) and builds the Engine. `shardserve serve` passes
+    # shardserve/engine_factory.py's EngineFactory, the one engine wiring LLM and the benchmarks use too.
+    build_engine: Callable[[EngineConfig], Engine]
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port
     metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
@@ -120,8 +110,6 @@ class Controller:
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> str:
         """Serves gRPC at once (health NOT_SERVING) and loads the engine in the background; returns host:port."""
-        from shardserve.cluster.server import start_server  # grpc is only needed once serving
-
         self._loop = asyncio.get_running_loop()
         self._server, port, self._health = await start_server(self, self.config.host, self.config.port)
         self.address = f"{self.config.host}:{port}"
@@ -133,7 +121,7 @@ class Controller:
 
     async def _load(self) -> None:
         try:
-            engine = await asyncio.to_thread(self._build_engine)
+            engine = await asyncio.to_thread(self.config.build_engine, self.config.engine)
         except BaseException as e:
             log.exception("loading the engine failed")
             self._load_error = e
@@ -143,6 +131,7 @@ class Controller:
             await asyncio.to_thread(engine.shutdown)
             return
         self._engine = engine
+        self.has_chat_template = has_chat_template(engine.tokenizer)
         self._engine_loop = EngineLoop(engine, self._on_step_threadsafe, self._on_failure_threadsafe)
         self._engine_loop.start()
         self.state = State.SERVING
@@ -163,13 +152,6 @@ class Controller:
             if bad and self.state in (State.SERVING, State.DRAINING):
                 await self._fail(RuntimeError("; ".join(f"rank {r.rank} is {r.state} {r.error}".strip() for r in bad)))
                 return
-
-    def _build_engine(self) -> Engine:
-        cfg = self.config
-        tokenizer = cfg.load_tokenizer(cfg.engine)
-        self.has_chat_template = bool(tokenizer is not None and getattr(tokenizer, "chat_template", None))
-        executor = cfg.make_executor(cfg.engine)  # returns once every rank has loaded and allocated its cache
-        return Engine(cfg.engine, executor, tokenizer, cfg.model.eos_token_ids, vocab_size=cfg.model.vocab_size)
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         """True once SERVING; False on timeout; raises RuntimeError when loading failed."""
@@ -219,8 +201,6 @@ class Controller:
 
     async def _set_health(self, serving: bool) -> None:
         if self._health is not None:
-            from shardserve.cluster.server import set_health
-
             await set_health(self._health, serving)
 
     def pid(self) -> int:
@@ -235,7 +215,8 @@ class Controller:
 
     # ---- requests -------------------------------------------------------------------------------------------
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
-        """Admits a request. Raises ValueError for bad input, ServerUnavailable when not serving."""
+        """Admits a request (Engine.admit, on the engine thread). Raises ValueError for bad input, ServerUnavailable
+        when not serving, ServerOverloaded beyond max_live_requests."""
         try:
             if self.state is not State.SERVING:
                 raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
@@ -248,7 +229,7 @@ class Controller:
             live = LiveRequest(req_id, asyncio.Queue())
             self._live[req_id] = live  # before the engine sees it, so that no delta can miss its queue
             self._idle.clear()
-            future = self._engine_loop.submit(lambda engine: admit(engine, req_id, prompt, params))
+            future = self._engine_loop.submit(lambda engine: engine.admit(req_id, prompt, params))
             try:
                 live.num_prompt_tokens = await asyncio.wrap_future(future)
             except BaseException as e:

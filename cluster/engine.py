@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from shardserve.cluster.admission import Prompt, RequestLimits, check_request, encode_prompt
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.detokenizer import IncrementalDetokenizer
 from shardserve.cluster.outputs import RequestDelta, RequestOutput
@@ -65,6 +66,7 @@ class Engine:
         self.vocab_size = vocab_size
         self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
+        self.limits = RequestLimits(vocab_size, config.max_model_len, config.block_size, self.block_manager.num_blocks)
         self._arrivals = itertools.count()
         self._finished: dict[str, RequestOutput] = {}  # final outputs not yet taken
         self._pending_deltas: list[RequestDelta] = []  # aborts between steps, reported by the next step()
@@ -86,6 +88,13 @@ class Engine:
         return wanted and can
 
     # ---- requests ------------------------------------------------------------------------------------------
+    def admit(self, req_id: str, prompt: Prompt, params: SamplingParams) -> int:
+        """Encodes a prompt given as text, token ids or chat messages and queues the request (add_request).
+        Returns the prompt's token count; raises ValueError when the request is malformed or can never fit."""
+        text, token_ids = encode_prompt(prompt, self.tokenizer)
+        self.add_request(req_id, token_ids, params, prompt=text)
+        return len(token_ids)
+
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
     ) -> None:
@@ -94,16 +103,9 @@ class Engine:
             raise ValueError(f"request id must be a non-empty string, got {req_id!r}")
         if req_id in self.scheduler.requests or req_id in self._finished:
             raise ValueError(f"request id {req_id!r} is already in use")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if not prompt_token_ids:
-            raise ValueError("prompt must not be empty")
+        check_request(prompt_token_ids, params, self.limits)
         ids = list(prompt_token_ids)
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {t!r}")
-        self.scheduler.check_fits(len(ids), params.max_tokens)
-        spec = params.to_spec(self.eos_token_ids, self.vocab_size)
+        spec = params.to_spec(self.eos_token_ids)
         seq = Request(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=prompt)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)

@@ -1,8 +1,11 @@
-"""SamplingParams: how a request is sampled and when it stops. Validated here, at the edge, never in the step loop."""
+"""SamplingParams: how a request is sampled and when it stops. Each field's range is checked here, when the params
+are made (at the edge, never in the step loop); what depends on the model (stop token ids within the vocabulary)
+is checked with the prompt at admission (cluster/admission.py)."""
 
 from __future__ import annotations
 
 import random
+import typing
 from dataclasses import dataclass, field
 
 from shardserve.proto.plan import SamplingSpec
@@ -18,22 +21,29 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+def _param(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 or -1 = off
-    top_p: float = 1.0  # in (0, 1]
-    min_p: float = 0.0  # in [0, 1]
-    repetition_penalty: float = 1.0  # > 0; 1 = off
-    presence_penalty: float = 0.0  # in [-2, 2]
-    frequency_penalty: float = 0.0  # in [-2, 2]
-    seed: int | None = None  # same seed -> same tokens, whatever the batch, preemption or TP size
-    max_tokens: int = 16
-    min_tokens: int = 0
-    stop: list[str] | str | None = None  # never part of the output text
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    logprobs: int | None = None  # N in [0, 20]: the sampled token's logprob plus the top N
+    """Every field is also a GenerateRequest field (generation.proto) and a command-line flag (shardserve/flags.py),
+    mapped by name; the fields a worker needs go on to SamplingSpec (proto/plan.py) by name too (to_spec)."""
+
+    temperature: float = _param(1.0, "0 = greedy")
+    top_k: int = _param(0, "sample from the k most likely tokens; 0 or -1 = off")
+    top_p: float = _param(1.0, "sample from the smallest set of tokens whose probability reaches p, in (0, 1]")
+    min_p: float = _param(0.0, "drop tokens below min_p times the top token's probability, in [0, 1]")
+    repetition_penalty: float = _param(1.0, "> 0, 1 = off: divides the logits of prompt and generated tokens")
+    presence_penalty: float = _param(0.0, "in [-2, 2]: subtracted once from the logit of each generated token")
+    frequency_penalty: float = _param(0.0, "in [-2, 2]: subtracted per occurrence of each generated token")
+    seed: int | None = _param(None, "same seed -> same tokens, whatever the batch, preemption or TP size")
+    max_tokens: int = _param(16, "tokens to generate at most")
+    min_tokens: int = _param(0, "tokens generated before a stop token or eos may end the request")
+    stop: list[str] | str | None = _param(None, "a stop string (repeatable), never part of the output text")
+    stop_token_ids: list[int] | None = _param(None, "a token id that ends the request (repeatable)")
+    ignore_eos: bool = _param(False, "keep generating past the end-of-sequence token")
+    logprobs: int | None = _param(None, f"N in [0, {MAX_LOGPROBS}]: the sampled token's logprob plus the top N")
 
     def __post_init__(self) -> None:
         self._check()
@@ -83,24 +93,22 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
 
-    def to_spec(self, eos_token_ids: list[int], vocab_size: int) -> SamplingSpec:
-        """The worker's view. Draws a seed when none was given, so that every rank samples identically."""
-        for t in self.stop_token_ids:
-            if t >= vocab_size:
-                raise ValueError(f"stop_token_ids must be token ids below the vocabulary size {vocab_size}, got {t}")
+    def to_spec(self, eos_token_ids: list[int]) -> SamplingSpec:
+        """The worker's view: the fields both have, by name, and what the worker needs in its own form. Draws a seed
+        when none was given, so that every rank samples identically."""
         stop_ids = list(self.stop_token_ids)
         if not self.ignore_eos:
             stop_ids += [t for t in eos_token_ids if t not in stop_ids]
         return SamplingSpec(
-            temperature=float(self.temperature),
-            top_k=self.top_k,
-            top_p=float(self.top_p),
-            min_p=float(self.min_p),
-            repetition_penalty=float(self.repetition_penalty),
-            presence_penalty=float(self.presence_penalty),
-            frequency_penalty=float(self.frequency_penalty),
+            **{name: convert(getattr(self, name)) for name, convert in _SHARED_WITH_SPEC.items()},
             seed=self.seed if self.seed is not None else random.getrandbits(63),
             logprobs=-1 if self.logprobs is None else self.logprobs,
-            min_tokens=self.min_tokens,
             stop_token_ids=stop_ids,
         )
+
+
+# SamplingSpec fields that take SamplingParams' value as it is, by name -> the spec's type (float or int).
+_SHARED_WITH_SPEC = {
+    name: kind for name, kind in typing.get_type_hints(SamplingSpec).items()
+    if name not in ("seed", "logprobs", "stop_token_ids")
+}

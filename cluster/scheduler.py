@@ -51,26 +51,10 @@ class Scheduler:
         self.last_applied_step_id = 0  # the newest plan whose result update() has applied
 
     # ---- admission -----------------------------------------------------------------------------------------
-    def check_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raises ValueError for a request that could never run, so it is never left waiting forever."""
-        total = num_prompt_tokens + max_tokens
-        if total > self.config.max_model_len:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                f"max_model_len ({self.config.max_model_len})"
-            )
-        # The last sampled token is never fed back, so its KV is never stored.
-        needed = self.block_manager.blocks_for(total - 1)
-        if needed > self.block_manager.num_blocks:
-            raise ValueError(
-                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks of "
-                f"{self.block_manager.block_size} tokens, but the cache has only {self.block_manager.num_blocks}"
-            )
-
     def add(self, seq: Request) -> None:
+        """Queues a request that passed admission (cluster/admission.py: it fits max_model_len and the cache)."""
         if seq.req_id in self.requests:
             raise ValueError(f"request id {seq.req_id!r} is already in use")
-        self.check_fits(seq.num_prompt_tokens, seq.params.max_tokens)
         seq.status = RequestStatus.WAITING
         self.requests[seq.req_id] = seq
         self.waiting.append(seq)

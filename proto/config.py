@@ -1,31 +1,70 @@
-"""EngineConfig: the one configuration both sides read (built by shardserve/ from CLI flags or LLM kwargs)."""
+"""EngineConfig: the one list of engine settings, and what every worker receives in Init.
+
+Each field's metadata says what it is and how a user sets it:
+- `help`: what the setting does;
+- `user`: True for a user setting: it is an `LLM(...)` keyword and a command-line flag, both derived from this
+  list (shardserve/config.py, shardserve/flags.py); False for what shardserve fills in itself;
+- `flags`: the flag's spellings where they are not `--` + the name with dashes; `choices`: the allowed values;
+- `user_default`: the value a user leaves unset where it differs from the field's default: "auto" and None are
+  resolved (device, dtype, the model folder, max_model_len ...) by shardserve/config.py build_engine_config, so
+  the dataclass itself only ever holds resolved values.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import Any
+
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")  # "auto": safetensors from the model folder; "dummy": random weights
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+
+
+def _setting(default: Any = MISSING, *, help: str, user: bool = True, flags: tuple[str, ...] = (),
+             choices: tuple | None = None, user_default: Any = MISSING) -> Any:
+    metadata = {"help": help, "user": user, "flags": flags, "choices": choices}
+    if user_default is not MISSING:
+        metadata["user_default"] = user_default
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class EngineConfig:
-    model: str  # a resolved local folder with config.json (+ safetensors unless load_format="dummy")
-    tokenizer: str | None = None  # folder with the tokenizer files; None = token ids only (dummy configs)
-    tensor_parallel_size: int = 1
-    device: str = "cpu"  # "cpu" or "cuda" (resolved from "auto" by shardserve/)
-    dtype: str = "float32"  # "float32", "bfloat16" or "float16" (resolved from "auto")
-    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights)
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
-    num_kv_blocks: int | None = None  # fixes the cache size (tests force preemption with it)
-    kv_cache_memory_gb: float | None = None  # else: this much memory for the cache (CPU default 1 GiB)
-    gpu_memory_utilization: float = 0.9  # CUDA: fraction of the device the process may use in all
-    attention_backend: str = "auto"  # "auto", "torch", "triton" or "flash-attn"
-    enforce_eager: bool = False  # CUDA: no CUDA graphs
-    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None = on for CUDA, off for CPU
-    seed: int = 0  # dummy weights' seed
-    dist_timeout_s: float = 60.0  # torch.distributed timeout: never the 30-minute default
+    model: str = _setting(
+        user_default=None,
+        help="a local HF folder, a .gguf file or a built-in name (qwen3-0.6b, llama-3-8b, llama-3-70b); "
+        "default: SmolLM2-135M-Instruct. Resolved: a local folder with config.json "
+        "(+ safetensors unless load_format is dummy)")
+    tokenizer: str | None = _setting(
+        None, user=False, help="the folder with the tokenizer files (from the model); None: token ids only")
+    tensor_parallel_size: int = _setting(
+        1, flags=("--tp", "--tensor-parallel-size"), help="tensor-parallel ranks (GPUs, or processes on CPU)")
+    device: str = _setting("cpu", user_default="auto", choices=DEVICES, help="auto: cuda when available")
+    dtype: str = _setting(
+        "float32", user_default="auto",
+        help="float32, bfloat16 or float16 (or fp32, bf16, fp16, half); auto: bfloat16 on CUDA, else float32")
+    load_format: str = _setting("auto", choices=LOAD_FORMATS, help="auto: safetensors; dummy: random weights")
+    block_size: int = _setting(16, help="tokens per KV-cache block (a power of two)")
+    max_num_seqs: int = _setting(256, user_default=None, help="requests in one step at most (default 256)")
+    max_num_batched_tokens: int = _setting(
+        8192, user_default=None, help="tokens in one step at most (default: 8192 on CUDA, 2048 on CPU)")
+    max_model_len: int = _setting(
+        4096, user_default=None,
+        help="prompt + generated tokens of a request at most (default: the model's, capped at 4096 on CPU)")
+    enable_prefix_caching: bool = _setting(
+        True, flags=("--no-prefix-caching",), help="prefix caching: reuse the KV blocks of prompt prefixes seen before")
+    num_kv_blocks: int | None = _setting(None, help="fixes the KV cache's size in blocks (else measured)")
+    kv_cache_memory_gb: float | None = _setting(
+        None, help="sizes the KV cache in GiB (CPU default: 1 GiB; CUDA: from --gpu-memory-utilization)")
+    gpu_memory_utilization: float = _setting(0.9, help="CUDA: the fraction of the device the process may use")
+    attention_backend: str = _setting(
+        "auto", choices=ATTENTION_BACKENDS, help="auto: flash-attn where importable, else triton on CUDA, else torch")
+    enforce_eager: bool = _setting(False, help="CUDA: no CUDA graphs")
+    async_scheduling: bool | None = _setting(
+        None, help="plan step N+1 while step N runs (default: on for CUDA, off for CPU)")
+    seed: int = _setting(0, flags=("--weight-seed",), help="the seed of dummy weights")
+    dist_timeout_s: float = _setting(
+        60.0, user=False, help="torch.distributed timeout in seconds: never the 30-minute default")
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -40,3 +79,13 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+def user_settings() -> dict[str, Field]:
+    """The user settings by name, in declaration order: LLM's keywords and the CLI's engine flags."""
+    return {f.name: f for f in fields(EngineConfig) if f.metadata["user"]}
+
+
+def user_default(f: Field) -> Any:
+    """What a user setting is when the user leaves it unset (before build_engine_config resolves it)."""
+    return f.metadata.get("user_default", f.default)

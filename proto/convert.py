@@ -1,4 +1,6 @@
-"""Conversions between the dataclasses of proto/plan.py and proto/config.py and their worker.proto messages.
+"""Conversions between the dataclasses of proto/plan.py and proto/config.py and their worker.proto messages, and
+`message_fields`: a message's fields as a same-named dataclass's keywords (also GenerateRequest -> SamplingParams,
+cluster/generation_service.py).
 
 Both sides of the Step stream call these every step (the controller encodes plans and decodes results, the
 workers decode plans and encode results), so they stay flat: repeated scalar fields are filled and read in
@@ -15,36 +17,29 @@ from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
 
 
+def message_fields(msg, names) -> dict:
+    """The fields `names` of a message as keyword arguments for a same-named dataclass: repeated fields as lists;
+    an `optional` field left unset is left out, so that the dataclass default (e.g. None) applies."""
+    fields_by_name = msg.DESCRIPTOR.fields_by_name
+    kwargs = {}
+    for name in names:
+        fd = fields_by_name[name]
+        if fd.is_repeated:
+            kwargs[name] = list(getattr(msg, name))
+        elif not fd.has_presence or msg.HasField(name):
+            kwargs[name] = getattr(msg, name)
+    return kwargs
+
+
+_SPEC_FIELDS = tuple(f.name for f in fields(SamplingSpec))  # worker.proto's SamplingSpec has each (a test checks)
+
+
 def sampling_spec_to_proto(spec: SamplingSpec) -> pb.SamplingSpec:
-    return pb.SamplingSpec(
-        temperature=spec.temperature,
-        top_k=spec.top_k,
-        top_p=spec.top_p,
-        min_p=spec.min_p,
-        repetition_penalty=spec.repetition_penalty,
-        presence_penalty=spec.presence_penalty,
-        frequency_penalty=spec.frequency_penalty,
-        seed=spec.seed,
-        logprobs=spec.logprobs,
-        min_tokens=spec.min_tokens,
-        stop_token_ids=spec.stop_token_ids,
-    )
+    return pb.SamplingSpec(**{name: getattr(spec, name) for name in _SPEC_FIELDS})
 
 
 def sampling_spec_from_proto(msg: pb.SamplingSpec) -> SamplingSpec:
-    return SamplingSpec(
-        temperature=msg.temperature,
-        top_k=msg.top_k,
-        top_p=msg.top_p,
-        min_p=msg.min_p,
-        repetition_penalty=msg.repetition_penalty,
-        presence_penalty=msg.presence_penalty,
-        frequency_penalty=msg.frequency_penalty,
-        seed=msg.seed,
-        logprobs=msg.logprobs,
-        min_tokens=msg.min_tokens,
-        stop_token_ids=list(msg.stop_token_ids),
-    )
+    return SamplingSpec(**message_fields(msg, _SPEC_FIELDS))
 
 
 def _new_request_to_proto(req: NewRequest) -> pb.NewRequest:
@@ -163,10 +158,4 @@ def engine_config_to_proto(config: EngineConfig) -> pb.EngineConfig:
 
 
 def engine_config_from_proto(msg: pb.EngineConfig) -> EngineConfig:
-    kwargs = {}
-    for f in fields(EngineConfig):
-        field_desc = msg.DESCRIPTOR.fields_by_name[f.name]
-        if field_desc.has_presence and not msg.HasField(f.name):
-            continue  # an `optional` field left unset: the dataclass default (None)
-        kwargs[f.name] = getattr(msg, f.name)
-    return EngineConfig(**kwargs)
+    return EngineConfig(**message_fields(msg, [f.name for f in fields(EngineConfig)]))

@@ -6,10 +6,10 @@
         for delta in client.stream("Tell me a story", max_tokens=64):
             print(delta.text, end="", flush=True)
 
-Sampling keywords are SamplingParams' (temperature, top_k, top_p, min_p, repetition_penalty, presence_penalty,
-frequency_penalty, seed, max_tokens, min_tokens, stop, stop_token_ids, ignore_eos, logprobs); unset ones take the
-server's defaults. Server errors surface as grpc.RpcError with their status code (INVALID_ARGUMENT for bad input,
-UNAVAILABLE while the server is not serving, NOT_FOUND for an unknown id on abort, DEADLINE_EXCEEDED past
+Sampling keywords are SamplingParams' fields (temperature, max_tokens, stop, seed, logprobs, ...), which
+GenerateRequest's sampling fields mirror; unset ones take the server's defaults. Server errors surface as
+grpc.RpcError with their status code (INVALID_ARGUMENT for bad input, UNAVAILABLE while the server is not serving,
+RESOURCE_EXHAUSTED beyond its live-request limit, NOT_FOUND for an unknown id on abort, DEADLINE_EXCEEDED past
 `timeout`). Importing this module needs only grpcio and protobuf (no torch).
 """
 
@@ -24,9 +24,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
 
-_REPEATED = ("stop", "stop_token_ids")
-_SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "seed", "max_tokens", "min_tokens", "ignore_eos", "logprobs") + _REPEATED
+# The sampling keywords: GenerateRequest's fields but the request id and the prompt (whose values the server checks).
+_REQUEST = pb.GenerateRequest.DESCRIPTOR
+_SAMPLING = {fd.name: fd for fd in _REQUEST.fields
+             if fd.name != "request_id" and fd.containing_oneof is not _REQUEST.oneofs_by_name["prompt"]}
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
@@ -71,7 +72,9 @@ class GenerationResult:
 
 
 def build_request(prompt, request_id: str | None, sampling: dict) -> pb.GenerateRequest:
-    """prompt: text, a list of token ids, or chat messages [{"role": ..., "content": ...}]."""
+    """prompt: text, a list of token ids, or chat messages [{"role": ..., "content": ...}]; sampling: GenerateRequest's
+    sampling fields by name (None = the server's default). Checks only what building the message needs: the
+    server checks the values (INVALID_ARGUMENT)."""
     unknown = set(sampling) - set(_SAMPLING)
     if unknown:
         raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
@@ -89,8 +92,8 @@ def build_request(prompt, request_id: str | None, sampling: dict) -> pb.Generate
     for name, value in sampling.items():
         if value is None:
             continue
-        if name in _REPEATED:
-            getattr(msg, name).extend([value] if isinstance(value, str) else value)
+        if _SAMPLING[name].is_repeated:
+            getattr(msg, name).extend([value] if isinstance(value, str) else value)  # stop="x" means ["x"]
         else:
             setattr(msg, name, value)
     return msg

@@ -7,8 +7,10 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from shardserve.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
 
-def add_cluster_parsers(sub, add_engine_args, add_sampling_args) -> None:
+
+def add_cluster_parsers(sub) -> None:
     serve = sub.add_parser("serve", help="serve a model over gRPC from a Ray cluster (tensor-parallel workers)")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="the client API's bind address")
@@ -38,27 +40,19 @@ def add_cluster_parsers(sub, add_engine_args, add_sampling_args) -> None:
     client.add_argument("--concurrency", type=int, default=8, help="requests in flight with --file")
     client.add_argument("--output", help="with --file: write the JSON-lines results here (default: stdout)")
     client.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds")
-    client.add_argument("--logprobs", type=int, default=None)
     add_sampling_args(client)
     client.set_defaults(func=cmd_client)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from shardserve.cli import engine_kwargs
     from shardserve.config import build_engine_config
-    from shardserve.serve import serve
+    from shardserve.ray_cluster import serve
 
     config = build_engine_config(**engine_kwargs(args))
     return serve(config, ray_address=args.ray_address, host=args.host, port=args.port,
                  worker_host=args.worker_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
                  strategy=args.placement_strategy, model_name=args.served_model_name,
                  max_live_requests=args.max_live_requests)
-
-
-def _sampling(args: argparse.Namespace) -> dict:
-    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.seed, stop=args.stop,
-                ignore_eos=args.ignore_eos, logprobs=args.logprobs)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -74,7 +68,7 @@ def cmd_client(args: argparse.Namespace) -> int:
             if args.file:
                 return _run_batch(client, args)
             prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-            stream = client.stream(prompt, **_sampling(args))
+            stream = client.stream(prompt, **sampling_kwargs(args))
             for delta in stream:
                 sys.stdout.write(delta.text)
                 sys.stdout.flush()
@@ -120,7 +114,7 @@ def _run_batch(client, args: argparse.Namespace) -> int:
     with open(args.file) as f:
         lines = [json.loads(text) for text in f if text.strip()]
     out = open(args.output, "w") if args.output else sys.stdout
-    defaults = _sampling(args)
+    defaults = sampling_kwargs(args)
     failures = 0
     try:
         with ThreadPoolExecutor(max(1, args.concurrency)) as pool, \

@@ -1,5 +1,11 @@
-"""From user-facing arguments (LLM kwargs or CLI flags) to one resolved EngineConfig, plus the model facts the
-controller needs (eos ids, vocabulary size) without loading any weights."""
+"""From user settings (LLM keywords or CLI flags) to one resolved EngineConfig, plus the model facts the controller
+needs (eos ids, vocabulary size) without loading any weights.
+
+The settings are EngineConfig's user fields (proto/config.py): their names, defaults and allowed values are read
+from there, so LLM, the CLI and this file never list them. build_engine_config is the one place where user-level
+values are resolved: "auto" device and dtype, the model name -> local folders, max_model_len and the batch limits
+left unset.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +13,10 @@ import json
 import os
 from dataclasses import dataclass
 
-from shardserve.proto.config import EngineConfig
+from shardserve.proto.config import EngineConfig, user_default, user_settings
 
 CPU_MAX_MODEL_LEN = 4096  # a default cap: the CPU cache is small; users can raise it
+DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
 @dataclass
@@ -56,45 +63,32 @@ def read_model_facts(model_dir: str) -> ModelFacts:
     )
 
 
+def model_facts(config: EngineConfig, tokenizer=None) -> ModelFacts:
+    """The model's facts; the tokenizer's eos token stands in where the model's files name none."""
+    facts = read_model_facts(config.model)
+    if not facts.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
+        facts.eos_token_ids = [tokenizer.eos_token_id]
+    return facts
+
+
 def resolve_device(device: str) -> str:
     if device == "auto":
         import torch
 
         return "cuda" if torch.cuda.is_available() else "cpu"
-    if device not in ("cpu", "cuda"):
-        raise ValueError(f"device must be auto, cpu or cuda; got {device!r}")
     return device
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
     if dtype == "auto":
         return "bfloat16" if device == "cuda" else "float32"
-    aliases = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
-    dtype = aliases.get(dtype, dtype)
+    dtype = DTYPE_ALIASES.get(dtype, dtype)
     if dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"dtype must be auto, float32, bfloat16 or float16; got {dtype!r}")
     return dtype
 
 
-def build_engine_config(
-    model: str | None = None,
-    tensor_parallel_size: int = 1,
-    device: str = "auto",
-    dtype: str = "auto",
-    max_num_seqs: int | None = None,
-    max_num_batched_tokens: int | None = None,
-    max_model_len: int | None = None,
-    load_format: str = "auto",
-    **rest,
-) -> EngineConfig:
-    from shardserve.models import resolve_model
-
-    if load_format not in ("auto", "dummy"):
-        raise ValueError(f"load_format must be auto or dummy; got {load_format!r}")
-    resolved = resolve_model(model, load_format)
-    facts = read_model_facts(resolved.model_dir)
-    device = resolve_device(device)
-    tp = tensor_parallel_size
+def _check_tensor_parallel_size(tp, facts: ModelFacts) -> None:
     if not isinstance(tp, int) or tp < 1:
         raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
     if facts.num_attention_heads % tp:
@@ -110,6 +104,27 @@ def build_engine_config(
         raise ValueError(
             f"tensor_parallel_size {tp} must divide the model's intermediate size {facts.intermediate_size}"
         )
+
+
+def build_engine_config(**settings) -> EngineConfig:
+    """User settings (any of EngineConfig's user fields; unset ones take their user default) -> the resolved
+    EngineConfig. An unknown name is a TypeError, a bad value a ValueError."""
+    from shardserve.models import resolve_model
+
+    known = user_settings()
+    unknown = sorted(set(settings) - set(known))
+    if unknown:
+        raise TypeError(f"unknown engine setting(s) {', '.join(unknown)}; the settings are {', '.join(known)}")
+    s = {name: user_default(f) for name, f in known.items()} | settings
+    for name, f in known.items():
+        choices = f.metadata["choices"]
+        if choices is not None and s[name] not in choices:
+            raise ValueError(f"{name} must be one of {', '.join(choices)}; got {s[name]!r}")
+    resolved = resolve_model(s["model"], s["load_format"])
+    facts = read_model_facts(resolved.model_dir)
+    _check_tensor_parallel_size(s["tensor_parallel_size"], facts)
+    device = resolve_device(s["device"])
+    max_model_len = s["max_model_len"]
     if max_model_len is None:
         max_model_len = facts.max_position_embeddings
         if device == "cpu":
@@ -118,33 +133,16 @@ def build_engine_config(
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {facts.max_position_embeddings}"
         )
-    return EngineConfig(
+    s.update(
         model=resolved.model_dir,
         tokenizer=resolved.tokenizer_dir,
-        tensor_parallel_size=tp,
-        device=device,
-        dtype=resolve_dtype(dtype, device),
         load_format=resolved.load_format,
-        max_num_seqs=max_num_seqs or 256,
-        max_num_batched_tokens=max_num_batched_tokens or (8192 if device == "cuda" else 2048),
+        device=device,
+        dtype=resolve_dtype(s["dtype"], device),
         max_model_len=max_model_len,
-        **rest,
     )
-
-
-def load_tokenizer(config: EngineConfig):
-    """The model's tokenizer from its local folder (never the hub), or None for dummy configs."""
-    if config.tokenizer is None:
-        return None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
-
-
-def model_facts(config: EngineConfig, tokenizer=None) -> ModelFacts:
-    facts = read_model_facts(config.model)
-    if not facts.eos_token_ids and tokenizer is not None and tokenizer.eos_token_id is not None:
-        facts.eos_token_ids = [tokenizer.eos_token_id]
-    return facts
+    if s["max_num_seqs"] is None:
+        s["max_num_seqs"] = known["max_num_seqs"].default
+    if s["max_num_batched_tokens"] is None:
+        s["max_num_batched_tokens"] = 8192 if device == "cuda" else 2048
+    return EngineConfig(**s)

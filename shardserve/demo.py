@@ -96,7 +96,7 @@ def main() -> int:
     from shardserve.client import Client
     from shardserve.config import build_engine_config
     from shardserve.launcher import ensure_ray
-    from shardserve.serve import start_cluster
+    from shardserve.ray_cluster import start_cluster
 
     start = time.perf_counter()
     config = build_engine_config(tensor_parallel_size=3, device="cpu", num_kv_blocks=512)  # converts once

@@ -1,7 +1,9 @@
 """LLM: offline generation in one process (TP=1) or with local worker processes (TP > 1).
 
-It wires the controller-side Engine (cluster/) to an Executor (worker/): the two talk only through StepPlan and
-StepResult (proto/plan.py), so the same Engine drives in-process, multi-process and gRPC workers.
+Its settings resolve into an EngineConfig (shardserve/config.py), and shardserve/engine_factory.py wires the
+controller-side Engine (cluster/) to an Executor (worker/): the two talk only through StepPlan and StepResult
+(proto/plan.py), so the same Engine drives in-process, multi-process and gRPC workers. Requests are admitted as
+the server admits them (Engine.admit: cluster/admission.py).
 """
 
 from __future__ import annotations
@@ -10,13 +12,12 @@ import itertools
 import time
 from collections.abc import Iterator, Sequence
 
-from shardserve.cluster.engine import Engine
+from shardserve.cluster.admission import Prompt, encode_prompt
 from shardserve.cluster.outputs import RequestDelta, RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams
-from shardserve.config import build_engine_config, load_tokenizer, model_facts
+from shardserve.config import build_engine_config
+from shardserve.engine_factory import build_engine
 from shardserve.proto.config import EngineConfig
-
-Prompt = str | list[int]
 
 
 def create_executor(config: EngineConfig):
@@ -31,79 +32,25 @@ def create_executor(config: EngineConfig):
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str | None = None,
-        tensor_parallel_size: int = 1,
-        device: str = "auto",
-        dtype: str = "auto",
-        block_size: int = 16,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        load_format: str = "auto",
-        num_kv_blocks: int | None = None,
-        kv_cache_memory_gb: float | None = None,
-        gpu_memory_utilization: float = 0.9,
-        attention_backend: str = "auto",
-        enforce_eager: bool = False,
-        seed: int = 0,
-    ) -> None:
-        self.config = build_engine_config(
-            model=model,
-            tensor_parallel_size=tensor_parallel_size,
-            device=device,
-            dtype=dtype,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=enable_prefix_caching,
-            load_format=load_format,
-            num_kv_blocks=num_kv_blocks,
-            kv_cache_memory_gb=kv_cache_memory_gb,
-            gpu_memory_utilization=gpu_memory_utilization,
-            attention_backend=attention_backend,
-            enforce_eager=enforce_eager,
-            seed=seed,
-        )
-        self.tokenizer = load_tokenizer(self.config)
-        facts = model_facts(self.config, self.tokenizer)
-        self.executor = create_executor(self.config)
-        self.engine = Engine(
-            self.config,
-            self.executor,
-            tokenizer=self.tokenizer,
-            eos_token_ids=facts.eos_token_ids,
-            vocab_size=facts.vocab_size,
-        )
+    def __init__(self, model: str | None = None, **settings) -> None:
+        """model and settings: EngineConfig's user settings (proto/config.py; the same as the CLI's engine flags,
+        `shardserve generate --help` lists them), e.g. tensor_parallel_size=2, max_model_len=2048. An unknown
+        name is a TypeError."""
+        self.config = build_engine_config(model=model, **settings)
+        self.engine = build_engine(self.config, create_executor)
+        self.executor = self.engine.executor
+        self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------------------
 
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer (dummy weights): give prompts as token-id lists")
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> str:
-        text, token_ids = self._encode(prompt)
         req_id = str(next(self._ids))
-        self.engine.add_request(req_id, token_ids, params or SamplingParams(), prompt=text)
+        self.engine.admit(req_id, prompt, params or SamplingParams())
         return req_id
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("this model has no chat template")
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        return encode_prompt(list(messages), self.tokenizer)[1]
 
     # ---- generation -----------------------------------------------------------------------------------------
 
@@ -113,7 +60,8 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for every prompt, batched continuously; outputs come back in prompt order."""
+        """Generates for every prompt (text, token ids or chat messages), batched continuously; outputs come back in
+        prompt order. A bad prompt raises ValueError before any of them runs."""
         if isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
@@ -125,17 +73,16 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        encoded = [self._encode(p) for p in prompts]  # validate every prompt before admitting any
         req_ids = []
         try:
-            for (text, token_ids), p in zip(encoded, params):
-                req_id = str(next(self._ids))
-                self.engine.add_request(req_id, token_ids, p, prompt=text)
-                req_ids.append(req_id)
+            for prompt, p in zip(prompts, params):
+                req_ids.append(self.add_request(prompt, p))
         except Exception:
             for req_id in req_ids:
                 self.engine.abort(req_id)
             self._drain()
+            for req_id in req_ids:
+                self.engine.pop_output(req_id)
             raise
         self._run(req_ids, use_tqdm)
         return [self.engine.pop_output(r) for r in req_ids]

@@ -1,6 +1,7 @@
 import pytest
 from _fake_executor import FakeExecutor, expected_output
 
+from shardserve.cluster.admission import RequestLimits, check_request
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
@@ -25,7 +26,10 @@ class Harness:
         self._arrival = 0
 
     def add(self, req_id, prompt, max_tokens=4):
-        seq = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0), arrival=self._arrival)
+        """Admits a request as Engine.add_request does: checked first, then queued."""
+        params = SamplingParams(max_tokens=max_tokens, temperature=0)
+        check_request(list(prompt), params, RequestLimits(VOCAB, self.config.max_model_len, BS, self.bm.num_blocks))
+        seq = Request(req_id, list(prompt), params, arrival=self._arrival)
         self._arrival += 1
         self.sched.add(seq)
         self.seqs[req_id] = seq

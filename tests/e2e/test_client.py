@@ -19,7 +19,8 @@ import pytest
 
 from shardserve.client import AsyncClient, Client
 from shardserve.cluster.controller import ControllerConfig, ServedModel
-from shardserve.config import build_engine_config, load_tokenizer, model_facts
+from shardserve.config import build_engine_config, model_facts
+from shardserve.engine_factory import EngineFactory
 from tests.e2e._controller_thread import ControllerThread
 
 
@@ -44,8 +45,7 @@ def gated(default_model_dir):
     served = ControllerThread(ControllerConfig(
         engine=config,
         model=ServedModel("smollm2", facts.architecture, facts.vocab_size, facts.eos_token_ids, facts.bos_token_id),
-        make_executor=executor,
-        load_tokenizer=load_tokenizer,
+        build_engine=EngineFactory(executor),
         port=0,
         replica="test-replica",
     ))

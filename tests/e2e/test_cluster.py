@@ -47,7 +47,7 @@ def cluster_and_reference(ray_session, default_model_dir):
     """The TP=3 cluster, and the TP=1 reference computed here while the workers load."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from shardserve.serve import start_cluster
+    from shardserve.ray_cluster import start_cluster
 
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(_reference_outputs, default_model_dir)
@@ -200,10 +200,20 @@ def test_health_serving_model_info_reflection_and_metrics(cluster, default_model
     assert samples["shardserve_kv_blocks_used"] == 0
 
 
+def _tiny_engine_over(endpoint: str, **executor_options):
+    """ControllerConfig.build_engine for one worker server: the tiny model as its ServedModel says (no eos)."""
+    from shardserve.cluster.engine import Engine
+    from shardserve.cluster.grpc_executor import GrpcExecutor
+
+    def build(config):
+        return Engine(config, GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", **executor_options), vocab_size=384)
+
+    return build
+
+
 def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(tiny_llama_dir, e2e_config):
     """A real worker server that dies under a live request (no Ray needed: the controller in a thread)."""
     from shardserve.cluster.controller import ControllerConfig, ServedModel
-    from shardserve.cluster.grpc_executor import GrpcExecutor
     from shardserve.worker.server import serve_worker
     from tests.e2e._controller_thread import ControllerThread
 
@@ -211,8 +221,7 @@ def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(ti
     served = ControllerThread(ControllerConfig(
         engine=e2e_config(tiny_llama_dir),
         model=ServedModel("tiny", "LlamaForCausalLM", vocab_size=384, eos_token_ids=[]),
-        make_executor=lambda config: GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", step_timeout_s=60),
-        load_tokenizer=lambda config: None,
+        build_engine=_tiny_engine_over(endpoint, step_timeout_s=60),
         port=0,
     ))
     try:
@@ -235,7 +244,6 @@ def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(ti
 
 def test_an_idle_server_notices_a_dead_worker_and_stops_serving(tiny_llama_dir, e2e_config):
     from shardserve.cluster.controller import ControllerConfig, ServedModel
-    from shardserve.cluster.grpc_executor import GrpcExecutor
     from shardserve.worker.server import serve_worker
     from tests.e2e._controller_thread import ControllerThread
 
@@ -243,8 +251,7 @@ def test_an_idle_server_notices_a_dead_worker_and_stops_serving(tiny_llama_dir, 
     served = ControllerThread(ControllerConfig(
         engine=e2e_config(tiny_llama_dir),
         model=ServedModel("tiny", "LlamaForCausalLM", vocab_size=384, eos_token_ids=[]),
-        make_executor=lambda config: GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", rpc_timeout_s=2),
-        load_tokenizer=lambda config: None,
+        build_engine=_tiny_engine_over(endpoint, rpc_timeout_s=2),
         port=0,
         health_check_interval_s=0.2,
     ))

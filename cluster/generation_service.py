@@ -1,30 +1,32 @@
-"""The client-facing gRPC server: the Generation servicer, grpc.health.v1 Health, server reflection, and the
-mapping from the controller's exceptions to gRPC status codes.
+"""The client-facing gRPC service: the Generation servicer, grpc.health.v1 Health, server reflection, and the
+mapping from the controller's exceptions to gRPC status codes. The controller (cluster/controller.py) starts it
+and is what it serves: any object with the controller's request methods (add_request, abort, cancel,
+note_rejected, server_stats) and attributes (config, has_chat_template).
+
+A GenerateRequest becomes a prompt and SamplingParams by field names (every SamplingParams field is a
+GenerateRequest field; a test checks it); the request itself is checked where every front end's requests are, at
+admission (cluster/admission.py), so this file only rejects what a message cannot say otherwise (no prompt, an
+empty chat).
 
 Status mapping: bad input (ValueError) -> INVALID_ARGUMENT with its message; not serving (starting, draining,
-failed) -> UNAVAILABLE; an unknown id on Abort -> NOT_FOUND; anything else -> INTERNAL. A user's error only
-ever ends that user's call.
+failed) -> UNAVAILABLE; too many live requests -> RESOURCE_EXHAUSTED; an unknown id on Abort -> NOT_FOUND;
+anything else -> INTERNAL. A user's error only ever ends that user's call.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import fields
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from shardserve.cluster.controller import (
-    Controller,
-    LiveRequest,
-    ServerOverloaded,
-    ServerUnavailable,
-    StreamItem,
-    UnknownRequest,
-)
+from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
+from shardserve.proto.convert import message_fields
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +36,7 @@ FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
 }
-# GenerateRequest fields that map one-to-one onto SamplingParams arguments.
-_OPTIONAL_SAMPLING_FIELDS = (
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "seed", "max_tokens", "min_tokens", "logprobs",
-)
+_SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
 
 
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -54,7 +52,8 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> tuple[object, SamplingParams, str | None]:
-    """(prompt, sampling params, request id or None); raises ValueError for bad input."""
+    """(prompt, sampling params, request id or None); raises ValueError for bad input. Sampling fields left unset
+    take SamplingParams' defaults."""
     kind = msg.WhichOneof("prompt")
     if kind == "text":
         prompt = msg.text
@@ -66,20 +65,12 @@ def request_from_proto(msg: pb.GenerateRequest) -> tuple[object, SamplingParams,
             raise ValueError("chat must have at least one message")
     else:
         raise ValueError("the request has no prompt: set text, token_ids or chat")
-    kwargs = {name: getattr(msg, name) for name in _OPTIONAL_SAMPLING_FIELDS if msg.HasField(name)}
-    params = SamplingParams(
-        **kwargs,
-        stop=list(msg.stop) or None,
-        stop_token_ids=list(msg.stop_token_ids) or None,
-        ignore_eos=msg.ignore_eos,
-    )
-    req_id = msg.request_id if msg.HasField("request_id") else None
-    if req_id is not None and not req_id:
-        raise ValueError("request_id must not be empty when given")
-    return prompt, params, req_id
+    params = SamplingParams(**message_fields(msg, _SAMPLING_FIELDS))
+    return prompt, params, msg.request_id if msg.HasField("request_id") else None
 
 
-def delta_to_proto(item: StreamItem) -> pb.GenerateResponse:
+def delta_to_proto(item) -> pb.GenerateResponse:
+    """A StreamItem (cluster/controller.py): a delta and the texts of its logprobs' tokens."""
     d = item.delta
     msg = pb.GenerateResponse()
     msg.delta.text = d.text
@@ -96,7 +87,7 @@ def delta_to_proto(item: StreamItem) -> pb.GenerateResponse:
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, controller: Controller) -> None:
+    def __init__(self, controller) -> None:
         self.controller = controller
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
@@ -106,7 +97,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.controller.note_rejected()
             await context.abort(*status_of(e))
         try:
-            live: LiveRequest = await self.controller.add_request(prompt, params, req_id)
+            live = await self.controller.add_request(prompt, params, req_id)
         except (ValueError, ServerUnavailable, ServerOverloaded) as e:  # counted as rejected by the controller
             await context.abort(*status_of(e))
         finished = False
@@ -189,7 +180,7 @@ def _target(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-async def start_server(controller: Controller, host: str, port: int):
+async def start_server(controller, host: str, port: int):
     """Starts the grpc.aio server on host:port (0 = a free port). Returns (server, bound port, health servicer);
     health starts NOT_SERVING."""
     server = grpc.aio.server()

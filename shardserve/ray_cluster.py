@@ -1,4 +1,4 @@
-"""What `shardserve serve` does: Ray, one TP worker group, the controller actor, and a clean drain on SIGTERM.
+"""Ray orchestration of `shardserve serve`: one TP worker group, the controller actor, and a clean drain on SIGTERM.
 
     cluster = start_cluster(config, host="127.0.0.1", port=50051)   # after ensure_ray(...)
     ...                                                              # clients talk to cluster.address
@@ -19,6 +19,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from shardserve.config import model_facts
+from shardserve.engine_factory import EngineFactory
 from shardserve.proto.config import EngineConfig
 
 
@@ -77,6 +79,14 @@ def _model_name(config: EngineConfig, requested: str | None) -> str:
     return requested or os.path.basename(config.model.rstrip("/"))
 
 
+def served_model(config: EngineConfig, name: str):
+    """What GetModelInfo reports (cluster/controller.py ServedModel), from the facts the engine factory reads."""
+    from shardserve.cluster.controller import ServedModel
+
+    facts = model_facts(config)
+    return ServedModel(name, facts.architecture, facts.vocab_size, facts.eos_token_ids, facts.bos_token_id)
+
+
 def start_cluster(
     config: EngineConfig,
     *,
@@ -94,22 +104,18 @@ def start_cluster(
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from shardserve.cluster.controller import Controller, ControllerConfig, ServedModel
-    from shardserve.config import load_tokenizer, read_model_facts
+    from shardserve.cluster.controller import Controller, ControllerConfig
     from shardserve.launcher import launch_worker_group
 
     name = f"shardserve-{uuid.uuid4().hex[:8]}"
-    facts = read_model_facts(config.model)
-    served = ServedModel(_model_name(config, model_name), facts.architecture, facts.vocab_size,
-                         facts.eos_token_ids, facts.bos_token_id)
+    served = served_model(config, _model_name(config, model_name))
     workers = launch_worker_group(config, worker_host, strategy, name_prefix=name)
     controller = None
     try:
         controller_config = ControllerConfig(
             engine=config,
             model=served,
-            make_executor=GrpcExecutorFactory(workers.endpoints, workers.init_method),
-            load_tokenizer=load_tokenizer,
+            build_engine=EngineFactory(GrpcExecutorFactory(workers.endpoints, workers.init_method)),
             host=host,
             port=port,
             metrics_port=metrics_port,

@@ -1,0 +1,85 @@
+"""Admission: a request as a front end gives it -> token ids the engine can run, or a ValueError saying why not.
+
+Every front end admits through Engine.admit / Engine.add_request (LLM.generate, the gRPC Generation service, and so
+a gateway over it), so these two functions are the source of truth for what a request may be:
+- `encode_prompt`: a prompt given as text, token ids or chat messages -> token ids (the one place prompts are
+  encoded; it runs where the tokenizer lives: on the engine's thread);
+- `check_request`: the prompt's token ids and the SamplingParams against the engine's limits (vocabulary,
+  max_model_len, KV blocks), once per admission. SamplingParams checks its own fields' ranges when it is made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardserve.cluster.sampling_params import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant")
+Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages ({"role", "content"})
+
+
+def has_chat_template(tokenizer) -> bool:
+    return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
+
+
+def encode_prompt(prompt: Prompt, tokenizer) -> tuple[str | None, list[int]]:
+    """(the prompt's text, or None when it came as token ids; its token ids). Token ids are passed on unchecked
+    (check_request checks them); raises ValueError for text or chat a model cannot take."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights): send token ids")
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+    if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+        if not has_chat_template(tokenizer):
+            raise ValueError("this model has no chat template: send text or token ids")
+        for m in prompt:
+            if m.get("role") not in CHAT_ROLES:
+                raise ValueError(f"chat roles must be one of {', '.join(CHAT_ROLES)}; got {m.get('role')!r}")
+            if not isinstance(m.get("content"), str):
+                raise ValueError("every chat message needs a string content")
+        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        return text, tokenizer.encode(text, add_special_tokens=False)
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise ValueError(f"a prompt is text, token ids or chat messages; got {type(prompt).__name__}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestLimits:
+    """What an engine can take: its model's vocabulary, its max_model_len and its KV cache."""
+
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_kv_blocks: int
+
+
+def check_request(token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
+    """Raises ValueError for a request that is malformed or could never run (so none is left waiting forever)."""
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    if not token_ids:
+        raise ValueError("prompt must not be empty")
+    vocab = limits.vocab_size
+    for t in token_ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+    for t in params.stop_token_ids:
+        if t >= vocab:
+            raise ValueError(f"stop_token_ids must be token ids below the vocabulary size {vocab}, got {t}")
+    num_prompt, max_tokens = len(token_ids), params.max_tokens
+    total = num_prompt + max_tokens
+    if total > limits.max_model_len:
+        raise ValueError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
+            f"max_model_len ({limits.max_model_len})"
+        )
+    # The last sampled token is never fed back, so its KV is never stored.
+    needed = -(-(total - 1) // limits.block_size)
+    if needed > limits.num_kv_blocks:
+        raise ValueError(
+            f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks of "
+            f"{limits.block_size} tokens, but the cache has only {limits.num_kv_blocks}"
+        )

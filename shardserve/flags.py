@@ -1,0 +1,88 @@
+"""Command-line flags derived from dataclass fields: the engine flags from EngineConfig's user settings
+(proto/config.py), the sampling flags from SamplingParams (cluster/sampling_params.py). A flag's spelling is
+`--` + the field name with dashes unless the field's metadata names others; its type, default and help come
+from the field. `engine_kwargs` and `sampling_kwargs` read the parsed values back by field name.
+
+A flag's form follows the field's type: a bool that defaults to False is a switch (`--enforce-eager`), one that
+defaults to True is switched off (`--no-prefix-caching`), an optional bool gets both (`--[no-]async-scheduling`);
+a list is repeatable (`--stop a --stop b`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import MISSING, Field, fields
+
+from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.proto.config import EngineConfig, user_default, user_settings
+
+# The command line generates greedily and longer by default (SamplingParams: temperature 1.0, 16 tokens).
+CLI_SAMPLING_DEFAULTS = {"max_tokens": 128, "temperature": 0.0}
+
+
+def _kind(hint) -> tuple[type, bool]:
+    """(the base type, whether None is allowed) of a field's type: `int | None` -> (int, True);
+    `list[str] | str | None` -> (list[str], True)."""
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return args[0], len(args) < len(typing.get_args(hint))
+    return hint, False
+
+
+def _dest(f: Field, base) -> str:
+    """The parsed value's name: the field's, except for a non-bool field whose flags are named otherwise, which
+    keeps its flag's name (`--weight-seed`: `--seed` is the sampling or workload seed where both appear)."""
+    flags = f.metadata.get("flags")
+    if not flags or base is bool:
+        return f.name
+    return flags[-1].removeprefix("--").replace("-", "_")
+
+
+def _add_flag(parser: argparse.ArgumentParser, f: Field, hint, default) -> None:
+    base, optional = _kind(hint)
+    flags = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
+    help = f.metadata.get("help") or ""
+    if default is not None and not isinstance(default, bool):
+        help += " (default: %(default)s)"
+    kwargs = dict(dest=_dest(f, base), default=default, help=help)
+    if base is bool:
+        if optional:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["action"] = "store_false" if default else "store_true"
+            kwargs["help"] = "turns off " + help if default else help
+    elif typing.get_origin(base) is list:
+        kwargs.update(action="append", type=typing.get_args(base)[0])
+    else:
+        kwargs.update(type=base, choices=f.metadata.get("choices"))
+    parser.add_argument(*flags, **kwargs)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig user setting, defaulting to the setting's user default."""
+    hints = typing.get_type_hints(EngineConfig)
+    for name, f in user_settings().items():
+        _add_flag(parser, f, hints[name], user_default(f))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine settings of parsed flags: build_engine_config(**engine_kwargs(args)), or LLM(**...)."""
+    hints = typing.get_type_hints(EngineConfig)
+    return {name: getattr(args, _dest(f, _kind(hints[name])[0])) for name, f in user_settings().items()}
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per SamplingParams field (but those excluded), with SamplingParams' defaults except the CLI's own
+    (CLI_SAMPLING_DEFAULTS)."""
+    hints = typing.get_type_hints(SamplingParams)
+    for f in fields(SamplingParams):
+        if f.name not in exclude:
+            default = CLI_SAMPLING_DEFAULTS.get(f.name, None if f.default is MISSING else f.default)
+            _add_flag(parser, f, hints[f.name], default)
+
+
+def sampling_kwargs(args: argparse.Namespace) -> dict:
+    """The SamplingParams keywords of parsed flags (those add_sampling_args added)."""
+    return {f.name: getattr(args, f.name) for f in fields(SamplingParams) if hasattr(args, f.name)}

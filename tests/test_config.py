@@ -1,0 +1,100 @@
+"""Engine settings are listed once, in EngineConfig's fields (proto/config.py): the CLI's engine flags, their
+kwargs, LLM's keywords and build_engine_config all follow from that list, and user-level values resolve in one
+function (shardserve/config.py build_engine_config). Built-in configs need no weights, so nothing here loads one."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from shardserve.config import build_engine_config
+from shardserve.flags import add_engine_args, engine_kwargs
+from shardserve.proto.config import EngineConfig, user_default, user_settings
+
+BUILTIN = "qwen3-0.6b"  # max_position_embeddings 40960, 16 heads, 8 KV heads
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_every_field_says_what_it_is_and_every_user_setting_is_a_flag_and_a_keyword():
+    assert all(f.metadata["help"] for f in fields(EngineConfig))
+    settings = user_settings()
+    assert set(settings) == {f.name for f in fields(EngineConfig)} - {"tokenizer", "dist_timeout_s"}
+    unset = engine_kwargs(parse())
+    assert unset == {name: user_default(f) for name, f in settings.items()}  # one flag per setting, its default
+    every = dict(unset, model=BUILTIN, device="cpu", num_kv_blocks=8, async_scheduling=False)
+    assert isinstance(build_engine_config(**every), EngineConfig)  # every setting is a keyword too
+
+
+def test_the_flag_spellings_and_defaults_users_know_still_work():
+    defaults = engine_kwargs(parse())
+    assert defaults == dict(
+        model=None, tensor_parallel_size=1, device="auto", dtype="auto", load_format="auto", block_size=16,
+        max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None, enable_prefix_caching=True,
+        num_kv_blocks=None, kv_cache_memory_gb=None, gpu_memory_utilization=0.9, attention_backend="auto",
+        enforce_eager=False, async_scheduling=None, seed=0,
+    )
+    given = engine_kwargs(parse(
+        "--model", "m", "--tp", "2", "--device", "cpu", "--dtype", "bf16", "--load-format", "dummy",
+        "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "32",
+        "--num-kv-blocks", "40", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.8",
+        "--attention-backend", "torch", "--enforce-eager", "--no-prefix-caching", "--no-async-scheduling",
+        "--weight-seed", "7",
+    ))
+    assert given == dict(
+        model="m", tensor_parallel_size=2, device="cpu", dtype="bf16", load_format="dummy", block_size=32,
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, enable_prefix_caching=False,
+        num_kv_blocks=40, kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, attention_backend="torch",
+        enforce_eager=True, async_scheduling=False, seed=7,
+    )
+    assert engine_kwargs(parse("--tensor-parallel-size", "4", "--async-scheduling"))["tensor_parallel_size"] == 4
+    with pytest.raises(SystemExit):
+        parse("--device", "gpu")  # choices come from the field too
+
+
+def test_flags_and_keywords_resolve_to_the_same_config():
+    from_flags = build_engine_config(**engine_kwargs(parse("--model", BUILTIN, "--max-model-len", "1024",
+                                                           "--dtype", "fp16", "--device", "cpu")))
+    assert from_flags == build_engine_config(model=BUILTIN, max_model_len=1024, dtype="fp16", device="cpu")
+
+
+def test_user_values_are_resolved_in_build_engine_config():
+    config = build_engine_config(model=BUILTIN, device="cpu")
+    assert config.model.endswith(BUILTIN) and config.tokenizer is None and config.load_format == "dummy"
+    assert (config.device, config.dtype) == ("cpu", "float32")  # "auto" dtype on CPU
+    assert config.max_model_len == 4096  # the model's 40960, capped on CPU
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 2048)
+    assert build_engine_config(model=BUILTIN, device="cpu", dtype="bf16").dtype == "bfloat16"
+    auto = build_engine_config(model=BUILTIN)
+    assert auto.device in ("cpu", "cuda") and auto.dtype == ("bfloat16" if auto.device == "cuda" else "float32")
+
+
+@pytest.mark.parametrize(
+    "settings, error, message",
+    [
+        (dict(modle=BUILTIN), TypeError, "modle"),
+        (dict(device="gpu"), ValueError, "device must be one of auto, cpu, cuda"),
+        (dict(attention_backend="xformers"), ValueError, "attention_backend"),
+        (dict(load_format="gguf"), ValueError, "load_format"),
+        (dict(dtype="int8"), ValueError, "dtype"),
+        (dict(tensor_parallel_size=3), ValueError, "attention heads"),
+        (dict(max_model_len=10**6), ValueError, "max_position_embeddings"),
+        (dict(block_size=12), ValueError, "power of two"),
+    ],
+)
+def test_bad_settings_are_named(settings, error, message):
+    with pytest.raises(error, match=message):
+        build_engine_config(**{"model": BUILTIN, **settings})
+
+
+def test_llm_names_an_unknown_keyword_before_loading_anything():
+    from shardserve import LLM
+
+    with pytest.raises(TypeError, match="tensor_paralel_size"):
+        LLM(BUILTIN, tensor_paralel_size=2)

@@ -1,0 +1,77 @@
+"""Sampling fields are listed once, in SamplingParams (cluster/sampling_params.py); the wire formats
+(generation.proto, worker.proto) mirror them, and every Python mapping goes by field name: the CLI flags, the
+client's keywords, the server's GenerateRequest -> SamplingParams and SamplingParams -> SamplingSpec."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import fields
+
+import pytest
+
+from shardserve.client import build_request
+from shardserve.cluster.generation_service import request_from_proto
+from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.flags import CLI_SAMPLING_DEFAULTS, add_sampling_args, sampling_kwargs
+from shardserve.proto.plan import SamplingSpec
+
+NAMES = [f.name for f in fields(SamplingParams)]
+GIVEN = dict(temperature=0.5, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
+             frequency_penalty=-0.5, seed=42, max_tokens=30, min_tokens=3, stop=["END", "\n\n"],
+             stop_token_ids=[5, 9], ignore_eos=True, logprobs=4)
+
+
+def parse(*argv: str, exclude=()) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_sampling_args(parser, exclude=exclude)
+    return parser.parse_args(list(argv))
+
+
+def test_the_example_sets_every_field():
+    assert set(GIVEN) == set(NAMES)
+
+
+def test_every_field_is_a_flag_with_its_default_and_help():
+    assert all(f.metadata["help"] for f in fields(SamplingParams))
+    unset = sampling_kwargs(parse())
+    assert unset == {f.name: CLI_SAMPLING_DEFAULTS.get(f.name, f.default) for f in fields(SamplingParams)}
+    assert (unset["max_tokens"], unset["temperature"]) == (128, 0.0)  # the command line's own defaults
+    assert SamplingParams(**unset) == SamplingParams(max_tokens=128, temperature=0.0)
+    assert "logprobs" not in sampling_kwargs(parse(exclude=("logprobs",)))
+
+
+def test_flags_parse_to_the_values_they_name():
+    args = parse("--temperature", "0.5", "--top-k", "7", "--top-p", "0.9", "--min-p", "0.05",
+                 "--repetition-penalty", "1.1", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5",
+                 "--seed", "42", "--max-tokens", "30", "--min-tokens", "3", "--stop", "END", "--stop", "\n\n",
+                 "--stop-token-ids", "5", "--stop-token-ids", "9", "--ignore-eos", "--logprobs", "4")
+    assert sampling_kwargs(args) == GIVEN
+
+
+def test_client_keywords_reach_the_server_as_the_same_sampling_params():
+    prompt, params, _ = request_from_proto(build_request("hi", None, dict(GIVEN)))
+    assert prompt == "hi" and params == SamplingParams(**GIVEN)
+    for name in NAMES:  # one at a time: the others take the server's defaults
+        one = request_from_proto(build_request([1], None, {name: GIVEN[name]}))[1]
+        assert one == SamplingParams(**{name: GIVEN[name]}), name
+    assert request_from_proto(build_request([1], None, {"stop": "END"}))[1].stop == ["END"]
+
+
+def test_the_client_checks_only_what_building_the_message_needs():
+    with pytest.raises(TypeError, match="temprature"):
+        build_request("hi", None, {"temprature": 0})
+    with pytest.raises(TypeError):
+        build_request("hi", None, {"top_k": "many"})  # protobuf cannot hold it
+    msg = build_request("hi", None, {"temperature": -1.0, "max_tokens": 0})  # the server's to judge
+    with pytest.raises(ValueError, match="temperature"):
+        request_from_proto(msg)
+
+
+def test_params_map_onto_the_workers_spec_by_name():
+    spec = SamplingParams(**GIVEN).to_spec(eos_token_ids=[2, 5])
+    shared = {f.name for f in fields(SamplingSpec)} & set(NAMES) - {"seed", "logprobs", "stop_token_ids"}
+    assert shared and all(getattr(spec, name) == GIVEN[name] for name in shared)
+    assert (spec.seed, spec.logprobs, spec.stop_token_ids) == (42, 4, [5, 9])  # ignore_eos: no eos added
+    default = SamplingParams().to_spec(eos_token_ids=[2])
+    assert default.logprobs == -1 and default.stop_token_ids == [2] and 0 <= default.seed < 2**63
+    assert isinstance(SamplingParams(temperature=1).to_spec([]).temperature, float)
