@@ -13,6 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
+from shardserve.models import resolve_model
 from shardserve.proto.config import EngineConfig, user_default, user_settings
 
 CPU_MAX_MODEL_LEN = 4096  # a default cap: the CPU cache is small; users can raise it
@@ -109,8 +110,6 @@ def _check_tensor_parallel_size(tp, facts: ModelFacts) -> None:
 def build_engine_config(**settings) -> EngineConfig:
     """User settings (any of EngineConfig's user fields; unset ones take their user default) -> the resolved
     EngineConfig. An unknown name is a TypeError, a bad value a ValueError."""
-    from shardserve.models import resolve_model
-
     known = user_settings()
     unknown = sorted(set(settings) - set(known))
     if unknown:
