@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan
+from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, cdiv
 
 
 def _events_ms(fn, repeats: int) -> float:
@@ -66,7 +66,7 @@ def _decode_steps(repeats: int) -> int:
 
 
 def _blocks_each(tokens: int, block_size: int) -> int:
-    return -(-(tokens + 8) // block_size)
+    return cdiv(tokens + 8, block_size)
 
 
 def _finish(runner, req_ids: list[str]) -> None:
@@ -247,7 +247,7 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
     dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
     bs = 16
-    blocks_each = -(-context // bs)
+    blocks_each = cdiv(context, bs)
     device = torch.device("cuda")
     k_cache = torch.randn(batch * blocks_each, bs, kv_heads, dim, dtype=torch.bfloat16, device=device)
     v_cache = torch.randn_like(k_cache)

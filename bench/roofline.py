@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from shardserve.proto.plan import cdiv
+
 
 @dataclass
 class DeviceRates:
@@ -103,7 +105,7 @@ class ModelShape:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = cfg.num_key_value_heads
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads // tp, max(1, kv // tp), head_dim,
-                   cfg.intermediate_size // tp, -(-cfg.vocab_size // tp), dtype_bytes, tp)
+                   cfg.intermediate_size // tp, cdiv(cfg.vocab_size, tp), dtype_bytes, tp)
 
     @property
     def linear_params_per_layer(self) -> int:

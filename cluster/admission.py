@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.proto.plan import cdiv
 
 CHAT_ROLES = ("system", "user", "assistant")
 Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages ({"role", "content"})
@@ -77,7 +78,7 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: RequestL
             f"max_model_len ({limits.max_model_len})"
         )
     # The last sampled token is never fed back, so its KV is never stored.
-    needed = -(-(total - 1) // limits.block_size)
+    needed = cdiv(total - 1, limits.block_size)
     if needed > limits.num_kv_blocks:
         raise ValueError(
             f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks of "

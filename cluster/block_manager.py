@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import xxhash
 
 from shardserve.cluster.request import Request
+from shardserve.proto.plan import cdiv
 
 ROOT_HASH = 0  # the parent hash of a chain's first block
 
@@ -79,7 +80,7 @@ class BlockManager:
         return len(self._free) == self.num_blocks and not any(self._ref_count)
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     # ---- prefix cache --------------------------------------------------------------------------------------
     def _extend_hashes(self, seq: Request, num_full_blocks: int) -> None:
@@ -170,7 +171,7 @@ class BlockManager:
     def append_slots(self, seq: Request, num_tokens: int) -> list[int] | None:
         """Grows seq's table to cover `num_tokens` positions. Returns the appended block ids ([] when none were
         needed), or None, changing nothing, when too few blocks are free."""
-        num_new = -(-num_tokens // self.block_size) - len(seq.block_ids)  # blocks_for, inline: called per request
+        num_new = cdiv(num_tokens, self.block_size) - len(seq.block_ids)
         if num_new <= 0:
             return []
         if num_new > len(self._free):

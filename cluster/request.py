@@ -30,7 +30,7 @@ class Request:
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
-    spec: SamplingSpec = field(default_factory=SamplingSpec)  # params.to_spec(eos, vocab) at admission
+    spec: SamplingSpec = field(default_factory=SamplingSpec)  # params.to_spec(eos) at admission
     arrival: int = 0  # FCFS order; preemption picks the highest
     prompt: str | None = None
     stop_token_set: frozenset[int] = frozenset()  # spec.stop_token_ids, for O(1) checks each step

@@ -28,15 +28,13 @@ from shardserve.worker.step_in_flight import StepInFlight
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {name!r}")
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved EngineConfig.dtype (shardserve/config.py resolves "auto" and aliases)."""
     return _DTYPES[name]
 
 
-def resolve_device(name: str, rank: int) -> torch.device:
+def torch_device(name: str, rank: int) -> torch.device:
+    """This rank's device for a resolved EngineConfig.device ("cpu" or "cuda")."""
     if name == "cuda":
         # Local processes see every GPU (rank i takes GPU i); a Ray actor sees only its own (index 0).
         return torch.device("cuda", rank % torch.cuda.device_count())
@@ -52,10 +50,10 @@ class ModelRunner:
 
         self.config = config
         self.rank = rank
-        self.device = resolve_device(config.device, rank)
+        self.device = torch_device(config.device, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = torch_dtype(config.dtype)
         self.block_size = config.block_size
         self.hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         self.attn_backend = get_backend(config.attention_backend, self.device.type)
