@@ -16,7 +16,10 @@ from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.plan import cdiv
 
 CHAT_ROLES = ("system", "user", "assistant")
-Prompt = str | list[int] | list[dict]  # text, token ids, or chat messages ({"role", "content"})
+# text, token ids, chat messages ({"role", "content"}), or vLLM's prompt dicts ({"prompt": text} or
+# {"prompt_token_ids": [...]})
+Prompt = str | list[int] | list[dict] | dict
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -26,6 +29,8 @@ def has_chat_template(tokenizer) -> bool:
 def encode_prompt(prompt: Prompt, tokenizer) -> tuple[str | None, list[int]]:
     """(the prompt's text, or None when it came as token ids; its token ids). Token ids are passed on unchecked
     (check_request checks them); raises ValueError for text or chat a model cannot take."""
+    if isinstance(prompt, dict):
+        prompt = _unwrap_prompt_dict(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights): send token ids")
@@ -45,6 +50,26 @@ def encode_prompt(prompt: Prompt, tokenizer) -> tuple[str | None, list[int]]:
     if isinstance(prompt, (list, tuple)):
         return None, list(prompt)
     raise ValueError(f"a prompt is text, token ids or chat messages; got {type(prompt).__name__}")
+
+
+def _unwrap_prompt_dict(prompt: dict) -> str | list[int]:
+    """vLLM's prompt dicts: {"prompt": text} or {"prompt_token_ids": [...]}; anything else is refused by name."""
+    unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS))
+    if unknown:
+        raise ValueError(
+            f"a prompt dict takes 'prompt' (text) or 'prompt_token_ids' (a list of token ids); "
+            f"got unsupported key(s) {', '.join(map(repr, unknown))}"
+        )
+    if len(prompt) != 1:
+        raise ValueError("a prompt dict takes exactly one of 'prompt' (text) or 'prompt_token_ids'")
+    if "prompt" in prompt:
+        if not isinstance(prompt["prompt"], str):
+            raise ValueError(f"'prompt' must be text, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    ids = prompt["prompt_token_ids"]
+    if not isinstance(ids, (list, tuple)):
+        raise ValueError(f"'prompt_token_ids' must be a list of token ids, got {type(ids).__name__}")
+    return list(ids)
 
 
 @dataclass(frozen=True, slots=True)

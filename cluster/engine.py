@@ -14,6 +14,7 @@ a request preempted with a token in flight waits at the queue head until that to
 from __future__ import annotations
 
 import itertools
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -68,6 +69,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.block_manager)
         self.limits = RequestLimits(vocab_size, config.max_model_len, config.block_size, self.block_manager.num_blocks)
         self._arrivals = itertools.count()
+        self._seeds = random.Random(config.seed)  # each unseeded request's seed, in admission order
         self._finished: dict[str, RequestOutput] = {}  # final outputs not yet taken
         self._pending_deltas: list[RequestDelta] = []  # aborts between steps, reported by the next step()
         self.num_steps = 0
@@ -105,7 +107,7 @@ class Engine:
             raise ValueError(f"request id {req_id!r} is already in use")
         check_request(prompt_token_ids, params, self.limits)
         ids = list(prompt_token_ids)
-        spec = params.to_spec(self.eos_token_ids)
+        spec = params.to_spec(self.eos_token_ids, self._seeds.getrandbits(63))
         seq = Request(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=prompt)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)

@@ -4,7 +4,6 @@ is checked with the prompt at admission (cluster/admission.py)."""
 
 from __future__ import annotations
 
-import random
 import typing
 from dataclasses import dataclass, field
 
@@ -93,15 +92,16 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
 
-    def to_spec(self, eos_token_ids: list[int]) -> SamplingSpec:
-        """The worker's view: the fields both have, by name, and what the worker needs in its own form. Draws a seed
-        when none was given, so that every rank samples identically."""
+    def to_spec(self, eos_token_ids: list[int], default_seed: int) -> SamplingSpec:
+        """The worker's view: the fields both have, by name, and what the worker needs in its own form. A request
+        without a seed gets `default_seed` (the engine draws it from its own seeded generator), so every rank
+        samples identically and one engine seed makes a whole run reproducible."""
         stop_ids = list(self.stop_token_ids)
         if not self.ignore_eos:
             stop_ids += [t for t in eos_token_ids if t not in stop_ids]
         return SamplingSpec(
             **{name: convert(getattr(self, name)) for name, convert in _SHARED_WITH_SPEC.items()},
-            seed=self.seed if self.seed is not None else random.getrandbits(63),
+            seed=self.seed if self.seed is not None else default_seed,
             logprobs=-1 if self.logprobs is None else self.logprobs,
             stop_token_ids=stop_ids,
         )

@@ -62,7 +62,10 @@ class EngineConfig:
     enforce_eager: bool = _setting(False, help="CUDA: no CUDA graphs")
     async_scheduling: bool | None = _setting(
         None, help="plan step N+1 while step N runs (default: on for CUDA, off for CPU)")
-    seed: int = _setting(0, flags=("--weight-seed",), help="the seed of dummy weights")
+    seed: int = _setting(
+        0, flags=("--weight-seed",),
+        help="the engine's seed: dummy weights, and the sampling seed of every request that gives none (drawn in "
+        "admission order), so one seed and the same requests give the same outputs")
     dist_timeout_s: float = _setting(
         60.0, user=False, help="torch.distributed timeout in seconds: never the 30-minute default")
 

@@ -30,6 +30,7 @@ class ModelFacts:
     num_attention_heads: int
     num_key_value_heads: int
     intermediate_size: int
+    sliding_window: int | None = None  # tokens a layer attends back over, where the model limits it
 
 
 def _read_json(path: str) -> dict:
@@ -61,6 +62,8 @@ def read_model_facts(model_dir: str) -> ModelFacts:
         num_attention_heads=heads,
         num_key_value_heads=config.get("num_key_value_heads", heads),
         intermediate_size=config.get("intermediate_size", 0),
+        # Qwen2/Qwen3 configs carry a window that `use_sliding_window: false` turns off; Mistral's is on when set.
+        sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
     )
 
 
@@ -131,6 +134,12 @@ def build_engine_config(**settings) -> EngineConfig:
     elif max_model_len > facts.max_position_embeddings:
         raise ValueError(
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings {facts.max_position_embeddings}"
+        )
+    window = facts.sliding_window
+    if window is not None and max_model_len > window:
+        raise ValueError(
+            f"{facts.architecture} uses sliding-window attention over {window} tokens, which shardserve does not "
+            f"implement: set --max-model-len (max_model_len) to {window} or less, so every request fits in the window"
         )
     s.update(
         model=resolved.model_dir,

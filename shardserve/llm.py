@@ -60,9 +60,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Generates for every prompt (text, token ids or chat messages), batched continuously; outputs come back in
-        prompt order. A bad prompt raises ValueError before any of them runs."""
-        if isinstance(prompts, str) or (
+        """Generates for every prompt, batched continuously; outputs come back in prompt order. A prompt is text,
+        token ids, chat messages, or a vLLM prompt dict ({"prompt": text} or {"prompt_token_ids": [...]}); one
+        prompt or a list of them. A bad prompt raises ValueError before any of them runs."""
+        if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
             prompts = [prompts]

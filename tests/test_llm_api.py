@@ -137,3 +137,68 @@ def test_cli_reports_a_bad_flag_value_as_an_error(default_model_dir):
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 2 and "top_p" in done.stderr
+
+
+# ---- vLLM's prompt shapes, the engine seed, sliding windows: nothing silently wrong -----------------------------
+
+def test_vllm_prompt_dicts_generate_what_their_text_or_ids_generate(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    text, ids = "Hello, my name is", [504, 3458, 282]
+    (by_text, by_ids) = llm.generate([text, ids], greedy, use_tqdm=False)
+    one = llm.generate({"prompt": text}, greedy, use_tqdm=False)  # a single dict is one prompt, not its keys
+    assert len(one) == 1 and one[0].prompt == text and one[0].token_ids == by_text.token_ids
+    listed = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)
+    assert [o.token_ids for o in listed] == [by_text.token_ids, by_ids.token_ids]
+    assert listed[1].prompt_token_ids == ids
+    assert llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].token_ids == by_ids.token_ids
+
+
+@pytest.mark.parametrize(
+    "prompt, reason",
+    [
+        ({"text": "Hello"}, "unsupported key"),
+        ({"prompt": "Hello", "prompt_token_ids": [1, 2]}, "exactly one"),
+        ({"prompt": [1, 2]}, "must be text"),
+        ({"prompt_token_ids": "Hello"}, "list of token ids"),
+        ({"prompt": "Hello", "multi_modal_data": {}}, "multi_modal_data"),
+    ],
+)
+def test_malformed_prompt_dicts_are_refused_by_name(llm, prompt, reason):
+    with pytest.raises(ValueError, match=reason):
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.engine.has_unfinished()
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model):
+    model_dir = tiny_model("llama", tie_word_embeddings=True, num_heads=4, num_kv_heads=2)
+    prompts = [[5, 17, 33], [99, 150, 7, 8], [3, 4]]
+    free = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)  # no per-request seed
+
+    def run(seed: int) -> list[list[int]]:
+        with LLM(model=model_dir, max_model_len=128, seed=seed) as engine:
+            return [o.token_ids for o in engine.generate(prompts, free, use_tqdm=False)]
+
+    first, again, other = run(0), run(0), run(1)
+    assert first == again
+    assert first != other  # the seed is what made them equal (24 tokens at temperature 1: equal by chance ~never)
+    assert len({tuple(t) for t in first}) == 3  # the requests of one run still draw different seeds
+
+
+def test_sliding_window_model_is_refused_unless_requests_fit_the_window(tmp_path, tiny_model):
+    import json
+    import shutil
+
+    from shardserve.config import build_engine_config
+
+    source = tiny_model("llama", tie_word_embeddings=True, num_heads=4, num_kv_heads=2)
+    mistral = tmp_path / "mistral"
+    shutil.copytree(source, mistral)
+    config = json.loads((mistral / "config.json").read_text())
+    config.update(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=64)
+    (mistral / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"sliding-window attention over 64 tokens.*--max-model-len"):
+        build_engine_config(model=str(mistral), max_model_len=128)
+    assert build_engine_config(model=str(mistral), max_model_len=64).max_model_len == 64
+    config["sliding_window"] = None  # Mistral v0.2+: full attention
+    (mistral / "config.json").write_text(json.dumps(config))
+    assert build_engine_config(model=str(mistral), max_model_len=128).max_model_len == 128

@@ -68,10 +68,10 @@ def test_the_client_checks_only_what_building_the_message_needs():
 
 
 def test_params_map_onto_the_workers_spec_by_name():
-    spec = SamplingParams(**GIVEN).to_spec(eos_token_ids=[2, 5])
+    spec = SamplingParams(**GIVEN).to_spec(eos_token_ids=[2, 5], default_seed=7)
     shared = {f.name for f in fields(SamplingSpec)} & set(NAMES) - {"seed", "logprobs", "stop_token_ids"}
     assert shared and all(getattr(spec, name) == GIVEN[name] for name in shared)
     assert (spec.seed, spec.logprobs, spec.stop_token_ids) == (42, 4, [5, 9])  # ignore_eos: no eos added
-    default = SamplingParams().to_spec(eos_token_ids=[2])
-    assert default.logprobs == -1 and default.stop_token_ids == [2] and 0 <= default.seed < 2**63
-    assert isinstance(SamplingParams(temperature=1).to_spec([]).temperature, float)
+    default = SamplingParams().to_spec(eos_token_ids=[2], default_seed=7)
+    assert default.logprobs == -1 and default.stop_token_ids == [2] and default.seed == 7  # the engine's draw
+    assert isinstance(SamplingParams(temperature=1).to_spec([], 0).temperature, float)
