@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_cluster_parsers(sub, add_engine_args, add_sampling_args)
+    from shardserve.gateway_cli import add_gateway_parser
+
+    add_gateway_parser(sub)
     return parser
 
 
