@@ -50,6 +50,7 @@ MODEL_INFO_TTL_S = 30.0
 # The server's admission message for prompt + max_tokens beyond the context (cluster/scheduler.py check_fits):
 # read back to learn the prompt's length when a chat request leaves max_tokens to us.
 _PROMPT_LEN = re.compile(r"prompt \((\d+) tokens\) \+ max_tokens")
+_LEADING_FIELD = re.compile(r"(\w+) must be ")
 
 
 class GatewayError(Exception):
@@ -60,7 +61,11 @@ class GatewayError(Exception):
     @classmethod
     def of_rpc(cls, error: grpc.RpcError) -> "GatewayError":
         status, type_, code = HTTP_OF.get(error.code(), (500, "server_error", None))
-        return cls(status, error.details() or error.code().name, type_, None, code or error.code().name.lower())
+        message = error.details() or error.code().name
+        param = None
+        if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # "temperature must be ...": the field it names
+            param = (match := _LEADING_FIELD.match(message)) and match.group(1)
+        return cls(status, message, type_, param, code or error.code().name.lower())
 
     def response(self) -> JSONResponse:
         return JSONResponse(error_body(str(self), self.type, self.param, self.code), status_code=self.status)
@@ -125,8 +130,8 @@ class Gateway:
             prompts = [body.chat()] if chat else body.prompts()
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             top = body.sampling().get("logprobs")  # None: no logprobs
-            choices = [Choice(chat, rid, info.model, i, top_logprobs=top, usage_field=body.include_usage)
-                       for i in range(len(prompts))]
+            choices = [Choice(chat, rid, info.model, i, top_logprobs=top, usage_field=body.include_usage,
+                              token_ids=body.return_token_ids) for i in range(len(prompts))]
             sampling = body.sampling()
             fill_to = limit if chat and body.limit is None else None  # OpenAI's default: the room the context leaves
             calls = []
@@ -349,7 +354,7 @@ def build_app(upstream: str, request_timeout_s: float | None = None) -> FastAPI:
             return e.response()
         return JSONResponse({"object": "list", "data": [{
             "id": info.model, "object": "model", "created": 0, "owned_by": "shardserve", "root": info.model,
-            "max_model_len": info.max_model_len, "architecture": info.architecture,
+            "max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "architecture": info.architecture,
             "tensor_parallel_size": info.tensor_parallel_size, "has_tokenizer": bool(info.tokenizer),
             "has_chat_template": info.has_chat_template}]})
 

@@ -33,10 +33,12 @@ class Choice:
     """One choice of a completion or chat completion: accumulates it (non-streaming) or encodes its chunks."""
 
     def __init__(self, chat: bool, request_id: str, model: str, index: int, created: int | None = None,
-                 top_logprobs: int | None = None, usage_field: bool = False) -> None:
+                 top_logprobs: int | None = None, usage_field: bool = False, token_ids: bool = False) -> None:
         self.chat = chat
         self.index = index
         self.logprobs = top_logprobs is not None
+        self.with_ids = token_ids  # vLLM's return_token_ids: how a model without a tokenizer shows its output
+        self.ids: list[int] = []  # non-streaming, with_ids only
         self.text: list[str] = []
         self.lp_entries: list = []  # pb.TokenLogprob, non-streaming only
         self.offset = 0  # completions' text_offset of the next token
@@ -62,6 +64,8 @@ class Choice:
     def add(self, delta: pb.GenerateResponse.Delta) -> None:
         """Non-streaming: keeps the delta for body()."""
         self.text.append(delta.text)
+        if self.with_ids:
+            self.ids.extend(delta.token_ids)
         if self.logprobs:
             self.lp_entries.extend(delta.logprobs)
 
@@ -74,13 +78,14 @@ class Choice:
 
     def delta_chunk(self, delta: pb.GenerateResponse.Delta) -> bytes | None:
         """The SSE event of one delta; None when it carries nothing to show (an incomplete character)."""
-        if not delta.text and not (self.logprobs and delta.logprobs):
+        if not delta.text and not (self.logprobs and delta.logprobs) and not (self.with_ids and delta.token_ids):
             return None
         text = _dumps(delta.text).encode()
         lps = _dumps(self._logprobs(delta.logprobs)).encode() if self.logprobs else b"null"
+        ids = b',"token_ids":' + _dumps(list(delta.token_ids)).encode() if self.with_ids else b""
         if self.chat:
-            return self._chunk(b',"delta":{"content":' + text + b'},"logprobs":' + lps + b',"finish_reason":null')
-        return self._chunk(b',"text":' + text + b',"logprobs":' + lps + b',"finish_reason":null')
+            return self._chunk(b',"delta":{"content":' + text + b'},"logprobs":' + lps + ids + b',"finish_reason":null')
+        return self._chunk(b',"text":' + text + b',"logprobs":' + lps + ids + b',"finish_reason":null')
 
     def last_chunk(self) -> bytes:
         reason = _dumps(self.finish_reason).encode()
@@ -95,9 +100,13 @@ class Choice:
         text = "".join(self.text)
         logprobs = self._logprobs(self.lp_entries) if self.logprobs else None
         if self.chat:
-            return {"index": self.index, "message": {"role": "assistant", "content": text, "refusal": None},
+            body = {"index": self.index, "message": {"role": "assistant", "content": text, "refusal": None},
                     "logprobs": logprobs, "finish_reason": self.finish_reason}
-        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        else:
+            body = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        if self.with_ids:
+            body["token_ids"] = self.ids
+        return body
 
     # ---- logprobs -----------------------------------------------------------------------------------------
     def _logprobs(self, entries) -> dict:

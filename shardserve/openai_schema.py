@@ -2,7 +2,8 @@
 
 Three kinds of fields:
 - mapped onto the gRPC GenerateRequest (temperature, top_p, seed, stop, max_tokens, logprobs, ...), plus vLLM's
-  extensions the engine has (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids);
+  extensions the engine has (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) and its
+  `return_token_ids` (the output's token ids next to its text: a model without a tokenizer has no text);
 - OpenAI fields that change nothing here and are accepted and ignored (`user`, `metadata`, `store`, ...);
 - OpenAI fields that would change the answer in a way we cannot honour (`n` > 1, `best_of`, `logit_bias`, `tools`,
   `echo`, ...): `unsupported()` names them, and the gateway answers 400 with that field as `param`.
@@ -54,6 +55,7 @@ class _Request(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False  # each choice (and chunk) also carries its token ids: for token-id-only models
     # accepted and ignored: they change nothing about the answer
     user: str | None = None
     metadata: dict[str, str] | None = None

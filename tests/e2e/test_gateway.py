@@ -133,11 +133,13 @@ def test_token_id_prompts_and_several_prompts_give_one_choice_each(oai, grpc_cli
     from transformers import AutoTokenizer
 
     ids = AutoTokenizer.from_pretrained(default_model_dir).encode(PROMPT, add_special_tokens=False)
-    expected = grpc_client.generate(PROMPT, temperature=0, max_tokens=6, ignore_eos=True).text
+    reference = grpc_client.generate(PROMPT, temperature=0, max_tokens=6, ignore_eos=True)
+    expected = reference.text
     model = oai.models.list().data[0].id
     by_ids = oai.completions.create(model=model, prompt=ids, temperature=0, max_tokens=6,
-                                    extra_body={"ignore_eos": True})
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
     assert by_ids.choices[0].text == expected and by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].token_ids == reference.token_ids  # vLLM's extension: the output's ids too
     batch = oai.completions.create(model=model, prompt=[PROMPT, "1, 2, 3,"], temperature=0, max_tokens=6,
                                    extra_body={"ignore_eos": True})
     assert [c.index for c in batch.choices] == [0, 1] and batch.choices[0].text == expected
@@ -192,6 +194,7 @@ def test_invalid_requests_get_400_naming_the_field(oai):
     with pytest.raises(openai.BadRequestError) as error:  # the server's INVALID_ARGUMENT, with its reason
         oai.completions.create(model=model, prompt=PROMPT, temperature=-1)
     assert error.value.status_code == 400 and "temperature" in error.value.message
+    assert error.value.body["param"] == "temperature"
     assert error.value.body["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError) as error:  # a field OpenAI does not have
         oai.completions.create(model=model, prompt=PROMPT, extra_body={"frobnicate": 1})
