@@ -37,40 +37,10 @@ export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/shardserve-triton-cache}
 say() { echo "[gpu_serve $(( $(date +%s) - START ))s] $*" | tee -a "$LOG"; }
 elapsed() { echo $(( $(date +%s) - START )); }
 
-# ---- setup: as bench/gpu_run.sh (wheels from .whl/ into /tmp/site, the project editable, else a path shim) -------
-setup() {
-  if [ "$SMOKE" != 1 ] && compgen -G ".whl/*.whl" > /dev/null; then
-    $PY -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl >> "$LOG" 2>&1 \
-      && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} && say "wheels from .whl/ installed in /tmp/site"
-  fi
-  local check="import shardserve.cluster.engine, shardserve.bench.serve, shardserve.cluster_cli"
-  if ! (cd /tmp && $PY -c "$check") > /dev/null 2>&1 && [ "$SMOKE" != 1 ]; then
-    $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . >> "$LOG" 2>&1 \
-      && say "project installed editable (pip -e, no index)"
-  fi
-  if ! (cd /tmp && $PY -c "$check") >> "$LOG" 2>&1; then
-    mkdir -p "$WORK/shim"
-    cat > "$WORK/shim/sitecustomize.py" <<EOF
-import importlib.abc, importlib.util, os, sys
-_ROOT = "$ROOT"
-_MAP = {"shardserve": "shardserve", "shardserve.cluster": "cluster", "shardserve.worker": "worker",
-        "shardserve.worker.layers": "worker/layers", "shardserve.worker.models": "worker/models",
-        "shardserve.kernels": "kernels", "shardserve.proto": "proto", "shardserve.bench": "bench"}
-class _ShardserveFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name not in _MAP:
-            return None
-        folder = os.path.join(_ROOT, _MAP[name])
-        return importlib.util.spec_from_file_location(name, os.path.join(folder, "__init__.py"),
-                                                      submodule_search_locations=[folder])
-sys.meta_path.insert(0, _ShardserveFinder())
-EOF
-    export PYTHONPATH=$WORK/shim${PYTHONPATH:+:$PYTHONPATH}
-    if (cd /tmp && $PY -c "$check") >> "$LOG" 2>&1; then say "project mapped by the sitecustomize shim"
-    else say "WARNING: shardserve is not importable; the runs below will fail"; fi
-  fi
-}
-
+# ---- setup: bench/gpu_run.sh's own (wheels from .whl/ into /tmp/site, the project editable, else a path shim), ----
+# taken from that file so that the two scripts install the same way. It uses ROOT, OUT, PY, SMOKE, WORK, LOG, say.
+eval "$(sed -n '/^setup() {$/,/^}$/p' bench/gpu_run.sh)"
+declare -f setup > /dev/null || { echo "bench/gpu_run.sh has no setup() any more" >&2; exit 1; }
 setup
 {
   echo "date: $(date -u +%FT%TZ)  commit: ${SHARDSERVE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}  smoke: $SMOKE"

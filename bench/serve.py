@@ -33,7 +33,10 @@ def add_serve_parser(kinds, add_engine_args, run) -> None:
     parser = kinds.add_parser("serve", help="online serving: request rate or concurrency against gRPC or HTTP")
     add_engine_args(parser)
     add_serve_args(parser)
-    parser.set_defaults(func=run)
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine)
+    # the engine flags' defaults: those the user changed are passed on to the server it starts
+    parser.set_defaults(func=run, engine_defaults=vars(engine.parse_args([])))
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -30,6 +30,15 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)  # between successive token-bearing messages
     e2e_s: float | None = None
 
+    def token_arrived(self, start: float, last: float) -> float:
+        """A message with new tokens arrived: the first gives TTFT, later ones an inter-token gap. Returns now."""
+        now = time.perf_counter()
+        if self.ttft_s is None:
+            self.ttft_s = now - start
+        else:
+            self.itl_s.append(now - last)
+        return now
+
     @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first."""
@@ -57,14 +66,8 @@ class GrpcSender:
         try:
             stream = self.client.stream(req.prompt, max_tokens=req.output_len, **self.sampling)
             async for delta in stream:
-                if not delta.token_ids:
-                    continue
-                now = time.perf_counter()
-                if result.ttft_s is None:
-                    result.ttft_s = now - start
-                else:
-                    result.itl_s.append(now - last)
-                last = now
+                if delta.token_ids:
+                    last = result.token_arrived(start, last)
             result.e2e_s = time.perf_counter() - start
             usage = stream.result.usage
             result.prompt_tokens, result.output_tokens = usage.prompt_tokens, usage.completion_tokens
@@ -106,12 +109,7 @@ class HttpSender:
                     result.error = f"{chunk['error']['code']}: {chunk['error']['message']}"
                     return result
                 if chunk["choices"] and chunk["choices"][0].get("token_ids"):
-                    now = time.perf_counter()
-                    if result.ttft_s is None:
-                        result.ttft_s = now - start
-                    else:
-                        result.itl_s.append(now - last)
-                    last = now
+                    last = result.token_arrived(start, last)
                 if chunk.get("usage"):
                     result.prompt_tokens = chunk["usage"]["prompt_tokens"]
                     result.output_tokens = chunk["usage"]["completion_tokens"]

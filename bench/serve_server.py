@@ -20,14 +20,10 @@ GATEWAY_READY = re.compile(r"shardserve gateway ready: (http://\S+)/v1")
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The engine flags the user gave `bench serve`, as `serve` takes them (those left at their defaults are
-    left out), read off the parser function both commands share (each flag is spelled as its dest)."""
-    from shardserve.cli import add_engine_args
-
-    probe = argparse.ArgumentParser(add_help=False)
-    add_engine_args(probe)
+    """The engine flags the user gave `bench serve`, as `serve` takes them: those that differ from their defaults
+    (args.engine_defaults, set where the parser was built; each flag is spelled as its dest)."""
     flags = []
-    for dest, default in vars(probe.parse_args([])).items():
+    for dest, default in args.engine_defaults.items():
         value = getattr(args, dest, default)
         if value == default:
             continue
