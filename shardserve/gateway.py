@@ -17,6 +17,7 @@ DEADLINE_EXCEEDED 504. An error after a stream has begun arrives as a last `data
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -134,7 +135,14 @@ def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, reques
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
     print(f"shardserve gateway ready: http://{host}:{bound}/v1 -> gRPC {upstream}", flush=True)
-    _server(upstream, sock, request_timeout_s, access_log).run(sockets=[sock])
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the handlers it found:
+    # no-op ones make that a normal exit (0), as `shardserve serve` exits after its drain.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _server(upstream, sock, request_timeout_s, access_log).run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0
 
 

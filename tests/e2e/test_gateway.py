@@ -16,6 +16,8 @@ import json
 import queue
 import re
 import signal
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -315,7 +317,7 @@ class FakeGeneration(pb_grpc.GenerationServicer):
 
 @pytest.fixture(scope="module")
 def fake():
-    """(fake servicer, its health servicer, a gateway in front of it)."""
+    """(fake servicer, its health servicer, a gateway in front of it, the fake's gRPC address)."""
     server = grpc.server(ThreadPoolExecutor(4))
     servicer, health_servicer = FakeGeneration(), health.HealthServicer()
     pb_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -325,7 +327,7 @@ def fake():
     health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     gateway = GatewayThread(f"127.0.0.1:{port}", "127.0.0.1", 0)
     try:
-        yield servicer, health_servicer, f"http://{gateway.address}"
+        yield servicer, health_servicer, f"http://{gateway.address}", f"127.0.0.1:{port}"
     finally:
         gateway.stop()
         server.stop(None)
@@ -355,7 +357,7 @@ def test_an_error_after_the_stream_began_arrives_as_its_last_event(fake):
 
 
 def test_the_authorization_header_reaches_the_server_as_grpc_metadata(fake):
-    servicer, _, base = fake
+    servicer, base = fake[0], fake[2]
     with openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test-123", max_retries=0) as client:
         assert client.completions.create(model="fake", prompt="hello").choices[0].text == "ok"
     assert servicer.metadata[-1]["authorization"] == "Bearer sk-test-123"
@@ -364,7 +366,7 @@ def test_the_authorization_header_reaches_the_server_as_grpc_metadata(fake):
 
 
 def test_health_follows_the_servers_health(fake):
-    _, health_servicer, base = fake
+    health_servicer, base = fake[1], fake[2]
     assert httpx.get(f"{base}/health").status_code == 200
     health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
     try:
@@ -382,3 +384,20 @@ def test_metrics_count_requests_by_endpoint_and_status(fake):
     assert re.search(r'shardserve_gateway_requests_total\{code="200",endpoint="chat"\} [1-9]', text)
     assert re.search(r'shardserve_gateway_requests_total\{code="400",endpoint="chat"\} [1-9]', text)
     assert "shardserve_gateway_request_duration_seconds_bucket" in text
+
+
+def test_the_gateway_command_serves_until_sigterm_then_exits_0(fake):
+    """`shardserve gateway` on its own, as a second gateway in front of the same server."""
+    servicer, upstream = fake[0], fake[3]
+    proc = subprocess.Popen([sys.executable, "-m", "shardserve.cli", "gateway", "--upstream", upstream, "--port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # printed once the socket listens
+        match = re.search(r"shardserve gateway ready: (http://\S+)/v1 -> gRPC (\S+)", line)
+        assert match and match.group(2) == upstream, line
+        seen = len(servicer.metadata)
+        reply = httpx.post(f"{match.group(1)}/v1/completions", json={"prompt": "hello"}, timeout=30)
+        assert reply.json()["choices"][0]["text"] == "ok" and len(servicer.metadata) == seen + 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
