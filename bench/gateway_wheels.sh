@@ -4,7 +4,8 @@
 #   bash bench/gateway_wheels.sh [DIR] [--plot]
 # fastapi + uvicorn pull starlette, pydantic, pydantic-core (the one binary wheel), anyio, idna, h11, click,
 # typing-extensions, typing-inspection, annotated-types, annotated-doc, opentelemetry-api (~3.5 MiB in all).
-# --plot adds matplotlib and its dependencies (~15 MiB; numpy is on the host already and is left out).
+# --plot adds matplotlib and its dependencies (contourpy, cycler, fonttools, kiwisolver, packaging, pillow, pyparsing,
+# python-dateutil, tzdata: ~24 MiB more; numpy is on the host already and is left out).
 set -euo pipefail
 DIR=${1:-.whl}
 PY=${PY:-python3}

@@ -111,10 +111,10 @@ class Gateway:
                                    f"'{info.model}')", "invalid_request_error", "model", "model_not_found")
             prompts = [body.chat()] if chat else body.prompts()
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            top = body.sampling().get("logprobs")  # None: no logprobs
-            choices = [Choice(chat, rid, info.model, i, top_logprobs=top, usage_field=body.include_usage,
-                              token_ids=body.return_token_ids) for i in range(len(prompts))]
             sampling = body.sampling()
+            choices = [Choice(chat, rid, info.model, i, top_logprobs=sampling.get("logprobs"),
+                              usage_field=body.include_usage, token_ids=body.return_token_ids)
+                       for i in range(len(prompts))]
             fill_to = limit if chat and body.limit is None else None  # OpenAI's default: the room the context leaves
             calls = []
             try:
