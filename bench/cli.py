@@ -64,6 +64,10 @@ def add_bench_parser(sub) -> None:
     probe.add_argument("--json-out", default=None)
     probe.set_defaults(func=_run("shardserve.bench.probe"))
 
+    from shardserve.bench.serve import add_serve_parser
+
+    add_serve_parser(kinds, add_engine_args, _run("shardserve.bench.serve"))
+
 
 def _run(module: str):
     def run(args: argparse.Namespace) -> int:

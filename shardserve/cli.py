@@ -8,6 +8,7 @@ import sys
 from shardserve.bench.cli import add_bench_parser
 from shardserve.cluster_cli import add_cluster_parsers
 from shardserve.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from shardserve.gateway_cli import add_gateway_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     add_bench_parser(sub)
     add_cluster_parsers(sub)
+    add_gateway_parser(sub)
     return parser
 
 

@@ -29,6 +29,9 @@ def add_cluster_parsers(sub) -> None:
     serve.add_argument("--placement-strategy", default="STRICT_PACK",
                        choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"])
     serve.add_argument("--served-model-name", default=None, help="the name GetModelInfo reports")
+    serve.add_argument("--http-port", type=int, default=None,
+                       help="also serve the OpenAI-compatible HTTP gateway on this port (0 = any free port)")
+    serve.add_argument("--http-host", default=None, help="the gateway's bind address (default: --host)")
     serve.set_defaults(func=cmd_serve)
 
     client = sub.add_parser("client", help="send prompts to a running `shardserve serve`")
@@ -52,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(config, ray_address=args.ray_address, host=args.host, port=args.port,
                  worker_host=args.worker_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
                  strategy=args.placement_strategy, model_name=args.served_model_name,
-                 max_live_requests=args.max_live_requests)
+                 max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host)
 
 
 def cmd_client(args: argparse.Namespace) -> int:

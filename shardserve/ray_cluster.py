@@ -164,8 +164,10 @@ def resolve_ray_address(address: str | None) -> str:
 
 def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
-          model_name: str | None = None, max_live_requests: int = 4096) -> int:
-    """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails (exits 1)."""
+          model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
+          http_host: str | None = None) -> int:
+    """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails (exits 1). http_port: also
+    the HTTP gateway (shardserve/gateway.py), started once the server is ready, stopped after the drain."""
     import ray
 
     from shardserve.launcher import ensure_ray
@@ -187,7 +189,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
 
     # Installed after ray.init, which sets its own SIGTERM handler (an immediate exit, with no drain).
     previous = {s: signal.signal(s, interrupt_startup) for s in (signal.SIGTERM, signal.SIGINT)}
-    cluster = None
+    cluster = gateway = None
     code = 0
     try:
         start = time.perf_counter()
@@ -199,6 +201,11 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         print(f"shardserve ready: {_model_name(config, model_name)} (tp={config.tensor_parallel_size}, "
               f"{config.device}) serving on {cluster.address}{metrics} [{time.perf_counter() - start:.1f} s]",
               flush=True)
+        if http_port is not None:
+            from shardserve.gateway import GatewayThread
+
+            gateway = GatewayThread(cluster.address, http_host or host, http_port)
+            print(f"shardserve gateway ready: http://{gateway.address}/v1", flush=True)
         while not stop.wait(1.0):
             try:
                 status = cluster.status()
@@ -219,6 +226,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         if cluster is not None:
             cut = cluster.shutdown(drain_timeout_s)
             print(f"shardserve: stopped ({cut} request(s) cut off by the drain)", file=sys.stderr, flush=True)
+        if gateway is not None:
+            gateway.stop()
         if started_ray:
             ray.shutdown()
         for s, handler in previous.items():

@@ -1,0 +1,178 @@
+"""The OpenAI-compatible HTTP gateway: a thin, stateless FastAPI layer over the gRPC client API.
+
+    shardserve gateway --upstream 127.0.0.1:50051 --port 8000      # or: shardserve serve ... --http-port 8000
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both streamed over SSE with "stream": true),
+GET /v1/models, GET /health (200 while the server is SERVING, else 503), GET /metrics (the gateway's own).
+Each request becomes one gRPC Generate stream per prompt on the one channel this process keeps (one AsyncClient);
+the chat template is applied by the server, as for the gRPC API's chat messages. Nothing is kept between requests,
+so any number of gateways may front one server. An `Authorization` header is forwarded as the gRPC metadata
+`authorization` (the server does not check tokens yet). A client that disconnects cancels its gRPC streams, and
+the server frees the request's KV blocks.
+
+Status mapping (OpenAI error bodies {"error": {"message", "type", "param", "code"}}): invalid input (ours, or the
+server's INVALID_ARGUMENT with its reason) 400, an unknown model 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
+DEADLINE_EXCEEDED 504. An error after a stream has begun arrives as a last `data: {"error": ...}` event.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+
+from shardserve.gateway_requests import Gateway, GatewayError, Upstream, metadata_of
+from shardserve.openai_format import error_body
+from shardserve.openai_schema import ChatCompletionRequest, CompletionRequest
+
+
+def build_app(upstream: str, request_timeout_s: float | None = None) -> FastAPI:
+    """The ASGI app for a gateway in front of the gRPC server at `upstream` (host:port)."""
+    gateway = Gateway(upstream, request_timeout_s)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        gateway.client = Upstream(upstream)  # the one channel of this gateway, made on its event loop
+        try:
+            yield
+        finally:
+            await gateway.client.close()
+
+    app = FastAPI(title="shardserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.gateway = gateway
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        error = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = _param(error.get("loc", ()))
+        if error.get("type") == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"
+        elif param and param.split(".")[0] == "prompt":  # one error per alternative of the union: say them all
+            param, message = "prompt", ("prompt must be a string, a list of strings, a list of token ids or a list "
+                                        "of lists of token ids")
+        else:
+            message = f"{param or 'body'}: {error.get('msg')}"
+        endpoint = "chat" if request.url.path.endswith("chat/completions") else "completions"
+        gateway.metrics.requests.labels(endpoint, "400").inc()
+        return JSONResponse(error_body(message, "invalid_request_error", param, None), status_code=400)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await gateway.generate(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await gateway.generate(request, body, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        try:
+            info, limit = await gateway.facts(metadata_of(request))
+        except GatewayError as e:
+            return e.response()
+        return JSONResponse({"object": "list", "data": [{
+            "id": info.model, "object": "model", "created": 0, "owned_by": "shardserve", "root": info.model,
+            "max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "architecture": info.architecture,
+            "tensor_parallel_size": info.tensor_parallel_size, "has_tokenizer": bool(info.tokenizer),
+            "has_chat_template": info.has_chat_template}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            status = await gateway.client.health(timeout=5)
+        except grpc.RpcError as e:
+            return GatewayError.of_rpc(e).response()
+        if status != "SERVING":
+            return GatewayError(503, f"the server is {status}", "service_unavailable_error", None,
+                                "unavailable").response()
+        return JSONResponse({"status": "ok", "upstream": upstream})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(gateway.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+# ---- running it ---------------------------------------------------------------------------------------------
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise RuntimeError(f"cannot bind the HTTP gateway to {host}:{port}: {e}") from e
+    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
+    return sock
+
+
+def _local(upstream: str) -> str:
+    """A server bound to every interface is reached on loopback."""
+    host, _, port = upstream.rpartition(":")
+    return f"127.0.0.1:{port}" if host in ("0.0.0.0", "[::]", "::") else upstream
+
+
+def _server(upstream: str, sock: socket.socket, request_timeout_s: float | None, access_log: bool):
+    import uvicorn
+
+    config = uvicorn.Config(build_app(_local(upstream), request_timeout_s), log_level="warning",
+                            access_log=access_log, timeout_graceful_shutdown=5, lifespan="on")
+    return uvicorn.Server(config)
+
+
+def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
+                access_log: bool = False) -> int:
+    """`shardserve gateway`: serves until SIGINT/SIGTERM (uvicorn's graceful shutdown)."""
+    sock = _bind(host, port)
+    bound = sock.getsockname()[1]
+    print(f"shardserve gateway ready: http://{host}:{bound}/v1 -> gRPC {upstream}", flush=True)
+    # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the handlers it found:
+    # no-op ones make that a normal exit (0), as `shardserve serve` exits after its drain.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _server(upstream, sock, request_timeout_s, access_log).run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return 0
+
+
+class GatewayThread:
+    """A gateway on a thread of its own (its own event loop): how `shardserve serve --http-port` runs it."""
+
+    def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0,
+                 request_timeout_s: float | None = None, ready_timeout_s: float = 30.0) -> None:
+        sock = _bind(host, port)
+        self.address = f"{host}:{sock.getsockname()[1]}"
+        self._server = _server(upstream, sock, request_timeout_s, access_log=False)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name="shardserve-gateway", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + ready_timeout_s
+        while not self._server.started:  # uvicorn has no ready event; startup takes milliseconds
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the HTTP gateway on {self.address} did not start")
+            time.sleep(0.01)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stops accepting, lets open responses end (up to uvicorn's 5 s grace), closes the gRPC channel."""
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+
+
+def _param(loc) -> str | None:
+    """A validation error's location as OpenAI names a param ("messages.0.content"): without "body" and without
+    the type tags pydantic adds for each alternative of a union ("str", "list[int]", "TextPart")."""
+    parts = [str(p) for p in loc if p != "body"]
+    kept = [p for p in parts if not ("[" in p or p[:1].isupper() or p in ("str", "int", "float", "bool"))]
+    return ".".join(kept) or None

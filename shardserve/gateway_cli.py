@@ -1,0 +1,23 @@
+"""`shardserve gateway`: the OpenAI-compatible HTTP gateway (shardserve/gateway.py) in front of a running server.
+Kept apart from gateway.py so that building the command line needs no FastAPI."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_gateway_parser(sub) -> None:
+    gateway = sub.add_parser("gateway", help="an OpenAI-compatible HTTP API in front of a running `shardserve serve`")
+    gateway.add_argument("--upstream", default="127.0.0.1:50051", metavar="HOST:PORT", help="the gRPC server")
+    gateway.add_argument("--host", default="127.0.0.1", help="the HTTP bind address")
+    gateway.add_argument("--port", type=int, default=8000, help="the HTTP port (0 = any free port)")
+    gateway.add_argument("--request-timeout", type=float, default=None,
+                         help="deadline of each upstream request, seconds (past it: 504, the server frees it)")
+    gateway.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    gateway.set_defaults(func=cmd_gateway)
+
+
+def cmd_gateway(args: argparse.Namespace) -> int:
+    from shardserve.gateway import run_gateway
+
+    return run_gateway(args.upstream, args.host, args.port, args.request_timeout, args.access_log)

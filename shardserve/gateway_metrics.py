@@ -1,0 +1,37 @@
+"""The HTTP gateway's own Prometheus metrics (GET /metrics): requests by endpoint and status, latency, time to the
+first token, tokens, client disconnects. Each gateway has a registry of its own, so that several in one process
+(tests, `serve --http-port` next to a standalone one) do not collide; the server's engine metrics stay on the
+server's --metrics-port."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("shardserve_gateway_requests", "HTTP requests answered, by endpoint and status code",
+                                ["endpoint", "code"], registry=r)
+        self.in_flight = Gauge("shardserve_gateway_requests_in_flight", "generation requests being answered",
+                               registry=r)
+        self.latency = Histogram("shardserve_gateway_request_duration_seconds",
+                                 "generation requests: arrival to last byte", ["endpoint"], buckets=LATENCY_BUCKETS,
+                                 registry=r)
+        self.ttft = Histogram("shardserve_gateway_time_to_first_token_seconds",
+                              "streamed requests: arrival to the first generated text", ["endpoint"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("shardserve_gateway_prompt_tokens", "prompt tokens of answered requests",
+                                     registry=r)
+        self.completion_tokens = Counter("shardserve_gateway_completion_tokens",
+                                         "tokens generated for answered requests", registry=r)
+        self.disconnects = Counter("shardserve_gateway_client_disconnects",
+                                   "requests whose client left before the end (aborted upstream)", registry=r)
+        self.upstream_errors = Counter("shardserve_gateway_upstream_errors", "gRPC errors from the server, by code",
+                                       ["code"], registry=r)
+
+    def text(self) -> bytes:
+        return generate_latest(self.registry)

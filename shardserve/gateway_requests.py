@@ -1,0 +1,300 @@
+"""How the gateway answers a generation request (shardserve/gateway.py has the routes): the upstream gRPC client,
+the OpenAI request -> Generate streams (admission errors become HTTP errors before any stream begins), the streams
+-> one JSON body or server-sent events, and the gRPC status -> HTTP status mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+
+import grpc
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from shardserve.client import AsyncClient, build_request
+from shardserve.gateway_metrics import GatewayMetrics
+from shardserve.openai_format import DONE, Choice, error_body, response_body, sse, usage_chunk
+from shardserve.proto import generation_pb2 as pb
+
+# gRPC status -> (HTTP status, OpenAI error type, code)
+HTTP_OF = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error", None),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
+}
+MODEL_INFO_TTL_S = 30.0
+# The server's admission message for prompt + max_tokens beyond the context (cluster/scheduler.py check_fits):
+# read back to learn the prompt's length when a chat request leaves max_tokens to us.
+_PROMPT_LEN = re.compile(r"prompt \((\d+) tokens\) \+ max_tokens")
+_LEADING_FIELD = re.compile(r"(\w+) must be ")
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, type_: str, param: str | None = None, code=None) -> None:
+        super().__init__(message)
+        self.status, self.type, self.param, self.code = status, type_, param, code
+
+    @classmethod
+    def of_rpc(cls, error: grpc.RpcError) -> "GatewayError":
+        status, type_, code = HTTP_OF.get(error.code(), (500, "server_error", None))
+        message = error.details() or error.code().name
+        param = None
+        if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # "temperature must be ...": the field it names
+            param = (match := _LEADING_FIELD.match(message)) and match.group(1)
+        return cls(status, message, type_, param, code or error.code().name.lower())
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(str(self), self.type, self.param, self.code), status_code=self.status)
+
+    def event(self) -> bytes:
+        return sse(error_body(str(self), self.type, self.param, self.code))
+
+
+class Upstream(AsyncClient):
+    """The gRPC client with call metadata (the forwarded Authorization header) and the raw Generate call, whose
+    messages the gateway turns into JSON directly."""
+
+    def generate_call(self, prompt, sampling: dict, request_id: str, metadata, timeout: float | None):
+        msg = build_request(prompt, request_id, sampling)
+        return self._stub.Generate(msg, timeout=self._t(timeout), metadata=metadata)
+
+    async def model_facts(self, metadata) -> tuple[pb.ModelInfo, int]:
+        """ModelInfo and the longest sequence the server admits (max_model_len, or less when the KV cache is
+        smaller)."""
+        info = await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=metadata)
+        stats = await self._stub.GetServerStats(pb.ServerStatsRequest(), timeout=10, metadata=metadata)
+        limit = info.max_model_len
+        if stats.kv_blocks_total:
+            limit = min(limit, stats.kv_blocks_total * info.block_size + 1)  # the last token's KV is never stored
+        return info, limit
+
+
+class Gateway:
+    """The app's state: one upstream client, the cached model facts, the metrics."""
+
+    def __init__(self, upstream: str, request_timeout_s: float | None = None) -> None:
+        self.upstream_address = upstream
+        self.request_timeout_s = request_timeout_s
+        self.metrics = GatewayMetrics()
+        self.client: Upstream | None = None
+        self._facts: tuple[pb.ModelInfo, int] | None = None
+        self._facts_at = 0.0
+
+    async def facts(self, metadata) -> tuple[pb.ModelInfo, int]:
+        if self._facts is None or time.monotonic() - self._facts_at > MODEL_INFO_TTL_S:
+            try:
+                self._facts = await self.client.model_facts(metadata)
+            except grpc.RpcError as e:
+                raise GatewayError.of_rpc(e) from None
+            self._facts_at = time.monotonic()
+        return self._facts
+
+    # ---- one request ----------------------------------------------------------------------------------------
+    async def generate(self, request: Request, body, chat: bool) -> Response:
+        endpoint = "chat" if chat else "completions"
+        arrival = time.perf_counter()
+        self.metrics.in_flight.inc()
+        streaming = False
+        try:
+            if (unsupported := body.unsupported()) is not None:
+                raise GatewayError(400, str(unsupported), "invalid_request_error", unsupported.param)
+            metadata = metadata_of(request)
+            info, limit = await self.facts(metadata)
+            if body.model is not None and body.model != info.model:
+                raise GatewayError(404, f"The model '{body.model}' does not exist (this server serves "
+                                   f"'{info.model}')", "invalid_request_error", "model", "model_not_found")
+            prompts = [body.chat()] if chat else body.prompts()
+            rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            sampling = body.sampling()
+            choices = [Choice(chat, rid, info.model, i, top_logprobs=sampling.get("logprobs"),
+                              usage_field=body.include_usage, token_ids=body.return_token_ids)
+                       for i in range(len(prompts))]
+            fill_to = limit if chat and body.limit is None else None  # OpenAI's default: the room the context leaves
+            calls = []
+            try:
+                for i, prompt in enumerate(prompts):
+                    calls.append(await self._start(prompt, sampling, rid if len(prompts) == 1 else f"{rid}-{i}",
+                                                   metadata, choices[i], fill_to))
+            except BaseException:
+                for call in calls:
+                    call.cancel()
+                raise
+            if body.stream:
+                streaming = True
+                return _EventStream(self._events(calls, choices, body.include_usage, chat, rid, info.model,
+                                                 endpoint, arrival), rid, calls, self.metrics)
+            return await self._collect(request, calls, choices, chat, rid, info.model, endpoint, arrival)
+        except GatewayError as e:
+            self.metrics.requests.labels(endpoint, str(e.status)).inc()
+            return e.response()
+        finally:
+            if not streaming:
+                self.metrics.in_flight.dec()
+
+    async def _start(self, prompt, sampling: dict, rid: str, metadata, choice: Choice, fill_to: int | None):
+        """Opens the Generate stream and reads its Started message, so that admission errors become HTTP errors.
+        fill_to: max_tokens is the room the context leaves (learnt from the server's answer to a first try)."""
+        if fill_to is not None:
+            sampling = {**sampling, "max_tokens": max(1, fill_to - 1)}
+        call = self.client.generate_call(prompt, sampling, rid, metadata, self.request_timeout_s)
+        try:
+            first = await call.read()
+        except grpc.RpcError as e:
+            call.cancel()
+            match = _PROMPT_LEN.search(e.details() or "") if fill_to is not None else None
+            if match and e.code() == grpc.StatusCode.INVALID_ARGUMENT and int(match.group(1)) < fill_to:
+                return await self._start(prompt, {**sampling, "max_tokens": fill_to - int(match.group(1))}, rid,
+                                         metadata, choice, None)
+            self.metrics.upstream_errors.labels(e.code().name).inc()
+            raise GatewayError.of_rpc(e) from None
+        except BaseException:
+            call.cancel()
+            raise
+        if first is grpc.aio.EOF or first.WhichOneof("kind") != "started":
+            call.cancel()
+            raise GatewayError(502, "the server's stream did not start with Started", "server_error")
+        choice.started_msg(first.started)
+        return call
+
+    async def _collect(self, request: Request, calls, choices, chat, rid, model, endpoint, arrival) -> Response:
+        async def read(call, choice: Choice) -> str:
+            replica = ""
+            while (msg := await call.read()) is not grpc.aio.EOF:
+                kind = msg.WhichOneof("kind")
+                if kind == "delta":
+                    choice.add(msg.delta)
+                elif kind == "finished":
+                    choice.finished_msg(msg.finished)
+                    replica = msg.finished.replica
+            return replica
+
+        work = asyncio.ensure_future(asyncio.gather(*(read(c, ch) for c, ch in zip(calls, choices)),
+                                                    return_exceptions=True))
+        left = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, left}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():  # the client went away: abort upstream
+                self.metrics.disconnects.inc()
+                self.metrics.requests.labels(endpoint, "499").inc()
+                return Response(status_code=499)
+            replicas = work.result()
+            for outcome in replicas:
+                if isinstance(outcome, grpc.RpcError):
+                    self.metrics.upstream_errors.labels(outcome.code().name).inc()
+                    raise GatewayError.of_rpc(outcome) from None
+                if isinstance(outcome, BaseException):
+                    raise outcome
+        finally:
+            left.cancel()
+            work.cancel()
+            for call in calls:
+                call.cancel()
+        self._count(endpoint, "200", choices, arrival)
+        return JSONResponse(response_body(chat, rid, model, choices, replicas[0]), headers={"X-Request-Id": rid})
+
+    async def _events(self, calls, choices: list[Choice], include_usage, chat, rid, model, endpoint, arrival):
+        """The SSE body. Cancelled (the client left): the finally cancels the gRPC streams."""
+        code, first = "200", True
+        try:
+            for choice in choices:
+                if (chunk := choice.first_chunk()) is not None:
+                    yield chunk
+            async for chunk in (_one(calls[0], choices[0]) if len(calls) == 1 else _merged(calls, choices)):
+                if first:
+                    first = False
+                    self.metrics.ttft.labels(endpoint).observe(time.perf_counter() - arrival)
+                yield chunk
+            if include_usage:
+                yield usage_chunk(chat, rid, model, choices)
+            yield DONE
+        except grpc.RpcError as e:  # the status code is sent already: the error goes in the stream
+            self.metrics.upstream_errors.labels(e.code().name).inc()
+            error = GatewayError.of_rpc(e)
+            code = str(error.status)
+            yield error.event()
+            yield DONE
+        except BaseException:
+            code = "499"
+            self.metrics.disconnects.inc()
+            raise
+        finally:
+            for call in calls:
+                call.cancel()
+            if code == "200":
+                self._count(endpoint, code, choices, arrival)
+            else:
+                self.metrics.requests.labels(endpoint, code).inc()
+
+    def _count(self, endpoint: str, code: str, choices: list[Choice], arrival: float) -> None:
+        self.metrics.requests.labels(endpoint, code).inc()
+        self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrival)
+        self.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in choices))
+        self.metrics.completion_tokens.inc(sum(c.completion_tokens for c in choices))
+
+
+class _EventStream(StreamingResponse):
+    """The SSE response. Its end, however it comes (even a client gone before the body began, when the body's
+    generator never runs), cancels the gRPC streams: the server then frees the requests."""
+
+    def __init__(self, events, request_id: str, calls, metrics: GatewayMetrics) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"X-Request-Id": request_id})
+        self.calls, self.metrics = calls, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for call in self.calls:
+                call.cancel()
+            self.metrics.in_flight.dec()
+
+
+async def _one(call, choice: Choice):
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        kind = msg.WhichOneof("kind")
+        if kind == "delta":
+            if (chunk := choice.delta_chunk(msg.delta)) is not None:
+                yield chunk
+        elif kind == "finished":
+            choice.finished_msg(msg.finished)
+            yield choice.last_chunk()
+
+
+async def _merged(calls, choices):
+    """Several prompts' streams, interleaved as their chunks arrive."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(call, choice):
+        try:
+            async for chunk in _one(call, choice):
+                queue.put_nowait(chunk)
+            queue.put_nowait(None)
+        except BaseException as e:
+            queue.put_nowait(e)
+
+    tasks = [asyncio.ensure_future(pump(c, ch)) for c, ch in zip(calls, choices)]
+    try:
+        for _ in tasks:
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def metadata_of(request: Request):
+    auth = request.headers.get("authorization")
+    return (("authorization", auth),) if auth else None

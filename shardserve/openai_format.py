@@ -1,0 +1,141 @@
+"""gRPC Generate messages -> OpenAI response bodies and server-sent events (the gateway's output side).
+
+A stream's chunks differ only in a few fields, so each choice encodes its constant JSON prefix once and a chunk
+costs one json.dumps of the new text (plus logprobs when asked for): no per-token dicts or pydantic models.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+from shardserve.proto import generation_pb2 as pb
+
+FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
+DONE = b"data: [DONE]\n\n"
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def sse(payload: dict) -> bytes:
+    return b"data: " + _dumps(payload).encode() + b"\n\n"
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Choice:
+    """One choice of a completion or chat completion: accumulates it (non-streaming) or encodes its chunks."""
+
+    def __init__(self, chat: bool, request_id: str, model: str, index: int, created: int | None = None,
+                 top_logprobs: int | None = None, usage_field: bool = False, token_ids: bool = False) -> None:
+        self.chat = chat
+        self.index = index
+        self.logprobs = top_logprobs is not None
+        self.with_ids = token_ids  # vLLM's return_token_ids: how a model without a tokenizer shows its output
+        self.ids: list[int] = []  # non-streaming, with_ids only
+        self.text: list[str] = []
+        self.lp_entries: list = []  # pb.TokenLogprob, non-streaming only
+        self.offset = 0  # completions' text_offset of the next token
+        self.finish_reason: str | None = None
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.started = False
+        created = int(time.time()) if created is None else created
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        head = {"id": request_id, "object": kind, "created": created, "model": model}
+        self._prefix = (b"data: " + _dumps(head)[:-1].encode() + b',"choices":[{"index":' + str(index).encode())
+        self._suffix = b"}]" + (b',"usage":null' if usage_field else b"") + b"}\n\n"
+
+    # ---- from the gRPC stream -----------------------------------------------------------------------------
+    def started_msg(self, msg: pb.GenerateResponse.Started) -> None:
+        self.prompt_tokens = msg.prompt_token_count
+
+    def finished_msg(self, msg: pb.GenerateResponse.Finished) -> None:
+        self.finish_reason = FINISH.get(msg.finish_reason, "stop")
+        self.prompt_tokens = msg.usage.prompt_tokens
+        self.completion_tokens = msg.usage.completion_tokens
+
+    def add(self, delta: pb.GenerateResponse.Delta) -> None:
+        """Non-streaming: keeps the delta for body()."""
+        self.text.append(delta.text)
+        if self.with_ids:
+            self.ids.extend(delta.token_ids)
+        if self.logprobs:
+            self.lp_entries.extend(delta.logprobs)
+
+    # ---- streaming ----------------------------------------------------------------------------------------
+    def first_chunk(self) -> bytes | None:
+        """Chat streams open with the assistant's role (as OpenAI's do)."""
+        if not self.chat:
+            return None
+        return self._chunk(b',"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null')
+
+    def delta_chunk(self, delta: pb.GenerateResponse.Delta) -> bytes | None:
+        """The SSE event of one delta; None when it carries nothing to show (an incomplete character)."""
+        if not delta.text and not (self.logprobs and delta.logprobs) and not (self.with_ids and delta.token_ids):
+            return None
+        text = _dumps(delta.text).encode()
+        lps = _dumps(self._logprobs(delta.logprobs)).encode() if self.logprobs else b"null"
+        ids = b',"token_ids":' + _dumps(list(delta.token_ids)).encode() if self.with_ids else b""
+        if self.chat:
+            return self._chunk(b',"delta":{"content":' + text + b'},"logprobs":' + lps + ids + b',"finish_reason":null')
+        return self._chunk(b',"text":' + text + b',"logprobs":' + lps + ids + b',"finish_reason":null')
+
+    def last_chunk(self) -> bytes:
+        reason = _dumps(self.finish_reason).encode()
+        body = b',"delta":{}' if self.chat else b',"text":""'
+        return self._chunk(body + b',"logprobs":null,"finish_reason":' + reason)
+
+    def _chunk(self, body: bytes) -> bytes:
+        return self._prefix + body + self._suffix
+
+    # ---- non-streaming ------------------------------------------------------------------------------------
+    def body(self) -> dict:
+        text = "".join(self.text)
+        logprobs = self._logprobs(self.lp_entries) if self.logprobs else None
+        if self.chat:
+            body = {"index": self.index, "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": logprobs, "finish_reason": self.finish_reason}
+        else:
+            body = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        if self.with_ids:
+            body["token_ids"] = self.ids
+        return body
+
+    # ---- logprobs -----------------------------------------------------------------------------------------
+    def _logprobs(self, entries) -> dict:
+        if self.chat:
+            return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()),
+                                 "top_logprobs": [{"token": t.text, "logprob": t.logprob, "bytes": list(t.text.encode())}
+                                                  for t in e.top_logprobs]} for e in entries],
+                    "refusal": None}
+        offsets = []
+        for e in entries:
+            offsets.append(self.offset)
+            self.offset += len(e.text)
+        return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t.text: t.logprob for t in e.top_logprobs} for e in entries],
+                "text_offset": offsets}
+
+
+def response_body(chat: bool, request_id: str, model: str, choices: list[Choice], replica: str = "") -> dict:
+    body = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [c.body() for c in choices],
+            "usage": usage_dict(sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices))}
+    if replica:
+        body["system_fingerprint"] = replica
+    return body
+
+
+def usage_chunk(chat: bool, request_id: str, model: str, choices: list[Choice]) -> bytes:
+    """stream_options.include_usage: the last chunk before [DONE], with no choices."""
+    return sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": int(time.time()), "model": model, "choices": [],
+                "usage": usage_dict(sum(c.prompt_tokens for c in choices),
+                                    sum(c.completion_tokens for c in choices))})

@@ -1,0 +1,206 @@
+"""The OpenAI request bodies the HTTP gateway accepts (shardserve/gateway.py), as pydantic models.
+
+Three kinds of fields:
+- mapped onto the gRPC GenerateRequest (temperature, top_p, seed, stop, max_tokens, logprobs, ...), plus vLLM's
+  extensions the engine has (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) and its
+  `return_token_ids` (the output's token ids next to its text: a model without a tokenizer has no text);
+- OpenAI fields that change nothing here and are accepted and ignored (`user`, `metadata`, `store`, ...);
+- OpenAI fields that would change the answer in a way we cannot honour (`n` > 1, `best_of`, `logit_bias`, `tools`,
+  `echo`, ...): `unsupported()` names them, and the gateway answers 400 with that field as `param`.
+Any other field is refused by pydantic (extra="forbid"), as OpenAI refuses unrecognized arguments.
+Ranges are the server's to check (its INVALID_ARGUMENT reason comes back in the 400); only shapes are checked here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class UnsupportedField(ValueError):
+    """An OpenAI field whose value this server cannot honour; `param` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+    include_obfuscation: bool | None = None  # an OpenAI anti-side-channel padding field: ignored
+
+
+class _Request(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None  # absent: the served model
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extensions, which the engine has (the openai SDK sends them through extra_body)
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[int] | None = None
+    return_token_ids: bool = False  # each choice (and chunk) also carries its token ids: for token-id-only models
+    # accepted and ignored: they change nothing about the answer
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    def unsupported(self) -> UnsupportedField | None:
+        if self.n is not None and self.n != 1:
+            return UnsupportedField("n", f"n must be 1 (one choice per request), got {self.n}")
+        if self.logit_bias:
+            return UnsupportedField("logit_bias", "logit_bias is not supported")
+        return None
+
+    def sampling(self) -> dict[str, Any]:
+        """The gRPC sampling fields this request sets (unset ones take the server's defaults)."""
+        fields = dict(temperature=self.temperature, top_p=self.top_p, presence_penalty=self.presence_penalty,
+                      frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop, top_k=self.top_k,
+                      min_p=self.min_p, repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
+                      ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids)
+        return {k: v for k, v in fields.items() if v is not None}
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids; a list of several: one choice each
+    max_tokens: int | None = None  # absent: the server's default, 16 (OpenAI's too)
+    logprobs: int | None = None  # the sampled token's logprob plus the top N
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    def unsupported(self) -> UnsupportedField | None:
+        if self.echo:
+            return UnsupportedField("echo", "echo is not supported")
+        if self.best_of is not None and self.best_of != 1:
+            return UnsupportedField("best_of", f"best_of must be 1, got {self.best_of}")
+        if self.suffix:
+            return UnsupportedField("suffix", "suffix (insertion) is not supported")
+        if isinstance(self.prompt, list) and (not self.prompt or any(p in ("", []) for p in self.prompt)):
+            return UnsupportedField("prompt", "prompt must not be empty")
+        return super().unsupported()
+
+    def prompts(self) -> list[str | list[int]]:
+        """One entry per choice: text or token ids."""
+        p = self.prompt
+        if isinstance(p, str) or (p and isinstance(p[0], int)):
+            return [p]
+        return list(p)
+
+    def sampling(self) -> dict[str, Any]:
+        fields = super().sampling()
+        if self.max_tokens is not None:
+            fields["max_tokens"] = self.max_tokens
+        if self.logprobs is not None:
+            fields["logprobs"] = self.logprobs
+        return fields
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class OtherPart(BaseModel):
+    """image_url, input_audio, file, ...: parsed so that the 400 can name what was sent."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart | OtherPart] | None = None
+    name: str | None = None  # ignored: the chat template has no place for it
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    refusal: str | None = None
+
+
+class ChatCompletionRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None  # absent (both): whatever room the context leaves
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None  # ignored: no tools
+    functions: list[dict] | None = None
+    function_call: str | dict | None = None
+    response_format: dict | None = None
+    reasoning_effort: str | None = None
+    modalities: list[str] | None = None
+    audio: dict | None = None
+    prediction: dict | None = None
+    web_search_options: dict | None = None
+
+    def unsupported(self) -> UnsupportedField | None:
+        for name in ("tools", "functions", "function_call", "audio", "prediction", "web_search_options",
+                     "reasoning_effort"):
+            if getattr(self, name):
+                return UnsupportedField(name, f"{name} is not supported by this server")
+        if self.tool_choice not in (None, "none"):
+            return UnsupportedField("tool_choice", "tool_choice is not supported (no tools)")
+        if self.response_format and self.response_format.get("type") != "text":
+            return UnsupportedField("response_format", "response_format other than {'type': 'text'} is not supported")
+        if self.modalities and self.modalities != ["text"]:
+            return UnsupportedField("modalities", "only the text modality is supported")
+        if self.top_logprobs is not None and not self.logprobs:
+            return UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
+        for i, m in enumerate(self.messages):
+            if m.role == "tool" or m.tool_calls or m.tool_call_id:
+                return UnsupportedField(f"messages.{i}.role", "tool messages are not supported (no tools)")
+            if isinstance(m.content, list):
+                for j, part in enumerate(m.content):
+                    if not isinstance(part, TextPart):
+                        return UnsupportedField(f"messages.{i}.content.{j}.type",
+                                                f"only text content is supported, got {part.type!r}")
+        return super().unsupported()
+
+    def chat(self) -> list[dict]:
+        """The messages as the gRPC API takes them ("developer" is OpenAI's newer name for "system")."""
+        out = []
+        for m in self.messages:
+            content = m.content or m.refusal or ""
+            if isinstance(content, list):
+                content = "".join(part.text for part in content)
+            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        return out
+
+    @property
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def sampling(self) -> dict[str, Any]:
+        fields = super().sampling()
+        if self.limit is not None:
+            fields["max_tokens"] = self.limit
+        if self.logprobs:
+            fields["logprobs"] = self.top_logprobs or 0
+        return fields
