@@ -2,7 +2,7 @@
 with every step timed on the controller side and the workers' own step time (StepResult.forward_ms) beside it.
 
 The difference between the two is the control plane: planning, encoding, transport, decoding and bookkeeping
-around the worker's step (design-lessons: "compare the step time seen by the controller with the forward time").
+around the worker's step.
 """
 
 from __future__ import annotations

@@ -99,7 +99,7 @@ def test_tp2_with_all_reduces_inside_the_graphs_equals_tp1_eager(model_dir, eage
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_greedy_on_the_gpu_in_fp32_equals_transformers(arch, tmp_path):
     """The whole GPU path (fused layer kernels, Triton attention in full fp32, decode graphs) against transformers'
-    fp32 greedy tokens (computed on the CPU), with the engine issue's near-tie rule (1e-3 in transformers' logits)."""
+    fp32 greedy tokens (computed on the CPU), with the project's near-tie rule (1e-3 in transformers' logits)."""
     from tests.hf_reference import assert_greedy_match, hf_greedy, make_tiny_model
 
     folder = make_tiny_model(tmp_path / arch, arch, num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=256,
