@@ -16,7 +16,7 @@ from shardserve.bench.workload import Workload
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import StepPlan, StepResult
 
-EXECUTORS = ("local", "cluster")  # local: in-process at TP=1, local processes at TP>1
+EXECUTORS = ("local", "cluster")  # local: in-process at TP=1, local worker processes over gRPC at TP>1
 
 
 @dataclass

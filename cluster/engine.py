@@ -23,12 +23,13 @@ from typing import Any
 from shardserve.cluster.admission import Prompt, RequestLimits, check_request, encode_prompt
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.detokenizer import IncrementalDetokenizer
+from shardserve.cluster.executor import Executor
 from shardserve.cluster.outputs import RequestDelta, RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
 from shardserve.cluster.request import Request
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import Executor, StepPlan, StepResult
+from shardserve.proto.plan import StepPlan, StepResult
 
 MAX_PLANS_IN_FLIGHT = 2  # async scheduling: step N+1 is planned and submitted while step N runs
 

@@ -23,7 +23,6 @@ Invariants the workers may check (a violation is a bug in the controller, not ba
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -90,21 +89,3 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per entry, None where not asked
     forward_ms: float = 0.0  # the worker's own time for this step (inputs, forward, sampling): device time on CUDA
     #   (CUDA events around the step's kernels), host time elsewhere
-
-
-class Executor(Protocol):
-    """Runs step plans on the model: in-process (worker/inprocess.py), local processes, or gRPC to Ray actors.
-
-    Plans run in the order they are submitted, on every rank (a block freed by the controller may be written by
-    an earlier plan still running and then by a later one: submission order makes the later write land last).
-    """
-
-    num_kv_blocks: int  # the cache size the workers allocated: the block manager's capacity
-
-    def execute(self, plan: StepPlan) -> StepResult: ...  # submit + collect
-
-    def submit(self, plan: StepPlan) -> None: ...  # queues a plan; returns without waiting for it
-
-    def collect(self) -> StepResult: ...  # the oldest submitted plan's result (waits for that one only)
-
-    def shutdown(self) -> None: ...

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from shardserve.cluster.engine import Engine
 from shardserve.config import model_facts
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import Executor
+from shardserve.cluster.executor import Executor
 
 
 def load_tokenizer(config: EngineConfig):
