@@ -103,8 +103,13 @@ ORDER=()
 # (GPUS: CUDA_VISIBLE_DEVICES for the step, "all" = unchanged)
 wanted() { [ -z "$ONLY" ] || [[ " $ONLY " == *" $1 "* ]]; }
 
+# On a one-GPU host the steps meant for GPU 0 || GPU 1 run one after the other on GPU 0 (two-GPU steps still try).
+NUM_GPUS=$( { command -v nvidia-smi > /dev/null && nvidia-smi -L 2> /dev/null | grep -c '^GPU'; } || echo 0)
+SERIAL=0; [ "$SMOKE" != 1 ] && [ "$NUM_GPUS" = 1 ] && SERIAL=1
+
 start_step() {
   local name=$1 limit=$2 min=$3 gpus=$4; shift 4
+  [ "$SERIAL" = 1 ] && [ "$gpus" != all ] && gpus=0
   ORDER+=("$name")
   if ! wanted "$name"; then RC[$name]=not-run; DT[$name]=0; return; fi
   local left=$(( BUDGET_S - $(elapsed) ))
@@ -117,6 +122,7 @@ start_step() {
     exec timeout -k 15 "$limit" "$@"
   ) > "$WORK/logs/$name.log" 2>&1 &
   PIDS[$name]=$!
+  [ "$SERIAL" = 1 ] && finish_step "$name"
 }
 
 finish_step() {
