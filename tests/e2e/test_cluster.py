@@ -200,31 +200,33 @@ def test_health_serving_model_info_reflection_and_metrics(cluster, default_model
     assert samples["shardserve_kv_blocks_used"] == 0
 
 
-def _tiny_engine_over(endpoint: str, **executor_options):
-    """ControllerConfig.build_engine for one worker server: the tiny model as its ServedModel says (no eos)."""
-    from shardserve.cluster.engine import Engine
-    from shardserve.cluster.executor import GrpcExecutor
-
-    def build(config):
-        return Engine(config, GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", **executor_options), vocab_size=384)
-
-    return build
-
-
-def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(tiny_llama_dir, e2e_config):
-    """A real worker server that dies under a live request (no Ray needed: the controller in a thread)."""
+def _controller_over_one_worker(engine_config, executor_options: dict, **controller_options):
+    """A real worker server and a controller in a thread driving it (no Ray): the tiny model as its ServedModel
+    says (no eos). Returns (worker server, ControllerThread)."""
     from shardserve.cluster.controller import ControllerConfig, ServedModel
+    from shardserve.cluster.engine import Engine
     from shardserve.cluster.executor import GrpcExecutor
     from shardserve.worker.worker_service import serve_worker
     from tests.e2e._controller_thread import ControllerThread
 
     worker, endpoint = serve_worker("127.0.0.1", 0)
+
+    def build(config):
+        return Engine(config, GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", **executor_options), vocab_size=384)
+
     served = ControllerThread(ControllerConfig(
-        engine=e2e_config(tiny_llama_dir),
+        engine=engine_config,
         model=ServedModel("tiny", "LlamaForCausalLM", vocab_size=384, eos_token_ids=[]),
-        build_engine=_tiny_engine_over(endpoint, step_timeout_s=60),
+        build_engine=build,
         port=0,
+        **controller_options,
     ))
+    return worker, served
+
+
+def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(tiny_llama_dir, e2e_config):
+    """A real worker server that dies under a live request (no Ray needed: the controller in a thread)."""
+    worker, served = _controller_over_one_worker(e2e_config(tiny_llama_dir), {"step_timeout_s": 60})
     try:
         assert served.call(served.controller.wait_ready(120))
         with Client(served.address, timeout=60) as client:
@@ -244,19 +246,9 @@ def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(ti
 
 
 def test_an_idle_server_notices_a_dead_worker_and_stops_serving(tiny_llama_dir, e2e_config):
-    from shardserve.cluster.controller import ControllerConfig, ServedModel
-    from shardserve.cluster.executor import GrpcExecutor
-    from shardserve.worker.worker_service import serve_worker
-    from tests.e2e._controller_thread import ControllerThread
-
-    worker, endpoint = serve_worker("127.0.0.1", 0)
-    served = ControllerThread(ControllerConfig(
-        engine=e2e_config(tiny_llama_dir),
-        model=ServedModel("tiny", "LlamaForCausalLM", vocab_size=384, eos_token_ids=[]),
-        build_engine=_tiny_engine_over(endpoint, rpc_timeout_s=2),
-        port=0,
-        health_check_interval_s=0.2,
-    ))
+    worker, served = _controller_over_one_worker(
+        e2e_config(tiny_llama_dir), {"rpc_timeout_s": 2}, health_check_interval_s=0.2
+    )
     try:
         assert served.call(served.controller.wait_ready(120))
         with Client(served.address, timeout=30) as client:
