@@ -61,11 +61,10 @@ def test_serve_command_parser_finds_a_non_node_worker_host():
 def _serve_flags() -> set[str]:
     import argparse
 
-    from shardserve.cli import add_engine_args, add_sampling_args
     from shardserve.cluster_cli import add_cluster_parsers
 
     sub = argparse.ArgumentParser().add_subparsers()
-    add_cluster_parsers(sub, add_engine_args, add_sampling_args)
+    add_cluster_parsers(sub)
     serve = sub.choices["serve"]
     return {option for action in serve._actions for option in action.option_strings}
 
