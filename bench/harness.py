@@ -16,7 +16,7 @@ from shardserve.bench.workload import Workload
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import StepPlan, StepResult
 
-EXECUTORS = ("local", "cluster")  # local: in-process at TP=1, local processes at TP>1
+EXECUTORS = ("local", "cluster")  # local: in-process at TP=1, local worker processes over gRPC at TP>1
 
 
 @dataclass
@@ -127,7 +127,7 @@ def open_engine(config: EngineConfig, executor: str = "local") -> BenchEngine:
 
         inner = create_executor(config)
     else:
-        from shardserve.cluster.grpc_executor import GrpcExecutor
+        from shardserve.cluster.executor import GrpcExecutor
         from shardserve.launcher import ensure_ray, launch_worker_group
 
         ensure_ray("local")

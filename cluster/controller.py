@@ -21,12 +21,12 @@ from typing import Any
 
 from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import EngineLoop, StepReport
+from shardserve.cluster.executor import Executor
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.outputs import RequestDelta
 from shardserve.cluster.prompt import Prompt, admit
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import Executor
 
 log = logging.getLogger(__name__)
 

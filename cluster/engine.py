@@ -21,12 +21,13 @@ from typing import Any
 
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.detokenizer import IncrementalDetokenizer
+from shardserve.cluster.executor import Executor
 from shardserve.cluster.outputs import RequestDelta, RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
 from shardserve.cluster.sequence import Sequence
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import Executor, StepPlan, StepResult
+from shardserve.proto.plan import StepPlan, StepResult
 
 MAX_PLANS_IN_FLIGHT = 2  # async scheduling: step N+1 is planned and submitted while step N runs
 

@@ -25,6 +25,7 @@ from shardserve.cluster.controller import (
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
+from shardserve.proto.transport import host_port
 
 log = logging.getLogger(__name__)
 
@@ -185,10 +186,6 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return msg
 
 
-def _target(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 async def start_server(controller: Controller, host: str, port: int):
     """Starts the grpc.aio server on host:port (0 = a free port). Returns (server, bound port, health servicer);
     health starts NOT_SERVING."""
@@ -200,11 +197,11 @@ async def start_server(controller: Controller, host: str, port: int):
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     try:
-        bound = server.add_insecure_port(_target(host, port))
+        bound = server.add_insecure_port(host_port(host, port))
     except RuntimeError as e:
-        raise RuntimeError(f"cannot bind the gRPC server to {_target(host, port)}: {e}") from e
+        raise RuntimeError(f"cannot bind the gRPC server to {host_port(host, port)}: {e}") from e
     if bound == 0:
-        raise RuntimeError(f"cannot bind the gRPC server to {_target(host, port)}")
+        raise RuntimeError(f"cannot bind the gRPC server to {host_port(host, port)}")
     await server.start()
     await set_health(health_servicer, False)
     return server, bound, health_servicer

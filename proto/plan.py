@@ -1,8 +1,8 @@
 """The step plan and the step result: the only things the controller (cluster/) and the workers (worker/) exchange.
 
 Both sides import this file and nothing of each other. In one process these dataclasses travel as they are
-(worker/inprocess.py); across processes the cluster issue maps them one-to-one onto protobuf messages in
-worker.proto. Plans carry deltas only:
+(worker/inprocess.py); across processes they map one-to-one onto protobuf messages in worker.proto
+(proto/convert.py). Plans carry deltas only:
 
 - A request the workers have not seen yet (or one coming back after preemption) arrives once in `new_requests`,
   with every token known so far, its block table and its sampling settings. The workers keep that state.
@@ -23,7 +23,6 @@ Invariants the workers may check (a violation is a bug in the controller, not ba
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 
 @dataclass(slots=True)
@@ -85,21 +84,3 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per entry, None where not asked
     forward_ms: float = 0.0  # the worker's own time for this step (inputs, forward, sampling): device time on CUDA
     #   (CUDA events around the step's kernels), host time elsewhere
-
-
-class Executor(Protocol):
-    """Runs step plans on the model: in-process (worker/inprocess.py), local processes, or gRPC to Ray actors.
-
-    Plans run in the order they are submitted, on every rank (a block freed by the controller may be written by
-    an earlier plan still running and then by a later one: submission order makes the later write land last).
-    """
-
-    num_kv_blocks: int  # the cache size the workers allocated: the block manager's capacity
-
-    def execute(self, plan: StepPlan) -> StepResult: ...  # submit + collect
-
-    def submit(self, plan: StepPlan) -> None: ...  # queues a plan; returns without waiting for it
-
-    def collect(self) -> StepResult: ...  # the oldest submitted plan's result (waits for that one only)
-
-    def shutdown(self) -> None: ...

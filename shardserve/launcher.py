@@ -1,7 +1,7 @@
 """Ray placement of a tensor-parallel worker group: one placement group per TP group, one WorkerActor per rank.
 
 Ray decides where the ranks run and hands back their gRPC endpoints; from then on the controller talks to the
-workers over gRPC only (cluster/grpc_executor.py). STRICT_PACK (the default) keeps a TP group on one node, where
+workers over gRPC only (cluster/executor.py). STRICT_PACK (the default) keeps a TP group on one node, where
 its all-reduces run over NVLink/shared memory instead of the network.
 
     ensure_ray("local")                       # or "auto" to join `ray start --head ...`
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardserve.proto.config import EngineConfig
-from shardserve.worker.actor import MULTICAST_OFF_ENV, WorkerActor
+from shardserve.worker.actor import WorkerActor
 
 # A CPU rank's bundle is half a logical CPU, so that TP=3 places even on a 2-core Ray started with defaults.
 CPU_RANK_BUNDLE = {"CPU": 0.5}
@@ -95,6 +95,8 @@ def launch_worker_group(
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from shardserve.worker.distributed import MULTICAST_OFF_ENV, cpu_threads_per_rank  # imports torch: lazily
+
     tp = config.tensor_parallel_size
     prefix = name_prefix or f"shardserve-{uuid.uuid4().hex[:8]}"
     bundle = GPU_RANK_BUNDLE if config.device == "cuda" else CPU_RANK_BUNDLE
@@ -109,8 +111,7 @@ def launch_worker_group(
             "STRICT_PACK needs one node with all of them"
         ) from None
 
-    # On CPU the ranks on a node share its cores: one process each would oversubscribe them.
-    num_threads = None if config.device == "cuda" else max(1, (os.cpu_count() or 1) // tp)
+    num_threads = cpu_threads_per_rank(config.device, tp)  # STRICT_PACK: the group's ranks share one node
     remote_cls = ray.remote(WorkerActor)
     actors = []
     try:

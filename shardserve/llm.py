@@ -1,7 +1,7 @@
 """LLM: offline generation in one process (TP=1) or with local worker processes (TP > 1).
 
-It wires the controller-side Engine (cluster/) to an Executor (worker/): the two talk only through StepPlan and
-StepResult (proto/plan.py), so the same Engine drives in-process, multi-process and gRPC workers.
+It wires the controller-side Engine (cluster/) to an Executor: the two talk only through StepPlan and StepResult
+(proto/plan.py), so the same Engine drives the in-process worker and gRPC workers (local processes or Ray actors).
 """
 
 from __future__ import annotations
@@ -20,14 +20,21 @@ Prompt = str | list[int]
 
 
 def create_executor(config: EngineConfig):
-    """TP=1 runs the model in this process; TP > 1 in local processes joined by torch.distributed."""
+    """TP=1 runs the model in this process. TP > 1 runs one local process per rank, each serving the Worker gRPC
+    service on loopback (joined by torch.distributed), driven by a GrpcExecutor that stops them with itself."""
     if config.tensor_parallel_size == 1:
         from shardserve.worker.inprocess import InProcessExecutor
 
         return InProcessExecutor(config)
-    from shardserve.worker.multiproc import MultiprocExecutor
+    from shardserve.cluster.executor import GrpcExecutor
+    from shardserve.worker.local_workers import start_local_workers
 
-    return MultiprocExecutor(config)
+    workers = start_local_workers(config)
+    try:
+        return GrpcExecutor(config, workers.endpoints, workers.init_method, stop_workers=workers.stop)
+    except BaseException:
+        workers.stop(timeout_s=0.0)
+        raise
 
 
 class LLM:

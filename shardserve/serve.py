@@ -30,7 +30,7 @@ class GrpcExecutorFactory:
     init_method: str
 
     def __call__(self, config: EngineConfig):
-        from shardserve.cluster.grpc_executor import GrpcExecutor
+        from shardserve.cluster.executor import GrpcExecutor
 
         return GrpcExecutor(config, self.endpoints, self.init_method)
 

@@ -1,33 +1,26 @@
 """WorkerActor: the Ray actor that hosts one rank's Worker gRPC server in its own process.
 
 A plain class: shardserve/launcher.py applies ray.remote (with the placement-group bundle and the environment),
-so importing this file needs no Ray. Ray only places the process and tells the controller the endpoint; every
-step then travels over gRPC (worker/server.py), never through Ray's object store.
+so importing this file needs no Ray (nor torch). Ray only places the process and tells the controller the
+endpoint; every step then travels over gRPC (worker/worker_service.py), never through Ray's object store.
 """
 
 from __future__ import annotations
 
 import os
-import socket
 
-# Multicast over NVLink must stay off on the multi-GPU hosts (environment notes). The launcher also passes
-# these in the actor's runtime_env; setting them here covers an actor started some other way.
-MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+from shardserve.proto.transport import free_port, host_port
 
 
 class WorkerActor:
     def __init__(self, worker_host: str = "127.0.0.1", num_threads: int | None = None) -> None:
         """Starts the Worker server bound to worker_host on an ephemeral port: 127.0.0.1 on one machine; "node"
-        binds each worker to its own node's address (what a multi-node cluster wants), "0.0.0.0" to every interface. num_threads: torch's intra-op threads (on CPU, the host's cores / TP ranks on it, so the
-        ranks do not oversubscribe the cores)."""
-        for key, value in MULTICAST_OFF_ENV.items():
-            os.environ.setdefault(key, value)
-        if num_threads is not None:
-            import torch
+        binds each worker to its own node's address (what a multi-node cluster wants), "0.0.0.0" to every
+        interface. num_threads: torch's intra-op threads (on CPU, the host's cores / TP ranks on it)."""
+        from shardserve.worker.distributed import prepare_worker_process
+        from shardserve.worker.worker_service import serve_worker
 
-            torch.set_num_threads(max(1, num_threads))
-        from shardserve.worker.server import serve_worker
-
+        prepare_worker_process(num_threads)  # the launcher's runtime_env sets the same; this covers other starts
         if worker_host == "node":
             worker_host = self.node_ip()
         self.worker_host = worker_host
@@ -36,7 +29,7 @@ class WorkerActor:
     def endpoint(self) -> str:
         """The Worker server's "host:port" (the node's address when bound to every interface)."""
         if self.worker_host in ("0.0.0.0", "::", ""):
-            return f"{self.node_ip()}:{self._address.rsplit(':', 1)[1]}"
+            return host_port(self.node_ip(), int(self._address.rsplit(":", 1)[1]))
         return self._address
 
     def node_ip(self) -> str:
@@ -56,9 +49,7 @@ class WorkerActor:
 
     def free_port(self) -> int:
         """A port free on this node right now (rank 0's node hosts the torch.distributed rendezvous)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((self.worker_host, 0))
-            return s.getsockname()[1]
+        return free_port(self.worker_host)
 
     def pid(self) -> int:
         return os.getpid()

@@ -28,6 +28,25 @@ class _TPGroup:
 
 _group = _TPGroup()
 
+# Multicast over NVLink must stay off on the multi-GPU hosts (environment notes). Every rank's process sets these
+# before it joins its group (prepare_worker_process); the launcher also passes them in the Ray actors' runtime_env.
+MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def cpu_threads_per_rank(device: str, ranks_on_host: int) -> int | None:
+    """torch's intra-op threads for each CPU rank: the ranks on a host share its cores (one process each with all
+    of them would oversubscribe them). None on CUDA: torch's default."""
+    return None if device == "cuda" else max(1, (os.cpu_count() or 1) // ranks_on_host)
+
+
+def prepare_worker_process(num_threads: int | None = None) -> None:
+    """What a rank's process sets before it serves: multicast off, and torch's intra-op threads where given
+    (cpu_threads_per_rank)."""
+    for key, value in MULTICAST_OFF_ENV.items():
+        os.environ.setdefault(key, value)
+    if num_threads is not None:
+        torch.set_num_threads(max(1, num_threads))
+
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> None:
     """Joins the TP group. backend: "gloo" (CPU), "nccl" (CUDA) or "auto" (nccl when CUDA is available)."""

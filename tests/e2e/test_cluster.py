@@ -203,8 +203,8 @@ def test_health_serving_model_info_reflection_and_metrics(cluster, default_model
 def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(tiny_llama_dir, e2e_config):
     """A real worker server that dies under a live request (no Ray needed: the controller in a thread)."""
     from shardserve.cluster.controller import ControllerConfig, ServedModel
-    from shardserve.cluster.grpc_executor import GrpcExecutor
-    from shardserve.worker.server import serve_worker
+    from shardserve.cluster.executor import GrpcExecutor
+    from shardserve.worker.worker_service import serve_worker
     from tests.e2e._controller_thread import ControllerThread
 
     worker, endpoint = serve_worker("127.0.0.1", 0)
@@ -235,8 +235,8 @@ def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(ti
 
 def test_an_idle_server_notices_a_dead_worker_and_stops_serving(tiny_llama_dir, e2e_config):
     from shardserve.cluster.controller import ControllerConfig, ServedModel
-    from shardserve.cluster.grpc_executor import GrpcExecutor
-    from shardserve.worker.server import serve_worker
+    from shardserve.cluster.executor import GrpcExecutor
+    from shardserve.worker.worker_service import serve_worker
     from tests.e2e._controller_thread import ControllerThread
 
     worker, endpoint = serve_worker("127.0.0.1", 0)

@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from shardserve.cluster.engine import Engine
-from shardserve.cluster.grpc_executor import GrpcExecutor, WorkerError
+from shardserve.cluster.executor import GrpcExecutor, WorkerError
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.launcher import launch_worker_group
 from shardserve.proto import worker_pb2 as pb
@@ -17,7 +17,7 @@ from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.convert import step_plan_to_proto
 from shardserve.proto.plan import StepPlan
 from shardserve.worker.inprocess import InProcessExecutor
-from shardserve.worker.server import serve_worker
+from shardserve.worker.worker_service import serve_worker
 from tests.hf_reference import assert_greedy_match, hf_greedy
 
 VOCAB = 384  # make_tiny_model's default

@@ -1,6 +1,6 @@
-"""Async scheduling on the real model: the engine overlapping steps on InProcessExecutor (and MultiprocExecutor at
-TP=2) gives exactly the outputs of one step at a time, and the runner feeds sampled tokens to the next step on
-the device without reading them back first.
+"""Async scheduling on the real model: the engine overlapping steps on InProcessExecutor (and local worker
+processes over gRPC at TP=2) gives exactly the outputs of one step at a time, and the runner feeds sampled tokens
+to the next step on the device without reading them back first.
 
 CPU runs the same code path as CUDA (placeholders in the token lists, inputs gathered from the previous step's
 token tensor, read-back at finish); only the waiting is not real here.
@@ -12,10 +12,10 @@ import pytest
 
 from shardserve.cluster.engine import Engine
 from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.llm import create_executor
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan
 from shardserve.worker.inprocess import InProcessExecutor
-from shardserve.worker.multiproc import MultiprocExecutor
 from shardserve.worker.step_in_flight import PENDING
 from tests.cluster._tiny_tokenizer import byte_level_bpe
 from tests.engine_driver import drive
@@ -121,16 +121,16 @@ def test_next_step_reads_the_sampled_token_on_the_device_before_it_is_read_back(
     expected = [sequential.execute(p) for p in plans]
 
     runner = overlapped.runner
-    first = runner.launch_step(plans[0])
+    overlapped.submit(plans[0])  # runner.launch_step: nothing is read back
     g, p = runner.requests["g"], runner.requests["p"]
     assert g.token_ids[-1] == PENDING and p.token_ids[-1] == PENDING  # the sampled values stay on the device
-    second = runner.launch_step(plans[1])  # its input for "g" comes from first's token tensor, on the device
+    overlapped.submit(plans[1])  # its input for "g" comes from the first step's token tensor, on the device
     assert g.token_ids[-2:] == [PENDING, PENDING]
     # "p" has a repetition penalty, which reads token values: launching it reads the first step back early.
-    third = runner.launch_step(plans[2])
+    overlapped.submit(plans[2])
     assert PENDING not in g.token_ids[:-2] + p.token_ids[:-1]
     assert g.token_ids[-2:] == [PENDING, PENDING]  # the second step's token is still unread
-    got = [runner.finish_step(first), runner.finish_step(second), runner.finish_step(third)]
+    got = [overlapped.collect(), overlapped.collect(), overlapped.collect()]  # runner.finish_step, oldest first
     for plan in plans[3:]:
         overlapped.submit(plan)
     got += [overlapped.collect(), overlapped.collect()]
@@ -144,14 +144,14 @@ def test_overlapped_tp2_engine_equals_one_step_at_a_time_tp1(model_dir):
     cfg1 = config(model_dir, False, num_kv_blocks=8)
     reference, _ = run_engine(cfg1, InProcessExecutor(cfg1))
     cfg2 = config(model_dir, True, num_kv_blocks=8, tensor_parallel_size=2)
-    outputs, engine = run_engine(cfg2, MultiprocExecutor(cfg2))
+    outputs, engine = run_engine(cfg2, create_executor(cfg2))
     assert engine.async_scheduling
     assert_same_outputs(outputs, reference)
 
 
 def test_overlapped_engine_over_grpc_equals_one_step_at_a_time(model_dir):
-    from shardserve.cluster.grpc_executor import GrpcExecutor
-    from shardserve.worker.server import serve_worker
+    from shardserve.cluster.executor import GrpcExecutor
+    from shardserve.worker.worker_service import serve_worker
 
     cfg1 = config(model_dir, False)
     reference, _ = run_engine(cfg1, InProcessExecutor(cfg1))

@@ -1,8 +1,12 @@
-"""GrpcExecutor: the controller's Executor over gRPC, one long-lived bidirectional Step stream per TP rank.
+"""The Executor interface the Engine drives, its one error type, and GrpcExecutor: the controller's Executor
+over gRPC, one long-lived bidirectional Step stream per TP rank.
+
+GrpcExecutor drives every worker that is not in the caller's process: Ray actors (shardserve/launcher.py) and
+local TP processes (worker/local_workers.py) run the same Worker service (worker/worker_service.py).
 
 Startup (the order worker.proto gives): Init on every rank at once (they rendezvous together, so one at a time
 would deadlock), LoadWeights, ProfileMemory -> num_kv_blocks = the minimum (block ids must be valid on every
-rank), AllocateKVCache(minimum), then one Step stream per rank.
+rank), AllocateKVCache(minimum), then one Step stream per rank. The first rank to fail a call fails the start.
 
 Per step: the plan is encoded once and written to every rank's stream; every rank answers with its step id (rank 0
 with the sampled tokens). submit() and collect() are separate, so the controller may plan step N+1 while step N
@@ -20,7 +24,9 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 
@@ -29,13 +35,28 @@ from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.convert import engine_config_to_proto, step_plan_to_proto, step_result_from_proto
 from shardserve.proto.plan import StepPlan, StepResult
+from shardserve.proto.transport import MESSAGE_OPTIONS
 
-_CHANNEL_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 _CLOSE = object()  # ends a request stream
 
 
+class Executor(Protocol):
+    """Runs step plans on the model: in-process (worker/inprocess.py) or over gRPC (GrpcExecutor) to local
+    processes or Ray actors. Plans run in submission order on every rank (worker/step_loop.py says why)."""
+
+    num_kv_blocks: int  # the cache size the workers allocated: the block manager's capacity
+
+    def execute(self, plan: StepPlan) -> StepResult: ...  # submit + collect
+
+    def submit(self, plan: StepPlan) -> None: ...  # queues a plan; returns without waiting for it
+
+    def collect(self) -> StepResult: ...  # the oldest submitted plan's result (waits for that one only)
+
+    def shutdown(self) -> None: ...
+
+
 class WorkerError(RuntimeError):
-    """A rank refused or failed a call, died, or did not answer in time."""
+    """A rank refused or failed a call, died, or did not answer in time; the executor is unusable afterwards."""
 
 
 @dataclass(frozen=True)
@@ -83,19 +104,24 @@ class GrpcExecutor:
         step_timeout_s: float = 300.0,
         startup_timeout_s: float = 600.0,
         rpc_timeout_s: float = 10.0,
+        stop_workers: Callable[[float], None] | None = None,
     ) -> None:
+        """stop_workers(timeout_s): stops workers this executor owns (local processes); called by shutdown, and
+        as soon as a step fails (a healthy rank may be stuck in a collective with the failed one). A Ray group is
+        stopped by its owner instead, and stays up after a failure for health checks to report it."""
         if len(endpoints) != config.tensor_parallel_size:
             raise ValueError(f"{len(endpoints)} endpoints for tensor_parallel_size {config.tensor_parallel_size}")
         self.config = config
         self.endpoints = list(endpoints)
         self.step_timeout_s = step_timeout_s
         self.rpc_timeout_s = rpc_timeout_s
+        self._stop_workers = stop_workers
         self._broken: str | None = None
         self._in_flight: deque[int] = deque()  # step ids submitted and not yet collected, oldest first
         self._early: list[deque] = [deque() for _ in endpoints]  # replies to later steps that arrived first
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: list[_StepStream] = []
-        self._channels = [grpc.insecure_channel(ep, options=_CHANNEL_OPTIONS) for ep in self.endpoints]
+        self._channels = [grpc.insecure_channel(ep, options=MESSAGE_OPTIONS) for ep in self.endpoints]
         self._stubs = [pb_grpc.WorkerStub(ch) for ch in self._channels]
         self.last_forward_ms = 0.0  # the slowest rank's forward_ms in the last collected step
         try:
@@ -120,17 +146,21 @@ class GrpcExecutor:
         self._streams = [_StepStream(rank, stub, self._replies) for rank, stub in enumerate(self._stubs)]
 
     def _call_all(self, method: str, request_for_rank, timeout_s: float) -> list:
-        """The same unary call on every rank at once (gRPC futures: no threads); raises on the first failure."""
+        """The same unary call on every rank at once (gRPC futures: no threads); raises on the first failure to
+        come back, not on rank order (a rank waiting in a rendezvous for a dead peer would hold it up)."""
         calls = [getattr(stub, method).future(request_for_rank(rank), timeout=timeout_s) for rank, stub in enumerate(self._stubs)]
-        replies = []
+        done: queue.SimpleQueue = queue.SimpleQueue()
         for rank, call in enumerate(calls):
+            call.add_done_callback(lambda _, rank=rank: done.put(rank))
+        for _ in calls:
+            rank = done.get()
             try:
-                replies.append(call.result())
+                calls[rank].result()
             except grpc.RpcError as exc:
                 for other in calls:
                     other.cancel()
                 raise WorkerError(f"{method} on rank {rank} ({self.endpoints[rank]}) failed: {exc.code()}: {exc.details()}") from None
-        return replies
+        return [call.result() for call in calls]
 
     # ---- steps ---------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> StepResult:
@@ -162,8 +192,8 @@ class GrpcExecutor:
                 self._fail(f"step {step_id}: ranks {missing} did not answer within {self.step_timeout_s:.0f} s")
             if isinstance(reply, Exception):
                 self._fail(f"step {step_id}: {reply}")
-            if reply.error:
-                self._fail(f"step {reply.step_id} on rank {rank}: {reply.error}")
+            if reply.error:  # the worker's error names its rank and the step (worker/step_loop.py)
+                self._fail(reply.error)
             self._early[rank].append(reply)
         self._in_flight.popleft()
         replies = [early.popleft() for early in self._early]
@@ -175,6 +205,8 @@ class GrpcExecutor:
 
     def _fail(self, message: str) -> None:
         self._broken = message
+        if self._stop_workers is not None:
+            self.shutdown(timeout_s=1.0)
         raise WorkerError(message)
 
     # ---- health and shutdown -------------------------------------------------------------------------------
@@ -192,7 +224,8 @@ class GrpcExecutor:
         return states
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Closes the streams, asks every rank to shut down (bounded), closes the channels. Idempotent."""
+        """Closes the streams, asks every rank to shut down (bounded), closes the channels, stops the workers it
+        owns. Idempotent."""
         if not self._channels:
             return
         for stream in self._streams:
@@ -208,3 +241,5 @@ class GrpcExecutor:
         self._channels, self._stubs, self._streams = [], [], []
         if self._broken is None:
             self._broken = "shut down"
+        if self._stop_workers is not None:
+            self._stop_workers(timeout_s)

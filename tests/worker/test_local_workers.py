@@ -1,12 +1,15 @@
-"""MultiprocExecutor: TP=2 as two spawned processes over gloo gives TP=1's tokens; rank failures surface as errors."""
+"""Local TP: two spawned worker processes over gloo, driven over gRPC, give TP=1's tokens; a rank that raises or
+dies surfaces as WorkerError (never a hang) and every rank is ended."""
 
 from __future__ import annotations
 
 import pytest
 
+from shardserve.cluster.executor import GrpcExecutor, WorkerError
+from shardserve.llm import create_executor
 from shardserve.proto.plan import SamplingSpec, StepPlan
 from shardserve.worker.inprocess import InProcessExecutor
-from shardserve.worker.multiproc import MultiprocExecutor, WorkerError
+from shardserve.worker.local_workers import start_local_workers
 from test_model_runner import PROMPTS, PlanDriver, assert_same_or_near_tie, engine_config, hf_greedy, save_tiny_llama
 
 NUM_NEW = 8
@@ -28,7 +31,7 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2(model_dir):
-    executor = MultiprocExecutor(engine_config(model_dir, tensor_parallel_size=2))
+    executor = create_executor(engine_config(model_dir, tensor_parallel_size=2))
     yield executor
     executor.shutdown()
 
@@ -46,11 +49,29 @@ def test_tp2_matches_tp1_greedy_and_seeded(model_dir, tp2):
     assert tp2.num_kv_blocks == 64
 
 
+def _local_tp2(model_dir):
+    """create_executor's wiring, with the processes' handle kept for the test."""
+    config = engine_config(model_dir, tensor_parallel_size=2)
+    workers = start_local_workers(config)
+    return GrpcExecutor(config, workers.endpoints, workers.init_method, stop_workers=workers.stop), workers
+
+
 def test_a_rank_error_in_a_step_surfaces_with_its_traceback(model_dir):
-    executor = MultiprocExecutor(engine_config(model_dir, tensor_parallel_size=2))
+    executor, workers = _local_tp2(model_dir)
     with pytest.raises(WorkerError, match=r"(?s)rank \d raised:.*KeyError.*no state"):
         executor.execute(StepPlan(1, req_ids=["ghost"], num_tokens=[1]))
     with pytest.raises(WorkerError, match="failed earlier"):
         executor.execute(StepPlan(2))
-    assert executor._procs == []  # every rank was ended
+    assert not any(proc.is_alive() for proc in workers.processes)  # every rank was ended
+
+
+def test_a_rank_that_dies_surfaces_as_worker_error_and_every_rank_is_ended(model_dir):
+    executor, workers = _local_tp2(model_dir)
+    assert executor.execute(StepPlan(1)).step_id == 1
+    workers.processes[1].kill()
+    workers.processes[1].join(timeout=30)
+    with pytest.raises(WorkerError, match=r"rank 1"):
+        executor.execute(StepPlan(2))
+    assert not any(proc.is_alive() for proc in workers.processes)
+    executor.shutdown()
 

@@ -1,0 +1,20 @@
+"""What every gRPC server and channel of shardserve's shares: message-size options and address formatting."""
+
+from __future__ import annotations
+
+import socket
+
+# Large plans (a batch of long prompts) and results (logprobs) exceed gRPC's 4 MiB default: no limit either way.
+MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+def host_port(host: str, port: int) -> str:
+    """"host:port" as gRPC targets and bind addresses spell it (an IPv6 host goes in brackets)."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on host right now (for a rendezvous that needs its port before it listens)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

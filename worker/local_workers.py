@@ -1,0 +1,119 @@
+"""Local tensor parallelism: one spawned process per rank on this machine, each serving the Worker gRPC service
+(worker/worker_service.py) on 127.0.0.1 with an ephemeral port, the same service a Ray actor hosts.
+
+start_local_workers() returns their endpoints and a torch.distributed rendezvous on loopback; the caller drives
+them with the controller's GrpcExecutor (shardserve/llm.py: create_executor wires the two). Each rank reports its
+address over a pipe; a rank that raises or dies before it serves is reported with its traceback or exit code,
+within a deadline. The pipe stays open afterwards: a rank whose parent is gone (the pipe closed) stops serving.
+On CUDA each rank picks its own device from its rank (ModelRunner); on CPU the ranks share the host's cores.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from shardserve.proto.config import EngineConfig
+from shardserve.proto.transport import free_port
+
+
+@dataclass
+class LocalWorkers:
+    endpoints: list[str]  # "127.0.0.1:port" of each rank's Worker server, rank order
+    init_method: str  # torch.distributed rendezvous on loopback
+    processes: list[Any]  # multiprocessing.Process, rank order
+    _pipes: list[Connection] = field(default_factory=list)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Closes the pipes (a rank stops serving when its pipe closes), waits up to timeout_s for the ranks to
+        exit, then terminates what is still alive (a rank stuck in a collective), then kills. Idempotent."""
+        for pipe in self._pipes:
+            pipe.close()
+        self._pipes = []
+        deadline = time.monotonic() + timeout_s
+        for proc in self.processes:
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        for proc in self.processes:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=2.0)
+
+
+def start_local_workers(config: EngineConfig, startup_timeout_s: float = 120.0) -> LocalWorkers:
+    """Starts config.tensor_parallel_size worker processes (spawned, daemonic) and waits for their addresses.
+    They serve but are not initialised: GrpcExecutor runs Init, LoadWeights, ProfileMemory and AllocateKVCache.
+    Raises RuntimeError when a rank fails or does not report in time (every started rank is stopped then)."""
+    ctx = mp.get_context("spawn")
+    tp = config.tensor_parallel_size
+    workers = LocalWorkers([], f"tcp://127.0.0.1:{free_port()}", [])
+    try:
+        for rank in range(tp):
+            parent_end, child_end = ctx.Pipe(duplex=True)
+            proc = ctx.Process(target=_serve_rank, args=(config.device, tp, child_end), name=f"shardserve-tp{rank}",
+                               daemon=True)
+            proc.start()
+            child_end.close()
+            workers.processes.append(proc)
+            workers._pipes.append(parent_end)
+        workers.endpoints = _addresses(workers, startup_timeout_s)
+    except BaseException:
+        workers.stop(timeout_s=0.0)
+        raise
+    return workers
+
+
+def _addresses(workers: LocalWorkers, timeout_s: float) -> list[str]:
+    """Every rank's reported address; the first error, death or the deadline raises RuntimeError."""
+    replies: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    while len(replies) < len(workers.processes):
+        pending = {pipe: rank for rank, pipe in enumerate(workers._pipes) if rank not in replies}
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"local ranks {sorted(pending.values())} did not start within {timeout_s:.0f} s")
+        sentinels = {workers.processes[rank].sentinel: rank for rank in pending.values()}
+        for ready in wait([*pending, *sentinels], timeout=max(0.0, deadline - time.monotonic())):
+            rank = pending.get(ready, sentinels.get(ready))
+            if rank in replies:
+                continue
+            try:  # a rank may have written its traceback just before exiting: read that first
+                kind, payload = workers._pipes[rank].recv()
+            except (EOFError, OSError):
+                workers.processes[rank].join(timeout=1.0)
+                raise RuntimeError(f"local rank {rank} died before serving "
+                                   f"(exit code {workers.processes[rank].exitcode})") from None
+            if kind == "error":
+                raise RuntimeError(f"local rank {rank} failed to start:\n{payload}")
+            replies[rank] = payload
+    return [replies[rank] for rank in range(len(workers.processes))]
+
+
+def _serve_rank(device: str, tp: int, conn: Connection) -> None:
+    """One rank's process: serve the Worker service until Shutdown stops it or the parent goes away."""
+    try:
+        from shardserve.worker.distributed import cpu_threads_per_rank, prepare_worker_process
+        from shardserve.worker.worker_service import serve_worker
+
+        prepare_worker_process(cpu_threads_per_rank(device, tp))
+        server, address = serve_worker("127.0.0.1", 0)
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ok", address))
+    threading.Thread(target=_stop_when_orphaned, args=(conn, server), name="parent-watch", daemon=True).start()
+    server.wait_for_termination()
+
+
+def _stop_when_orphaned(conn: Connection, server: Any) -> None:
+    try:
+        conn.recv()  # nothing is ever sent: this returns when the parent closes its end or dies
+    except (EOFError, OSError):
+        pass
+    server.stop(grace=None)
