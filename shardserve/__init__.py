@@ -5,8 +5,15 @@
     print(llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))[0].text)
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
 from shardserve.cluster.outputs import RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams
+
+try:
+    __version__ = version("shardserve")
+except PackageNotFoundError:  # a source tree on sys.path without an installed distribution
+    __version__ = "0+unknown"
 
 
 def __getattr__(name: str):
@@ -18,4 +25,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]

@@ -1,4 +1,4 @@
-"""The `shardserve` command: generate | serve | client | bench."""
+"""The `shardserve` command: generate | serve | client | gateway | bench."""
 
 from __future__ import annotations
 
@@ -25,7 +25,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from shardserve import __version__
+
     parser = argparse.ArgumentParser(prog="shardserve", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"shardserve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")

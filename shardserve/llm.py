@@ -56,6 +56,10 @@ class LLM:
         self.engine.admit(req_id, prompt, params or SamplingParams())
         return req_id
 
+    def get_tokenizer(self):
+        """The model's tokenizer (transformers), or None for a model without one (dummy weights)."""
+        return self.tokenizer
+
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return encode_prompt(list(messages), self.tokenizer)[1]
 

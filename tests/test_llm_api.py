@@ -202,3 +202,20 @@ def test_sliding_window_model_is_refused_unless_requests_fit_the_window(tmp_path
     config["sliding_window"] = None  # Mistral v0.2+: full attention
     (mistral / "config.json").write_text(json.dumps(config))
     assert build_engine_config(model=str(mistral), max_model_len=128).max_model_len == 128
+
+
+def test_version_is_the_distributions_and_python_m_runs_the_cli():
+    from importlib.metadata import version
+
+    import shardserve
+
+    assert shardserve.__version__ == version("shardserve")
+    done = subprocess.run([sys.executable, "-m", "shardserve", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == f"shardserve {shardserve.__version__}"
+
+
+def test_get_tokenizer_is_the_engines_tokenizer(llm):
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer is llm.engine.tokenizer
+    assert tokenizer.decode(tokenizer.encode("Paris", add_special_tokens=False)) == "Paris"

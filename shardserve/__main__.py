@@ -1,0 +1,7 @@
+"""`python -m shardserve ...`: the same as the `shardserve` command."""
+
+import sys
+
+from shardserve.cli import main
+
+sys.exit(main())
