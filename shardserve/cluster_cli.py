@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -47,10 +48,31 @@ def add_cluster_parsers(sub) -> None:
     client.set_defaults(func=cmd_client)
 
 
+def _check_port_free(host: str, port: int | None, flag: str) -> None:
+    """A port another process holds is refused before Ray starts (a ValueError: one line naming the flag)."""
+    import socket
+
+    if not port:  # None or 0 (any free port)
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror or e}); "
+                             f"is another server using it? Pick another {flag}") from None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from shardserve.config import build_engine_config
     from shardserve.ray_cluster import serve
 
+    _check_port_free(args.host, args.port, "--port")
+    if args.metrics_port:
+        _check_port_free("0.0.0.0", args.metrics_port, "--metrics-port")
+    if args.http_port:
+        _check_port_free(args.http_host or args.host, args.http_port, "--http-port")
     config = build_engine_config(**engine_kwargs(args))
     return serve(config, ray_address=args.ray_address, host=args.host, port=args.port,
                  worker_host=args.worker_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
@@ -65,6 +87,10 @@ def cmd_client(args: argparse.Namespace) -> int:
 
     if (args.prompt is None) == (args.file is None):
         print("error: give a prompt or --file (not both)", file=sys.stderr)
+        return 2
+    if args.file is not None and not os.path.isfile(args.file):
+        why = "is a folder, not a file" if os.path.isdir(args.file) else "does not exist"
+        print(f"error: --file {args.file} {why}", file=sys.stderr)
         return 2
     with Client(args.address, timeout=args.timeout) as client:
         try:

@@ -52,9 +52,17 @@ def read_model_facts(model_dir: str) -> ModelFacts:
         raise ValueError(f"{model_dir} has no config.json")
     generation = _read_json(os.path.join(model_dir, "generation_config.json"))
     eos = _as_list(generation.get("eos_token_id", config.get("eos_token_id")))
+    architecture = (config.get("architectures") or ["?"])[0]
+    from shardserve.worker.models.registry import supported_architectures
+
+    if architecture not in supported_architectures():
+        raise ValueError(
+            f"{os.path.join(model_dir, 'config.json')}: architecture {architecture!r} is not supported; "
+            f"shardserve runs {', '.join(supported_architectures())}"
+        )
     heads = config["num_attention_heads"]
     return ModelFacts(
-        architecture=(config.get("architectures") or ["?"])[0],
+        architecture=architecture,
         vocab_size=config["vocab_size"],
         eos_token_ids=eos,
         bos_token_id=config.get("bos_token_id"),

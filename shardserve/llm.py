@@ -38,12 +38,27 @@ def create_executor(config: EngineConfig):
         raise
 
 
+def _check_local_devices(config: EngineConfig) -> None:
+    """LLM runs every rank on this host: CUDA ranks need that many GPUs here (one line, before loading anything)."""
+    if config.device != "cuda":
+        return
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have < config.tensor_parallel_size:
+        raise ValueError(
+            f"--device cuda (device='cuda') with --tp {config.tensor_parallel_size} needs "
+            f"{config.tensor_parallel_size} CUDA GPU(s) on this host; it has {have}"
+        )
+
+
 class LLM:
     def __init__(self, model: str | None = None, **settings) -> None:
         """model and settings: EngineConfig's user settings (proto/config.py; the same as the CLI's engine flags,
         `shardserve generate --help` lists them), e.g. tensor_parallel_size=2, max_model_len=2048. An unknown
         name is a TypeError."""
         self.config = build_engine_config(model=model, **settings)
+        _check_local_devices(self.config)
         self.engine = build_engine(self.config, create_executor)
         self.executor = self.engine.executor
         self.tokenizer = self.engine.tokenizer

@@ -65,12 +65,20 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel
         if load_format == "auto" and not any(path.glob("*.safetensors")):
             raise ValueError(
                 f"model folder {str(path)!r} has no *.safetensors weights; "
-                "pass load_format='dummy' to run it with random weights"
+                "pass --load-format dummy (load_format='dummy') to run it with random weights"
             )
         tokenizer_dir = str(path) if any((path / f).is_file() for f in TOKENIZER_FILES) else None
         return ResolvedModel(str(path), tokenizer_dir, load_format, path.name)
+    if path.is_dir():
+        why = f"the folder {str(path)!r} has no config.json; "
+    elif path.is_file():
+        why = f"{str(path)!r} is a file but not a .gguf file; "
+    elif os.sep in model or model.startswith((".", "~")) or model.endswith(".gguf"):
+        why = f"the path {str(path)!r} does not exist; "
+    else:
+        why = ""
     raise ValueError(
-        f"cannot use model {model!r}: expected None (the default model {DEFAULT_MODEL_NAME}), "
+        f"cannot use model {model!r}: {why}expected None (the default model {DEFAULT_MODEL_NAME}), "
         f"a built-in config name ({', '.join(BUILTIN_CONFIGS)}), a local folder with config.json "
         "and *.safetensors, or a path to a .gguf file (no model hub is ever contacted)"
     )
