@@ -5,6 +5,7 @@ Each field's metadata says what it is and how a user sets it:
 - `user`: True for a user setting: it is an `LLM(...)` keyword and a command-line flag, both derived from this
   list (shardserve/config.py, shardserve/flags.py); False for what shardserve fills in itself;
 - `flags`: the flag's spellings where they are not `--` + the name with dashes; `choices`: the allowed values;
+  `off_flags`: older spellings that turn a default-on switch off (kept working, not shown in --help);
 - `user_default`: the value a user leaves unset where it differs from the field's default: "auto" and None are
   resolved (device, dtype, the model folder, max_model_len ...) by shardserve/config.py build_engine_config, so
   the dataclass itself only ever holds resolved values.
@@ -21,8 +22,8 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 
 
 def _setting(default: Any = MISSING, *, help: str, user: bool = True, flags: tuple[str, ...] = (),
-             choices: tuple | None = None, user_default: Any = MISSING) -> Any:
-    metadata = {"help": help, "user": user, "flags": flags, "choices": choices}
+             choices: tuple | None = None, user_default: Any = MISSING, off_flags: tuple[str, ...] = ()) -> Any:
+    metadata = {"help": help, "user": user, "flags": flags, "choices": choices, "off_flags": off_flags}
     if user_default is not MISSING:
         metadata["user_default"] = user_default
     return field(default=default, metadata=metadata)
@@ -38,7 +39,7 @@ class EngineConfig:
     tokenizer: str | None = _setting(
         None, user=False, help="the folder with the tokenizer files (from the model); None: token ids only")
     tensor_parallel_size: int = _setting(
-        1, flags=("--tp", "--tensor-parallel-size"), help="tensor-parallel ranks (GPUs, or processes on CPU)")
+        1, flags=("-tp", "--tp", "--tensor-parallel-size"), help="tensor-parallel ranks (GPUs, or processes on CPU)")
     device: str = _setting("cpu", user_default="auto", choices=DEVICES, help="auto: cuda when available")
     dtype: str = _setting(
         "float32", user_default="auto",
@@ -52,7 +53,8 @@ class EngineConfig:
         4096, user_default=None,
         help="prompt + generated tokens of a request at most (default: the model's, capped at 4096 on CPU)")
     enable_prefix_caching: bool = _setting(
-        True, flags=("--no-prefix-caching",), help="prefix caching: reuse the KV blocks of prompt prefixes seen before")
+        True, flags=("--enable-prefix-caching",), off_flags=("--no-prefix-caching",),
+        help="prefix caching: reuse the KV blocks of prompt prefixes seen before")
     num_kv_blocks: int | None = _setting(None, help="fixes the KV cache's size in blocks (else measured)")
     kv_cache_memory_gb: float | None = _setting(
         None, help="sizes the KV cache in GiB (CPU default: 1 GiB; CUDA: from --gpu-memory-utilization)")

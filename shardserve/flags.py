@@ -4,7 +4,8 @@
 from the field. `engine_kwargs` and `sampling_kwargs` read the parsed values back by field name.
 
 A flag's form follows the field's type: a bool that defaults to False is a switch (`--enforce-eager`), one that
-defaults to True is switched off (`--no-prefix-caching`), an optional bool gets both (`--[no-]async-scheduling`);
+defaults to True is switched off (`--no-x`), or gets both where its flag names the on form
+(`--[no-]enable-prefix-caching`), as an optional bool does (`--[no-]async-scheduling`);
 a list is repeatable (`--stop a --stop b`).
 """
 
@@ -48,8 +49,8 @@ def _add_flag(parser: argparse.ArgumentParser, f: Field, hint, default) -> None:
         help += " (default: %(default)s)"
     kwargs = dict(dest=_dest(f, base), default=default, help=help)
     if base is bool:
-        if optional:
-            kwargs["action"] = argparse.BooleanOptionalAction
+        if optional or (default and not flags[0].startswith("--no-")):
+            kwargs["action"] = argparse.BooleanOptionalAction  # --x / --no-x (vLLM's --[no-]enable-prefix-caching)
         else:
             kwargs["action"] = "store_false" if default else "store_true"
             kwargs["help"] = "turns off " + help if default else help
@@ -58,6 +59,8 @@ def _add_flag(parser: argparse.ArgumentParser, f: Field, hint, default) -> None:
     else:
         kwargs.update(type=base, choices=f.metadata.get("choices"))
     parser.add_argument(*flags, **kwargs)
+    for off in f.metadata.get("off_flags") or ():
+        parser.add_argument(off, dest=kwargs["dest"], action="store_false", help=argparse.SUPPRESS)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

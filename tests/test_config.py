@@ -98,3 +98,22 @@ def test_llm_names_an_unknown_keyword_before_loading_anything():
 
     with pytest.raises(TypeError, match="tensor_paralel_size"):
         LLM(BUILTIN, tensor_paralel_size=2)
+
+
+def test_vllm_flag_spellings_work_beside_ours():
+    import argparse
+
+    from shardserve.flags import add_engine_args, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+
+    def parsed(*argv):
+        return engine_kwargs(parser.parse_args(list(argv)))
+
+    assert parsed("-tp", "3")["tensor_parallel_size"] == parsed("--tensor-parallel-size", "3")["tensor_parallel_size"] == 3
+    assert parsed()["enable_prefix_caching"] is True
+    assert parsed("--enable-prefix-caching")["enable_prefix_caching"] is True
+    assert parsed("--no-enable-prefix-caching")["enable_prefix_caching"] is False
+    assert parsed("--no-prefix-caching")["enable_prefix_caching"] is False  # the older spelling still works
+    assert "--no-prefix-caching" not in parser.format_help()  # ... without a second line in --help
