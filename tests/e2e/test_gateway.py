@@ -1,37 +1,29 @@
 """The OpenAI-compatible HTTP gateway as users meet it: the real `openai` package against `shardserve serve
---http-port` (a separate process joining the session's Ray on loopback, the default model at TP=1 on CPU), and
-against a fake gRPC upstream that answers each status code on demand.
+--http-port` (a separate process joining the session's Ray on loopback, the default model at TP=1 on CPU). Status
+codes, metadata and the standalone command, against a fake upstream: test_gateway_fake_upstream.py.
 
 Proves: /v1/models lists GetModelInfo's name; greedy completions and chat through the gateway equal the gRPC
 client's output, streamed or not; token-id prompts, several prompts, stop strings, logprobs, seeds and usage
 (stream_options.include_usage) map onto the gRPC request; invalid requests get 400 naming the field (ours and the
-server's INVALID_ARGUMENT), n=2 and other unsupported fields 400, an unknown model 404, gRPC statuses their HTTP
-codes (429, 503, 504, also in mid-stream); the Authorization header reaches the server as gRPC metadata; a client
-that disconnects mid-stream frees its KV blocks on the server; SIGTERM drains (health 503) and stops the gateway.
+server's INVALID_ARGUMENT), n=2 and other unsupported fields 400, an unknown model 404; a client that disconnects
+mid-stream frees its KV blocks on the server; SIGTERM drains (health 503) and stops the gateway.
 """
 
 from __future__ import annotations
 
-import json
 import queue
 import re
 import signal
-import subprocess
-import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import httpx
 import openai
 import pytest
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from shardserve.client import Client
 from shardserve.gateway import GatewayThread
 from shardserve.proto import generation_pb2 as pb
-from shardserve.proto import generation_pb2_grpc as pb_grpc
-from tests.e2e.test_serve_cli import ServeProcess
+from tests.e2e.test_serve_cli import ServeProcess, serve_default_model
 
 GATEWAY_READY = re.compile(r"shardserve gateway ready: (http://\S+/v1)")
 PROMPT = "The capital of France is"
@@ -40,12 +32,7 @@ PROMPT = "The capital of France is"
 @pytest.fixture(scope="module")
 def served(ray_session, default_model_dir):
     """(serve process, gRPC address, gateway base URL)."""
-    ray_port = ray_session.get_runtime_context().gcs_address.rsplit(":", 1)[1]
-    server = ServeProcess([
-        "--model", default_model_dir, "--device", "cpu", "--tp", "1", "--num-kv-blocks", "64",
-        "--max-model-len", "512", "--port", "0", "--ray-address", f"127.0.0.1:{ray_port}", "--drain-timeout", "30",
-        "--http-port", "0",
-    ])
+    server = serve_default_model(ray_session, default_model_dir, "--drain-timeout", "30", "--http-port", "0")
     try:
         address = server.wait_ready(180)
         deadline = time.monotonic() + 30
@@ -285,119 +272,3 @@ def _get(url: str) -> httpx.Response | None:
         return httpx.get(url, timeout=10)
     except httpx.TransportError:
         return None
-
-
-# ---- against a fake upstream: every status code, mid-stream errors, metadata --------------------------------
-class FakeGeneration(pb_grpc.GenerationServicer):
-    """The prompt text names the outcome: a gRPC status code to abort with (before the stream starts), or
-    "MIDSTREAM_<CODE>" (after one delta). Anything else: "ok" in one delta."""
-
-    def __init__(self) -> None:
-        self.metadata: list[dict] = []
-
-    def Generate(self, request, context):
-        self.metadata.append(dict(context.invocation_metadata()))
-        name = request.text
-        if name in grpc.StatusCode.__members__:
-            context.abort(grpc.StatusCode[name], f"fake {name}")
-        yield pb.GenerateResponse(started=pb.GenerateResponse.Started(request_id=request.request_id,
-                                                                      prompt_token_count=3))
-        yield pb.GenerateResponse(delta=pb.GenerateResponse.Delta(text="ok", token_ids=[7]))
-        if name.startswith("MIDSTREAM_"):
-            context.abort(grpc.StatusCode[name.removeprefix("MIDSTREAM_")], "cut off")
-        yield pb.GenerateResponse(finished=pb.GenerateResponse.Finished(
-            finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(prompt_tokens=3, completion_tokens=1)))
-
-    def GetModelInfo(self, request, context):
-        return pb.ModelInfo(model="fake", max_model_len=64, block_size=16)
-
-    def GetServerStats(self, request, context):
-        return pb.ServerStats(kv_blocks_total=8)
-
-
-@pytest.fixture(scope="module")
-def fake():
-    """(fake servicer, its health servicer, a gateway in front of it, the fake's gRPC address)."""
-    server = grpc.server(ThreadPoolExecutor(4))
-    servicer, health_servicer = FakeGeneration(), health.HealthServicer()
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    gateway = GatewayThread(f"127.0.0.1:{port}", "127.0.0.1", 0)
-    try:
-        yield servicer, health_servicer, f"http://{gateway.address}", f"127.0.0.1:{port}"
-    finally:
-        gateway.stop()
-        server.stop(None)
-
-
-@pytest.mark.parametrize("code,status", [("INVALID_ARGUMENT", 400), ("RESOURCE_EXHAUSTED", 429),
-                                         ("UNAVAILABLE", 503), ("DEADLINE_EXCEEDED", 504), ("INTERNAL", 500)])
-@pytest.mark.parametrize("stream", [False, True])
-def test_grpc_statuses_become_their_http_codes_with_openai_error_bodies(fake, code, status, stream):
-    reply = httpx.post(f"{fake[2]}/v1/completions", json={"prompt": code, "stream": stream}, timeout=30)
-    assert reply.status_code == status
-    error = reply.json()["error"]
-    assert set(error) == {"message", "type", "param", "code"} and error["message"] == f"fake {code}"
-
-
-def test_an_error_after_the_stream_began_arrives_as_its_last_event(fake):
-    with openai.OpenAI(base_url=f"{fake[2]}/v1", api_key="x", max_retries=0) as client:
-        stream = client.completions.create(model="fake", prompt="MIDSTREAM_UNAVAILABLE", stream=True)
-        with pytest.raises(openai.APIError) as error:
-            for _ in stream:
-                pass
-        assert "cut off" in error.value.message
-    reply = httpx.post(f"{fake[2]}/v1/completions", json={"prompt": "MIDSTREAM_UNAVAILABLE", "stream": True})
-    events = [line for line in reply.text.split("\n\n") if line]
-    assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
-    assert events[-1] == "data: [DONE]"
-
-
-def test_the_authorization_header_reaches_the_server_as_grpc_metadata(fake):
-    servicer, base = fake[0], fake[2]
-    with openai.OpenAI(base_url=f"{base}/v1", api_key="sk-test-123", max_retries=0) as client:
-        assert client.completions.create(model="fake", prompt="hello").choices[0].text == "ok"
-    assert servicer.metadata[-1]["authorization"] == "Bearer sk-test-123"
-    httpx.post(f"{base}/v1/completions", json={"prompt": "hello"})
-    assert "authorization" not in servicer.metadata[-1]
-
-
-def test_health_follows_the_servers_health(fake):
-    health_servicer, base = fake[1], fake[2]
-    assert httpx.get(f"{base}/health").status_code == 200
-    health_servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
-    try:
-        reply = httpx.get(f"{base}/health")
-        assert reply.status_code == 503 and reply.json()["error"]["code"] == "unavailable"
-    finally:
-        health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-
-
-def test_metrics_count_requests_by_endpoint_and_status(fake):
-    base = fake[2]
-    httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
-    httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 3})
-    text = httpx.get(f"{base}/metrics").text
-    assert re.search(r'shardserve_gateway_requests_total\{code="200",endpoint="chat"\} [1-9]', text)
-    assert re.search(r'shardserve_gateway_requests_total\{code="400",endpoint="chat"\} [1-9]', text)
-    assert "shardserve_gateway_request_duration_seconds_bucket" in text
-
-
-def test_the_gateway_command_serves_until_sigterm_then_exits_0(fake):
-    """`shardserve gateway` on its own, as a second gateway in front of the same server."""
-    servicer, upstream = fake[0], fake[3]
-    proc = subprocess.Popen([sys.executable, "-m", "shardserve.cli", "gateway", "--upstream", upstream, "--port", "0"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        line = proc.stdout.readline()  # printed once the socket listens
-        match = re.search(r"shardserve gateway ready: (http://\S+)/v1 -> gRPC (\S+)", line)
-        assert match and match.group(2) == upstream, line
-        seen = len(servicer.metadata)
-        reply = httpx.post(f"{match.group(1)}/v1/completions", json={"prompt": "hello"}, timeout=30)
-        assert reply.json()["choices"][0]["text"] == "ok" and len(servicer.metadata) == seen + 1
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0

@@ -68,13 +68,18 @@ def _client_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess
                           timeout=timeout)
 
 
+def serve_default_model(ray_session, model_dir: str, *extra: str) -> ServeProcess:
+    """`shardserve serve` of the default model at TP=1 on CPU, joining the session's Ray, on a free port."""
+    ray_port = ray_session.get_runtime_context().gcs_address.rsplit(":", 1)[1]
+    return ServeProcess([
+        "--model", model_dir, "--device", "cpu", "--tp", "1", "--num-kv-blocks", "64",
+        "--max-model-len", "512", "--port", "0", "--ray-address", f"127.0.0.1:{ray_port}", *extra,
+    ])
+
+
 @pytest.fixture(scope="module")
 def served(ray_session, default_model_dir):
-    ray_port = ray_session.get_runtime_context().gcs_address.rsplit(":", 1)[1]
-    server = ServeProcess([
-        "--model", default_model_dir, "--device", "cpu", "--tp", "1", "--num-kv-blocks", "64",
-        "--max-model-len", "512", "--port", "0", "--ray-address", f"127.0.0.1:{ray_port}", "--drain-timeout", "60",
-    ])
+    server = serve_default_model(ray_session, default_model_dir, "--drain-timeout", "60")
     try:
         address = server.wait_ready(180)
         yield server, address
