@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shardserve.models import resolve_model
 from shardserve.proto.config import EngineConfig, user_default, user_settings
+from shardserve.worker.models import SUPPORTED_ARCHITECTURES
 
 CPU_MAX_MODEL_LEN = 4096  # a default cap: the CPU cache is small; users can raise it
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -53,12 +54,10 @@ def read_model_facts(model_dir: str) -> ModelFacts:
     generation = _read_json(os.path.join(model_dir, "generation_config.json"))
     eos = _as_list(generation.get("eos_token_id", config.get("eos_token_id")))
     architecture = (config.get("architectures") or ["?"])[0]
-    from shardserve.worker.models.registry import supported_architectures
-
-    if architecture not in supported_architectures():
+    if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{os.path.join(model_dir, 'config.json')}: architecture {architecture!r} is not supported; "
-            f"shardserve runs {', '.join(supported_architectures())}"
+            f"shardserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     heads = config["num_attention_heads"]
     return ModelFacts(

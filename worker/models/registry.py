@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.backends import AttentionBackend
+from shardserve.worker.models import SUPPORTED_ARCHITECTURES
 from shardserve.worker.models.decoder import DecoderForCausalLM
 from shardserve.worker.models.llama import LlamaForCausalLM
 from shardserve.worker.models.qwen2 import Qwen2ForCausalLM
@@ -21,8 +22,11 @@ MODEL_CLASSES: dict[str, type[DecoderForCausalLM]] = {
 }
 
 
+assert set(MODEL_CLASSES) == set(SUPPORTED_ARCHITECTURES), "worker/models/__init__.py names every class here"
+
+
 def supported_architectures() -> list[str]:
-    return sorted(MODEL_CLASSES)
+    return sorted(SUPPORTED_ARCHITECTURES)
 
 
 def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device, attn_backend: AttentionBackend) -> nn.Module:
