@@ -28,6 +28,7 @@ from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.outputs import RequestDelta
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
+from shardserve.proto.transport import host_port
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class Controller:
         """Serves gRPC at once (health NOT_SERVING) and loads the engine in the background; returns host:port."""
         self._loop = asyncio.get_running_loop()
         self._server, port, self._health = await start_server(self, self.config.host, self.config.port)
-        self.address = f"{self.config.host}:{port}"
+        self.address = host_port(self.config.host, port)
         if self.config.metrics_port is not None:
             bound = self.metrics.serve(self.config.host, self.config.metrics_port)
             self.metrics_address = f"{self.config.host}:{bound}"
