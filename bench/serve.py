@@ -46,6 +46,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--api", choices=["grpc", "http", "both"], default=None,
                         help="what to measure (default: http with --http alone, else grpc)")
     target.add_argument("--ray-address", default="local", help="the Ray a started server uses")
+    target.add_argument("--gateway-workers", type=int, default=0,
+                        help="a started server's gateway: 0 = in the serve process (--http-port), N = a "
+                             "`shardserve gateway --workers N` process of its own")
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=float, default=math.inf, help="requests/s (inf: all at once)")
     load.add_argument("--request-rates", default=None, help="a sweep, e.g. 1,2,4,inf (overrides --request-rate)")
@@ -79,7 +82,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     server = None
     address, http_url = args.address, args.http
     if not address and not http_url:
-        server = LaunchedServer(engine_flags(args), http="http" in apis, ray_address=args.ray_address)
+        server = LaunchedServer(engine_flags(args), http="http" in apis, ray_address=args.ray_address,
+                                gateway_workers=args.gateway_workers)
         address, http_url = server.address, server.http_url
     try:
         if "grpc" in apis and not address or "http" in apis and not http_url:
@@ -233,7 +237,8 @@ def to_record(args, api: str, rate: float, results: list[RequestResult], duratio
                    request_throughput=len(done) / duration, total_input_tokens=input_tokens,
                    total_output_tokens=output_tokens, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
                    goodput=len(good) / duration if args.slo_ttft_ms or args.slo_tpot_ms else None,
-                   errors=errors[:5]),
+                   errors=errors[:5],
+                   gateway_workers=(args.gateway_workers if launched else None) if api == "http" else None),
     )
 
 

@@ -29,6 +29,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
 from shardserve.gateway_requests import Gateway, GatewayError, Upstream, metadata_of
+from shardserve.gateway_workers import Workers, bind, exit_with_stdin
 from shardserve.openai_format import error_body
 from shardserve.openai_schema import ChatCompletionRequest, CompletionRequest
 
@@ -102,45 +103,55 @@ def build_app(upstream: str, request_timeout_s: float | None = None) -> FastAPI:
 
 
 # ---- running it ---------------------------------------------------------------------------------------------
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise RuntimeError(f"cannot bind the HTTP gateway to {host}:{port}: {e}") from e
-    sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
-    return sock
-
-
 def _local(upstream: str) -> str:
     """A server bound to every interface is reached on loopback."""
     host, _, port = upstream.rpartition(":")
     return f"127.0.0.1:{port}" if host in ("0.0.0.0", "[::]", "::") else upstream
 
 
-def _server(upstream: str, sock: socket.socket, request_timeout_s: float | None, access_log: bool):
+def _server(upstream: str, sock: socket.socket, request_timeout_s: float | None, access_log: bool,
+            on_signal=None):
     import uvicorn
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGTERM / SIGINT: to the other workers too
+            if on_signal is not None:
+                on_signal(sig)
+            super().handle_exit(sig, frame)
 
     config = uvicorn.Config(build_app(_local(upstream), request_timeout_s), log_level="warning",
                             access_log=access_log, timeout_graceful_shutdown=5, lifespan="on")
-    return uvicorn.Server(config)
+    return Server(config)
 
 
 def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
-                access_log: bool = False) -> int:
-    """`shardserve gateway`: serves until SIGINT/SIGTERM (uvicorn's graceful shutdown)."""
-    sock = _bind(host, port)
+                access_log: bool = False, workers: int = 1, worker_of_parent: bool = False) -> int:
+    """`shardserve gateway`: serves until SIGINT/SIGTERM (uvicorn's graceful shutdown). workers > 1: this process
+    and workers - 1 more on the same port (shardserve/gateway_workers.py)."""
+    if workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers}")
+    sock = bind(host, port, reuse_port=workers > 1 or worker_of_parent)
     bound = sock.getsockname()[1]
-    print(f"shardserve gateway ready: http://{host}:{bound}/v1 -> gRPC {upstream}", flush=True)
+    others = None
+    if workers > 1 and not worker_of_parent:
+        try:
+            others = Workers(workers, upstream, host, bound, request_timeout_s, access_log)
+        except BaseException:
+            sock.close()
+            raise
+    count = f" ({workers} workers)" if workers > 1 else ""
+    print(f"shardserve gateway ready: http://{host}:{bound}/v1 -> gRPC {upstream}{count}", flush=True)
     # uvicorn shuts down gracefully on SIGTERM/SIGINT, then raises the signal again with the handlers it found:
     # no-op ones make that a normal exit (0), as `shardserve serve` exits after its drain.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        _server(upstream, sock, request_timeout_s, access_log).run(sockets=[sock])
+        server = _server(upstream, sock, request_timeout_s, access_log, others and others.signal)
+        if worker_of_parent:
+            exit_with_stdin(server)
+        server.run(sockets=[sock])
     finally:
+        if others is not None:
+            others.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
     return 0
@@ -151,7 +162,7 @@ class GatewayThread:
 
     def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0,
                  request_timeout_s: float | None = None, ready_timeout_s: float = 30.0) -> None:
-        sock = _bind(host, port)
+        sock = bind(host, port)
         self.address = f"{host}:{sock.getsockname()[1]}"
         self._server = _server(upstream, sock, request_timeout_s, access_log=False)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},

@@ -14,10 +14,14 @@ def add_gateway_parser(sub) -> None:
     gateway.add_argument("--request-timeout", type=float, default=None,
                          help="deadline of each upstream request, seconds (past it: 504, the server frees it)")
     gateway.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    gateway.add_argument("--workers", type=int, default=1,
+                         help="gateway processes sharing the port (SO_REUSEPORT): one core's worth of streams each")
+    gateway.add_argument("--worker-of-parent", action="store_true", help=argparse.SUPPRESS)  # started by --workers
     gateway.set_defaults(func=cmd_gateway)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from shardserve.gateway import run_gateway
 
-    return run_gateway(args.upstream, args.host, args.port, args.request_timeout, args.access_log)
+    return run_gateway(args.upstream, args.host, args.port, args.request_timeout, args.access_log, args.workers,
+                       args.worker_of_parent)

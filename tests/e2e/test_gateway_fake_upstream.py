@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import httpx
 import openai
+import psutil
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -29,9 +30,11 @@ class FakeGeneration(pb_grpc.GenerationServicer):
 
     def __init__(self) -> None:
         self.metadata: list[dict] = []
+        self.peers: list[str] = []  # each gateway process has its own channel: its own peer address
 
     def Generate(self, request, context):
         self.metadata.append(dict(context.invocation_metadata()))
+        self.peers.append(context.peer())
         name = request.text
         if name in grpc.StatusCode.__members__:
             context.abort(grpc.StatusCode[name], f"fake {name}")
@@ -136,3 +139,45 @@ def test_the_gateway_command_serves_until_sigterm_then_exits_0(fake):
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+
+
+def _start_gateway(upstream: str, *flags: str) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-m", "shardserve.cli", "gateway", "--upstream", upstream, "--port", "0",
+                             *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()  # printed once every worker listens
+    match = re.search(r"shardserve gateway ready: (http://\S+)/v1 -> gRPC (\S+)", line)
+    if not match:
+        proc.kill()
+        raise AssertionError(f"no ready line: {line!r} {proc.stderr.read()}")
+    return proc, match.group(1)
+
+
+def test_gateway_workers_share_the_port_and_stop_with_it(fake):
+    """--workers 3: three processes (this one and two it starts) accept on one port, each with its own gRPC
+    channel; SIGTERM to the first stops all three, exit code 0."""
+    servicer, upstream = fake[0], fake[3]
+    proc, base = _start_gateway(upstream, "--workers", "3")
+    try:
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 2
+        seen = len(servicer.peers)
+        for _ in range(30):  # a new connection each: the kernel spreads them over the three sockets
+            assert httpx.post(f"{base}/v1/completions", json={"prompt": "hello"}).json()["choices"][0]["text"] == "ok"
+        assert len(set(servicer.peers[seen:])) >= 2  # 30 connections all on one socket: 3 * (1/3)**30
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    assert not alive  # (their exit codes went to their parent, which waited for them)
+
+
+def test_gateway_workers_exit_when_their_parent_is_killed(fake):
+    proc, base = _start_gateway(fake[3], "--workers", "2")
+    workers = psutil.Process(proc.pid).children()
+    assert len(workers) == 1 and workers[0].is_running()
+    proc.kill()  # no chance to stop them: they see their stdin close
+    proc.wait(30)
+    gone, alive = psutil.wait_procs(workers, timeout=30)
+    for p in alive:
+        p.kill()
+    assert not alive
