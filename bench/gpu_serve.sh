@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# The GPU serving benchmark: `shardserve serve` (dummy weights, CUDA, TP=1) with the HTTP gateway in it, a request-rate
-# sweep up to saturation through gRPC and through the gateway (`shardserve bench serve --api both`), for Qwen3-0.6B
-# and Llama-3-8B, within one time budget.
+# The GPU serving benchmark: `shardserve serve` (dummy weights, CUDA, TP=1) and in front of it the HTTP gateway
+# (`shardserve gateway --workers GATEWAY_WORKERS`, default 4 processes; 0: the gateway on a thread of the serve
+# process), a request-rate sweep up to saturation through gRPC and through the gateway (`shardserve bench serve --api
+# both`), for Qwen3-0.6B and Llama-3-8B, within one time budget.
 #
 #   bash bench/gpu_serve.sh               # on the GPU host, from the project root; writes to $OUT (default ./gpu-serve-out)
 #   SMOKE=1 bash bench/gpu_serve.sh       # on a CPU machine: the same commands on a tiny model (checks the plumbing)
 #
 # Wheels (the host has no package index): what bench/gpu_run.sh brings (ray & co., grpcio-health-checking,
 # grpcio-reflection: bash ../shared/tools/gpu-wheels.sh .whl) plus the gateway's: bash bench/gateway_wheels.sh .whl
-# (fastapi, starlette, pydantic, pydantic-core, uvicorn, ... as cp312 wheels, ~3.5 MiB). Without them the HTTP side
+# (fastapi, starlette, pydantic, pydantic-core, uvicorn, httptools, uvloop, ... as cp312 wheels, ~8 MiB). Without them the HTTP side
 # is skipped and gRPC alone is measured.
 # Output ($OUT): serve_<model>.json (one BenchRecord per rate and API, a JSON list), serve_<model>.png (latency
 # against throughput), serve_<model>.txt (the benchmark's output), log.txt, env.txt, summary.txt.
 # Models run one per GPU side by side when there are two GPUs, else one after the other. BUDGET_S (default 300)
 # bounds the whole run: a model starts only with time left for it, and each has its own timeout.
-# Knobs: MODELS, RATES_<model> (e.g. RATES_qwen3=16,32,64,128,inf), NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN,
+# Knobs: MODELS, GATEWAY_WORKERS, RATES_<model> (e.g. RATES_qwen3=16,32,64,128,inf), NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN,
 # SHARDSERVE_COMMIT=<hash> (names the tree in the records; the host's .git may be stale).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +23,7 @@ ROOT=$PWD
 OUT=${OUT:-$ROOT/gpu-serve-out}
 PY=${PY:-python3}
 SMOKE=${SMOKE:-0}
+GATEWAY_WORKERS=${GATEWAY_WORKERS:-4}
 BUDGET_S=${BUDGET_S:-300}
 START=$(date +%s)
 WORK=$(mktemp -d /tmp/shardserve-gpu-serve.XXXXXX)
@@ -85,6 +87,7 @@ run_model() {  # run_model KEY GPU: one sweep in the background
   (( limit > left )) && limit=$left
   local plot=; [ "$PLOT" = 1 ] && plot="--plot $OUT/serve_$key.png"
   local cmd="$PY -m shardserve.cli bench serve --model ${NAME[$key]} --load-format dummy $DEV --api $API
+    --gateway-workers $GATEWAY_WORKERS
     --request-rates ${!rates_var} --num-prompts $NUM_PROMPTS --input-len $INPUT_LEN --output-len $OUTPUT_LEN
     --json-out $OUT/serve_$key.json $plot"
   say "$key: start (limit ${limit}s, GPU $gpu): $(echo $cmd)"

@@ -10,7 +10,7 @@ a gateway over it), so these two functions are the source of truth for what a re
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.plan import cdiv
@@ -82,8 +82,10 @@ class RequestLimits:
     num_kv_blocks: int
 
 
-def check_request(token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> None:
-    """Raises ValueError for a request that is malformed or could never run (so none is left waiting forever)."""
+def check_request(token_ids: list[int], params: SamplingParams, limits: RequestLimits) -> SamplingParams:
+    """Raises ValueError for a request that is malformed or could never run (so none is left waiting forever).
+    Returns the params to run it with: max_tokens None becomes the rest of the context (as vLLM's OpenAI server
+    does), the tokens max_model_len and the KV cache leave after the prompt (a copy: params may be shared)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
     if not token_ids:
@@ -96,6 +98,14 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: RequestL
         if t >= vocab:
             raise ValueError(f"stop_token_ids must be token ids below the vocabulary size {vocab}, got {t}")
     num_prompt, max_tokens = len(token_ids), params.max_tokens
+    if max_tokens is None:
+        room = min(limits.max_model_len, limits.num_kv_blocks * limits.block_size + 1) - num_prompt
+        if room < max(1, params.min_tokens):
+            raise ValueError(f"prompt ({num_prompt} tokens) leaves no room to generate within max_model_len "
+                             f"({limits.max_model_len}) and the KV cache ({limits.num_kv_blocks} blocks of "
+                             f"{limits.block_size} tokens)")
+        params = replace(params, max_tokens=room)
+        max_tokens = room
     total = num_prompt + max_tokens
     if total > limits.max_model_len:
         raise ValueError(
@@ -109,3 +119,4 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: RequestL
             f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) needs {needed} KV blocks of "
             f"{limits.block_size} tokens, but the cache has only {limits.num_kv_blocks}"
         )
+    return params

@@ -106,7 +106,7 @@ class Engine:
             raise ValueError(f"request id must be a non-empty string, got {req_id!r}")
         if req_id in self.scheduler.requests or req_id in self._finished:
             raise ValueError(f"request id {req_id!r} is already in use")
-        check_request(prompt_token_ids, params, self.limits)
+        params = check_request(prompt_token_ids, params, self.limits)  # max_tokens None: filled in
         ids = list(prompt_token_ids)
         spec = params.to_spec(self.eos_token_ids, self._seeds.getrandbits(63))
         seq = Request(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=prompt)

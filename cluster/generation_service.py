@@ -66,7 +66,7 @@ def request_from_proto(msg: pb.GenerateRequest) -> tuple[object, SamplingParams,
             raise ValueError("chat must have at least one message")
     else:
         raise ValueError("the request has no prompt: set text, token_ids or chat")
-    params = SamplingParams(**message_fields(msg, _SAMPLING_FIELDS))
+    params = SamplingParams(**{"max_tokens": None, **message_fields(msg, _SAMPLING_FIELDS)})  # unset: the rest
     return prompt, params, msg.request_id if msg.HasField("request_id") else None
 
 

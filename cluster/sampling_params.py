@@ -37,7 +37,7 @@ class SamplingParams:
     presence_penalty: float = _param(0.0, "in [-2, 2]: subtracted once from the logit of each generated token")
     frequency_penalty: float = _param(0.0, "in [-2, 2]: subtracted per occurrence of each generated token")
     seed: int | None = _param(None, "same seed -> same tokens, whatever the batch, preemption or TP size")
-    max_tokens: int = _param(16, "tokens to generate at most")
+    max_tokens: int | None = _param(16, "tokens to generate at most; None (unset over gRPC): the rest of the context")
     min_tokens: int = _param(0, "tokens generated before a stop token or eos may end the request")
     stop: list[str] | str | None = _param(None, "a stop string (repeatable), never part of the output text")
     stop_token_ids: list[int] | None = _param(None, "a token id that ends the request (repeatable)")
@@ -73,9 +73,9 @@ class SamplingParams:
                 raise bad(name, "a number in [-2, 2]")
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
             raise bad("seed", "an integer in [0, 2**63) or None")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise bad("max_tokens", "an integer >= 1")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1, or None for the rest of the context")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise bad("min_tokens", "an integer in [0, max_tokens]")
         if self.stop is not None and not isinstance(self.stop, str):
             if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):

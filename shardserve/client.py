@@ -198,6 +198,15 @@ class AsyncStream(_StreamState):
             self._collector.feed(await self._call.read())
         return self._collector.request_id
 
+    async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
+        """The stream's GenerateResponse messages as they arrive (Started, Deltas, Finished), for a caller that
+        encodes them itself (the HTTP gateway): the deltas and .result are then left to it."""
+        try:
+            while (msg := await self._call.read()) is not grpc.aio.EOF:
+                yield msg
+        finally:
+            self._call.cancel()
+
 
 class Client:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
@@ -211,33 +220,38 @@ class Client:
     def _t(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None, **sampling) -> Stream:
-        return Stream(self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout)))
+    def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,
+               **sampling) -> Stream:
+        """metadata (every call takes it): gRPC call metadata, (key, value) pairs, e.g. (("authorization", "Bearer
+        ..."),)."""
+        return Stream(self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout),
+                                          metadata=metadata))
 
-    def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
+    def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,
                  **sampling) -> GenerationResult:
-        stream = self.stream(prompt, request_id=request_id, timeout=timeout, **sampling)
+        stream = self.stream(prompt, request_id=request_id, timeout=timeout, metadata=metadata, **sampling)
         for _ in stream:
             pass
         return stream.result
 
     def chat(self, messages: list[dict], *, request_id: str | None = None, timeout: float | None = None,
-             **sampling) -> GenerationResult:
-        return self.generate(list(messages), request_id=request_id, timeout=timeout, **sampling)
+             metadata=None, **sampling) -> GenerationResult:
+        return self.generate(list(messages), request_id=request_id, timeout=timeout, metadata=metadata, **sampling)
 
-    def abort(self, request_id: str, timeout: float | None = None) -> None:
-        self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._t(timeout))
+    def abort(self, request_id: str, timeout: float | None = None, metadata=None) -> None:
+        self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._t(timeout), metadata=metadata)
 
-    def health(self, service: str = "", timeout: float | None = None) -> str:
+    def health(self, service: str = "", timeout: float | None = None, metadata=None) -> str:
         """"SERVING" or "NOT_SERVING" (raises grpc.RpcError when the server cannot be reached)."""
-        reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout))
+        reply = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout),
+                                   metadata=metadata)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
-    def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
-        return self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._t(timeout))
+    def model_info(self, timeout: float | None = None, metadata=None) -> pb.ModelInfo:
+        return self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._t(timeout), metadata=metadata)
 
-    def server_stats(self, timeout: float | None = None) -> pb.ServerStats:
-        return self._stub.GetServerStats(pb.ServerStatsRequest(), timeout=self._t(timeout))
+    def server_stats(self, timeout: float | None = None, metadata=None) -> pb.ServerStats:
+        return self._stub.GetServerStats(pb.ServerStatsRequest(), timeout=self._t(timeout), metadata=metadata)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Blocks until health is SERVING; raises TimeoutError after `timeout` seconds."""
@@ -277,34 +291,37 @@ class AsyncClient:
     def _t(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
+    def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,
                **sampling) -> AsyncStream:
         """`async for delta in client.stream(...)`; the AsyncStream's .result is set at the end."""
-        return AsyncStream(self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout)))
+        return AsyncStream(self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout),
+                                               metadata=metadata))
 
-    async def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
+    async def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,
                        **sampling) -> GenerationResult:
-        stream = self.stream(prompt, request_id=request_id, timeout=timeout, **sampling)
+        stream = self.stream(prompt, request_id=request_id, timeout=timeout, metadata=metadata, **sampling)
         async for _ in stream:
             pass
         return stream.result
 
     async def chat(self, messages: list[dict], *, request_id: str | None = None, timeout: float | None = None,
-                   **sampling) -> GenerationResult:
-        return await self.generate(list(messages), request_id=request_id, timeout=timeout, **sampling)
+                   metadata=None, **sampling) -> GenerationResult:
+        return await self.generate(list(messages), request_id=request_id, timeout=timeout, metadata=metadata,
+                                   **sampling)
 
-    async def abort(self, request_id: str, timeout: float | None = None) -> None:
-        await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._t(timeout))
+    async def abort(self, request_id: str, timeout: float | None = None, metadata=None) -> None:
+        await self._stub.Abort(pb.AbortRequest(request_id=request_id), timeout=self._t(timeout), metadata=metadata)
 
-    async def health(self, service: str = "", timeout: float | None = None) -> str:
-        reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout))
+    async def health(self, service: str = "", timeout: float | None = None, metadata=None) -> str:
+        reply = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._t(timeout),
+                                         metadata=metadata)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
 
-    async def model_info(self, timeout: float | None = None) -> pb.ModelInfo:
-        return await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._t(timeout))
+    async def model_info(self, timeout: float | None = None, metadata=None) -> pb.ModelInfo:
+        return await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=self._t(timeout), metadata=metadata)
 
-    async def server_stats(self, timeout: float | None = None) -> pb.ServerStats:
-        return await self._stub.GetServerStats(pb.ServerStatsRequest(), timeout=self._t(timeout))
+    async def server_stats(self, timeout: float | None = None, metadata=None) -> pb.ServerStats:
+        return await self._stub.GetServerStats(pb.ServerStatsRequest(), timeout=self._t(timeout), metadata=metadata)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -28,7 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
-from shardserve.gateway_requests import Gateway, GatewayError, Upstream, metadata_of
+from shardserve.client import AsyncClient
+from shardserve.gateway_requests import Gateway, GatewayError, metadata_of
 from shardserve.gateway_workers import Workers, bind, exit_with_stdin
 from shardserve.openai_format import error_body
 from shardserve.openai_schema import ChatCompletionRequest, CompletionRequest
@@ -40,7 +41,7 @@ def build_app(upstream: str, request_timeout_s: float | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        gateway.client = Upstream(upstream)  # the one channel of this gateway, made on its event loop
+        gateway.client = AsyncClient(upstream)  # the one channel of this gateway, made on its event loop
         try:
             yield
         finally:
@@ -75,7 +76,7 @@ def build_app(upstream: str, request_timeout_s: float | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
-            info, limit = await gateway.facts(metadata_of(request))
+            info = await gateway.model_info(metadata_of(request))
         except GatewayError as e:
             return e.response()
         return JSONResponse({"object": "list", "data": [{
@@ -85,9 +86,9 @@ def build_app(upstream: str, request_timeout_s: float | None = None) -> FastAPI:
             "has_chat_template": info.has_chat_template}]})
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         try:
-            status = await gateway.client.health(timeout=5)
+            status = await gateway.client.health(timeout=5, metadata=metadata_of(request))
         except grpc.RpcError as e:
             return GatewayError.of_rpc(e).response()
         if status != "SERVING":

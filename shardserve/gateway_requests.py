@@ -13,7 +13,7 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shardserve.client import AsyncClient, build_request
+from shardserve.client import AsyncClient
 from shardserve.gateway_metrics import GatewayMetrics
 from shardserve.openai_format import DONE, Choice, error_body, response_body, sse, usage_chunk
 from shardserve.proto import generation_pb2 as pb
@@ -29,9 +29,6 @@ HTTP_OF = {
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
 }
 MODEL_INFO_TTL_S = 30.0
-# The server's admission message for prompt + max_tokens beyond the context (cluster/scheduler.py check_fits):
-# read back to learn the prompt's length when a chat request leaves max_tokens to us.
-_PROMPT_LEN = re.compile(r"prompt \((\d+) tokens\) \+ max_tokens")
 _LEADING_FIELD = re.compile(r"(\w+) must be ")
 
 
@@ -56,44 +53,25 @@ class GatewayError(Exception):
         return sse(error_body(str(self), self.type, self.param, self.code))
 
 
-class Upstream(AsyncClient):
-    """The gRPC client with call metadata (the forwarded Authorization header) and the raw Generate call, whose
-    messages the gateway turns into JSON directly."""
-
-    def generate_call(self, prompt, sampling: dict, request_id: str, metadata, timeout: float | None):
-        msg = build_request(prompt, request_id, sampling)
-        return self._stub.Generate(msg, timeout=self._t(timeout), metadata=metadata)
-
-    async def model_facts(self, metadata) -> tuple[pb.ModelInfo, int]:
-        """ModelInfo and the longest sequence the server admits (max_model_len, or less when the KV cache is
-        smaller)."""
-        info = await self._stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10, metadata=metadata)
-        stats = await self._stub.GetServerStats(pb.ServerStatsRequest(), timeout=10, metadata=metadata)
-        limit = info.max_model_len
-        if stats.kv_blocks_total:
-            limit = min(limit, stats.kv_blocks_total * info.block_size + 1)  # the last token's KV is never stored
-        return info, limit
-
-
 class Gateway:
-    """The app's state: one upstream client, the cached model facts, the metrics."""
+    """The app's state: one upstream client (AsyncClient: one channel), the cached model info, the metrics."""
 
     def __init__(self, upstream: str, request_timeout_s: float | None = None) -> None:
         self.upstream_address = upstream
         self.request_timeout_s = request_timeout_s
         self.metrics = GatewayMetrics()
-        self.client: Upstream | None = None
-        self._facts: tuple[pb.ModelInfo, int] | None = None
-        self._facts_at = 0.0
+        self.client: AsyncClient | None = None
+        self._info: pb.ModelInfo | None = None
+        self._info_at = 0.0
 
-    async def facts(self, metadata) -> tuple[pb.ModelInfo, int]:
-        if self._facts is None or time.monotonic() - self._facts_at > MODEL_INFO_TTL_S:
+    async def model_info(self, metadata) -> pb.ModelInfo:
+        if self._info is None or time.monotonic() - self._info_at > MODEL_INFO_TTL_S:
             try:
-                self._facts = await self.client.model_facts(metadata)
+                self._info = await self.client.model_info(timeout=10, metadata=metadata)
             except grpc.RpcError as e:
                 raise GatewayError.of_rpc(e) from None
-            self._facts_at = time.monotonic()
-        return self._facts
+            self._info_at = time.monotonic()
+        return self._info
 
     # ---- one request ----------------------------------------------------------------------------------------
     async def generate(self, request: Request, body, chat: bool) -> Response:
@@ -105,7 +83,7 @@ class Gateway:
             if (unsupported := body.unsupported()) is not None:
                 raise GatewayError(400, str(unsupported), "invalid_request_error", unsupported.param)
             metadata = metadata_of(request)
-            info, limit = await self.facts(metadata)
+            info = await self.model_info(metadata)
             if body.model is not None and body.model != info.model:
                 raise GatewayError(404, f"The model '{body.model}' does not exist (this server serves "
                                    f"'{info.model}')", "invalid_request_error", "model", "model_not_found")
@@ -115,12 +93,11 @@ class Gateway:
             choices = [Choice(chat, rid, info.model, i, top_logprobs=sampling.get("logprobs"),
                               usage_field=body.include_usage, token_ids=body.return_token_ids)
                        for i in range(len(prompts))]
-            fill_to = limit if chat and body.limit is None else None  # OpenAI's default: the room the context leaves
             calls = []
             try:
                 for i, prompt in enumerate(prompts):
                     calls.append(await self._start(prompt, sampling, rid if len(prompts) == 1 else f"{rid}-{i}",
-                                                   metadata, choices[i], fill_to))
+                                                   metadata, choices[i]))
             except BaseException:
                 for call in calls:
                     call.cancel()
@@ -137,26 +114,22 @@ class Gateway:
             if not streaming:
                 self.metrics.in_flight.dec()
 
-    async def _start(self, prompt, sampling: dict, rid: str, metadata, choice: Choice, fill_to: int | None):
+    async def _start(self, prompt, sampling: dict, rid: str, metadata, choice: Choice) -> "_Call":
         """Opens the Generate stream and reads its Started message, so that admission errors become HTTP errors.
-        fill_to: max_tokens is the room the context leaves (learnt from the server's answer to a first try)."""
-        if fill_to is not None:
-            sampling = {**sampling, "max_tokens": max(1, fill_to - 1)}
-        call = self.client.generate_call(prompt, sampling, rid, metadata, self.request_timeout_s)
+        (A request without max_tokens gets the rest of the context from the server.)"""
+        stream = self.client.stream(prompt, request_id=rid, timeout=self.request_timeout_s, metadata=metadata,
+                                    **sampling)
+        call = _Call(stream)
         try:
-            first = await call.read()
+            first = await anext(call.messages, None)
         except grpc.RpcError as e:
             call.cancel()
-            match = _PROMPT_LEN.search(e.details() or "") if fill_to is not None else None
-            if match and e.code() == grpc.StatusCode.INVALID_ARGUMENT and int(match.group(1)) < fill_to:
-                return await self._start(prompt, {**sampling, "max_tokens": fill_to - int(match.group(1))}, rid,
-                                         metadata, choice, None)
             self.metrics.upstream_errors.labels(e.code().name).inc()
             raise GatewayError.of_rpc(e) from None
         except BaseException:
             call.cancel()
             raise
-        if first is grpc.aio.EOF or first.WhichOneof("kind") != "started":
+        if first is None or first.WhichOneof("kind") != "started":
             call.cancel()
             raise GatewayError(502, "the server's stream did not start with Started", "server_error")
         choice.started_msg(first.started)
@@ -165,7 +138,7 @@ class Gateway:
     async def _collect(self, request: Request, calls, choices, chat, rid, model, endpoint, arrival) -> Response:
         async def read(call, choice: Choice) -> str:
             replica = ""
-            while (msg := await call.read()) is not grpc.aio.EOF:
+            async for msg in call.messages:
                 kind = msg.WhichOneof("kind")
                 if kind == "delta":
                     choice.add(msg.delta)
@@ -255,8 +228,21 @@ class _EventStream(StreamingResponse):
             self.metrics.in_flight.dec()
 
 
-async def _one(call, choice: Choice):
-    while (msg := await call.read()) is not grpc.aio.EOF:
+class _Call:
+    """One Generate stream: its raw messages (the AsyncStream's) and cancel()."""
+
+    __slots__ = ("stream", "messages")
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.messages = stream.messages()
+
+    def cancel(self) -> None:
+        self.stream.cancel()
+
+
+async def _one(call: _Call, choice: Choice):
+    async for msg in call.messages:
         kind = msg.WhichOneof("kind")
         if kind == "delta":
             if (chunk := choice.delta_chunk(msg.delta)) is not None:
@@ -296,5 +282,6 @@ async def _disconnected(request: Request) -> None:
 
 
 def metadata_of(request: Request):
+    """The caller's `Authorization: Bearer ...` header, forwarded as the gRPC metadata `authorization`."""
     auth = request.headers.get("authorization")
     return (("authorization", auth),) if auth else None

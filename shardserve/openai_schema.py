@@ -86,7 +86,7 @@ class _Request(BaseModel):
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]  # text or token ids; a list of several: one choice each
-    max_tokens: int | None = None  # absent: the server's default, 16 (OpenAI's too)
+    max_tokens: int | None = None  # absent: OpenAI's default for completions, 16
     logprobs: int | None = None  # the sampled token's logprob plus the top N
     echo: bool = False
     best_of: int | None = None
@@ -112,8 +112,7 @@ class CompletionRequest(_Request):
 
     def sampling(self) -> dict[str, Any]:
         fields = super().sampling()
-        if self.max_tokens is not None:
-            fields["max_tokens"] = self.max_tokens
+        fields["max_tokens"] = 16 if self.max_tokens is None else self.max_tokens
         if self.logprobs is not None:
             fields["logprobs"] = self.logprobs
         return fields
@@ -145,7 +144,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None  # absent (both): whatever room the context leaves
+    max_completion_tokens: int | None = None  # absent (both): the server's, the rest of the context
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict] | None = None

@@ -82,6 +82,19 @@ def test_check_request_rejects_what_could_never_run():
             check_request(ids, params, limits)
 
 
+def test_max_tokens_none_is_the_rest_of_the_context_and_the_shared_params_stay_as_they_were():
+    limits = RequestLimits(vocab_size=VOCAB, max_model_len=32, block_size=BS, num_kv_blocks=4)  # cache: 17 tokens
+    rest = SamplingParams(max_tokens=None, min_tokens=2)
+    assert check_request([1] * 10, rest, RequestLimits(VOCAB, 32, BS, 100)).max_tokens == 22  # max_model_len - 10
+    assert check_request([1] * 10, rest, limits).max_tokens == 7  # 4 blocks of 4 hold 16 KV positions: 17 tokens
+    assert rest.max_tokens is None and check_request([1] * 3, rest, limits).max_tokens == 14
+    ok = SamplingParams(max_tokens=4)
+    assert check_request([1] * 3, ok, limits) is ok
+    for prompt_len in (16, 17):  # room for 1 token, fewer than min_tokens; none at all
+        with pytest.raises(ValueError, match="leaves no room"):
+            check_request([1] * prompt_len, rest, limits)
+
+
 def test_each_admission_checks_the_request_once(monkeypatch):
     calls = []
     original = admission.check_request
@@ -139,4 +152,5 @@ def test_generate_request_maps_onto_sampling_params_by_field_name():
     assert params == SamplingParams(temperature=0.0, top_k=5, seed=7, stop=["x", "y"], stop_token_ids=[3],
                                     ignore_eos=True, logprobs=0, min_tokens=2, max_tokens=9)
     unset = request_from_proto(_generate_request(prompt=[1], request_id="r"))
-    assert unset[1] == SamplingParams() and unset[2] == "r"  # unset optional fields: SamplingParams' defaults
+    # unset optional fields: SamplingParams' defaults, but max_tokens: the rest of the context (None)
+    assert unset[1] == SamplingParams(max_tokens=None) and unset[2] == "r"

@@ -36,6 +36,8 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         self.metadata.append(dict(context.invocation_metadata()))
         self.peers.append(context.peer())
         name = request.text
+        if name == "CHECK_TOKEN" and self.metadata[-1].get("authorization") != "Bearer sk-good":
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
         if name in grpc.StatusCode.__members__:
             context.abort(grpc.StatusCode[name], f"fake {name}")
         yield pb.GenerateResponse(started=pb.GenerateResponse.Started(request_id=request.request_id,
@@ -72,7 +74,8 @@ def fake():
 
 
 @pytest.mark.parametrize("code,status", [("INVALID_ARGUMENT", 400), ("RESOURCE_EXHAUSTED", 429),
-                                         ("UNAVAILABLE", 503), ("DEADLINE_EXCEEDED", 504), ("INTERNAL", 500)])
+                                         ("UNAVAILABLE", 503), ("DEADLINE_EXCEEDED", 504), ("INTERNAL", 500),
+                                         ("UNAUTHENTICATED", 401), ("PERMISSION_DENIED", 403)])
 @pytest.mark.parametrize("stream", [False, True])
 def test_grpc_statuses_become_their_http_codes_with_openai_error_bodies(fake, code, status, stream):
     reply = httpx.post(f"{fake[2]}/v1/completions", json={"prompt": code, "stream": stream}, timeout=30)
@@ -101,6 +104,21 @@ def test_the_authorization_header_reaches_the_server_as_grpc_metadata(fake):
     assert servicer.metadata[-1]["authorization"] == "Bearer sk-test-123"
     httpx.post(f"{base}/v1/completions", json={"prompt": "hello"})
     assert "authorization" not in servicer.metadata[-1]
+
+
+def test_a_token_the_server_refuses_is_an_http_401_and_a_good_one_passes(fake):
+    """The server checks the forwarded `authorization` metadata (here the fake): UNAUTHENTICATED becomes 401, which
+    the openai package raises as AuthenticationError."""
+    base = fake[2]
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="sk-bad", max_retries=0) as client:
+        with pytest.raises(openai.AuthenticationError, match="a valid bearer token is required"):
+            client.completions.create(model="fake", prompt="CHECK_TOKEN")
+        with pytest.raises(openai.AuthenticationError):
+            client.completions.create(model="fake", prompt="CHECK_TOKEN", stream=True)
+    with openai.OpenAI(base_url=f"{base}/v1", api_key="sk-good", max_retries=0) as client:
+        assert client.completions.create(model="fake", prompt="CHECK_TOKEN").choices[0].text == "ok"
+    reply = httpx.post(f"{base}/v1/completions", json={"prompt": "CHECK_TOKEN"})  # no header at all
+    assert reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
 
 
 def test_health_follows_the_servers_health(fake):
