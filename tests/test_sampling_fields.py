@@ -51,9 +51,9 @@ def test_flags_parse_to_the_values_they_name():
 def test_client_keywords_reach_the_server_as_the_same_sampling_params():
     prompt, params, _ = request_from_proto(build_request("hi", None, dict(GIVEN)))
     assert prompt == "hi" and params == SamplingParams(**GIVEN)
-    for name in NAMES:  # one at a time: the others take the server's defaults
+    for name in NAMES:  # one at a time: the others take the server's defaults (max_tokens: the rest, None)
         one = request_from_proto(build_request([1], None, {name: GIVEN[name]}))[1]
-        assert one == SamplingParams(**{name: GIVEN[name]}), name
+        assert one == SamplingParams(**{"max_tokens": None, name: GIVEN[name]}), name
     assert request_from_proto(build_request([1], None, {"stop": "END"}))[1].stop == ["END"]
 
 
