@@ -33,6 +33,8 @@ def add_cluster_parsers(sub) -> None:
     serve.add_argument("--http-port", type=int, default=None,
                        help="also serve the OpenAI-compatible HTTP gateway on this port (0 = any free port)")
     serve.add_argument("--http-host", default=None, help="the gateway's bind address (default: --host)")
+    serve.add_argument("--http-workers", type=int, default=1,
+                       help="gateway processes on the HTTP port: a thread of this one, plus N-1 (`gateway --workers`)")
     serve.set_defaults(func=cmd_serve)
 
     client = sub.add_parser("client", help="send prompts to a running `shardserve serve`")
@@ -77,7 +79,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(config, ray_address=args.ray_address, host=args.host, port=args.port,
                  worker_host=args.worker_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
                  strategy=args.placement_strategy, model_name=args.served_model_name,
-                 max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host)
+                 max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host,
+                 http_workers=args.http_workers)
 
 
 def cmd_client(args: argparse.Namespace) -> int:

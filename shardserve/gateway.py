@@ -159,12 +159,23 @@ def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, reques
 
 
 class GatewayThread:
-    """A gateway on a thread of its own (its own event loop): how `shardserve serve --http-port` runs it."""
+    """A gateway on a thread of its own (its own event loop): how `shardserve serve --http-port` runs it. workers > 1:
+    and workers - 1 gateway processes on the same port (`--http-workers`), stopped with it."""
 
     def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0,
-                 request_timeout_s: float | None = None, ready_timeout_s: float = 30.0) -> None:
-        sock = bind(host, port)
+                 request_timeout_s: float | None = None, ready_timeout_s: float = 30.0, workers: int = 1) -> None:
+        if workers < 1:
+            raise ValueError(f"--http-workers must be >= 1, got {workers}")
+        sock = bind(host, port, reuse_port=workers > 1)
         self.address = f"{host}:{sock.getsockname()[1]}"
+        self._workers = None
+        if workers > 1:
+            try:
+                self._workers = Workers(workers, _local(upstream), host, sock.getsockname()[1], request_timeout_s,
+                                        access_log=False, ready_timeout_s=ready_timeout_s)
+            except BaseException:
+                sock.close()
+                raise
         self._server = _server(upstream, sock, request_timeout_s, access_log=False)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="shardserve-gateway", daemon=True)
@@ -178,8 +189,12 @@ class GatewayThread:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stops accepting, lets open responses end (up to uvicorn's 5 s grace), closes the gRPC channel."""
+        if self._workers is not None:
+            self._workers.signal(signal.SIGTERM)  # they drain while this thread's server does
         self._server.should_exit = True
         self._thread.join(timeout_s)
+        if self._workers is not None:
+            self._workers.stop(timeout_s)
 
 
 def _param(loc) -> str | None:

@@ -1,7 +1,8 @@
 """The HTTP gateway's own Prometheus metrics (GET /metrics): requests by endpoint and status, latency, time to the
 first token, tokens, client disconnects. Each gateway has a registry of its own, so that several in one process
 (tests, `serve --http-port` next to a standalone one) do not collide; the server's engine metrics stay on the
-server's --metrics-port."""
+server's --metrics-port. A gateway of several processes (--workers) has one registry per process, and a scrape
+gets the counts of whichever process accepts its connection (no multi-process aggregation yet)."""
 
 from __future__ import annotations
 

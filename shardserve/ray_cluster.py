@@ -165,7 +165,7 @@ def resolve_ray_address(address: str | None) -> str:
 def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
-          http_host: str | None = None) -> int:
+          http_host: str | None = None, http_workers: int = 1) -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails (exits 1). http_port: also
     the HTTP gateway (shardserve/gateway.py), started once the server is ready, stopped after the drain."""
     import ray
@@ -204,7 +204,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         if http_port is not None:
             from shardserve.gateway import GatewayThread
 
-            gateway = GatewayThread(cluster.address, http_host or host, http_port)
+            gateway = GatewayThread(cluster.address, http_host or host, http_port, workers=http_workers)
             print(f"shardserve gateway ready: http://{gateway.address}/v1", flush=True)
         while not stop.wait(1.0):
             try:
