@@ -129,8 +129,11 @@ def filter_thresholds(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torc
     number, 0 = off) -> [n] float32 thresholds on x = logit * inv_temp: a row keeps the tokens with x >= its
     threshold (-inf: all)."""
     n, vocab = logits.shape
-    if logits.stride(1) != 1:
-        logits = logits.contiguous()
+    # The search reads float32: at batch 256 x 151,936 on an H200 the whole top-p call took 1.35 ms from float32
+    # logits and 2.00 ms from bf16 ones (its passes over bf16 rows ran about twice as long), and a copy costs one
+    # pass. The cast is exact, so the cut-off is the same value the draw compares with the bf16 logits.
+    if logits.dtype != torch.float32 or logits.stride(1) != 1:
+        logits = logits.to(torch.float32, memory_format=torch.contiguous_format)
     out = torch.empty(n, dtype=torch.float32, device=logits.device)
     if n:
         _threshold_kernel[(n,)](logits, logits.stride(0), inv_temps, top_k, top_p, min_p, out, vocab,
