@@ -213,24 +213,30 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The GPU draw: one Triton pass per row (kernels/sampling.py: Gumbel-max over hashed uniforms of the same
-    per-row key) over the unscaled logits. Top-k, top-p and min-p become one cut-off per row, searched without a
-    sort (kernels/sampling_filter.py; ties at the cut-off are kept), which the draw applies as it reads."""
+    per-row key). With top-p in the batch, top-k, top-p and min-p become one cut-off per row, searched without a
+    sort (kernels/sampling_filter.py; ties at the cut-off are kept), which the draw applies as it reads the unscaled
+    logits. Without top-p, top-k (torch.topk's k-th value) and min-p mask a scaled copy as before: that path never
+    sorted, and the search's top-k figure at batch 256 is unexplained (docs/performance.md)."""
     from shardserve.kernels.sampling import gumbel_sample, split_keys
     from shardserve.kernels.sampling_filter import filter_thresholds, filter_thresholds_ref
 
     device = logits.device
     keys = device_tensor(split_keys([row_key(r.spec.seed, r.output_index) for r in rows]), torch.int64, device)
     vocab = logits.shape[1]
-    # one copy to the device: 1 / temperature, then (with filters) top-k (0: off), top-p, min-p
+    search = any(r.spec.top_p < 1.0 for r in rows)
+    # one copy to the device: 1 / temperature, then (searching) top-k (0: off), top-p, min-p
     params = [1.0 / r.spec.temperature for r in rows]
-    if _uses_filters(rows):
+    if search:
         params += [float(r.spec.top_k if 0 < r.spec.top_k < vocab else 0) for r in rows]
         params += [r.spec.top_p for r in rows] + [r.spec.min_p for r in rows]
     params = device_tensor(params, torch.float32, device).view(-1, len(rows))
     inv_temps, thresholds = params[0], None
-    if params.shape[0] > 1:
+    if search:
         find = filter_thresholds if logits.is_cuda else filter_thresholds_ref  # CPU: the tests of this path
         thresholds = find(logits, inv_temps, params[1], params[2], params[3])
+    elif _uses_filters(rows):
+        logits = _filter(logits * inv_temps.unsqueeze(1), rows)
+        inv_temps = torch.ones_like(inv_temps)
     return gumbel_sample(logits, keys.view(-1, 2), inv_temps, thresholds)
 
 

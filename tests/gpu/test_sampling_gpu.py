@@ -71,7 +71,8 @@ def test_sampled_tokens_stay_in_the_kept_set_and_depend_only_on_row_and_seed():
     assert torch.equal(sample_tokens(logits, rows), tokens)
     inv_t = torch.full((n,), 1 / 0.7, device="cuda")
     top_k = torch.tensor([40.0 if i % 3 == 0 else 0.0 for i in range(n)], device="cuda")
-    cut = filter_thresholds_ref(logits, inv_t, top_k, torch.full((n,), 0.9, device="cuda"), torch.zeros(n, device="cuda"))
+    top_p, min_p = torch.full((n,), 0.9, device="cuda"), torch.zeros(n, device="cuda")
+    cut = filter_thresholds_ref(logits, inv_t, top_k, top_p, min_p)
     chosen = logits.float().gather(1, tokens.unsqueeze(1)).squeeze(1) * inv_t
     assert torch.all(chosen >= cut)
     for i in (0, 5, 255):
