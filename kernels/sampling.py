@@ -3,8 +3,9 @@
 The Gumbel-max trick: argmax_i(logit_i / T + g_i), with g_i = -log(-log(u_i)) and u_i uniform in (0, 1), picks
 token i with probability softmax(logit / T)_i. Each u_i is a hash of (the row's 64-bit key, i), so a row's token
 is a pure function of its logits and its key (sampler.row_key(seed, index of the token being generated)): the
-same on every tensor-parallel rank, whatever the batch around it. Masked tokens (-inf logits, from top-k, top-p,
-min-p or min_tokens) are never picked.
+same on every tensor-parallel rank, whatever the batch around it. Masked tokens (-inf logits, from min_tokens or
+penalties) are never picked, nor, when a row has a threshold (kernels/sampling_filter.py: top-k, top-p, min-p as
+one cut-off), the tokens with logit / T below it.
 
 The hash: two rounds of murmur3's 32-bit finaliser, over the token index xor each half of the key, computed in
 int64 and masked to 32 bits after every multiply (the same arithmetic in the interpreter and compiled). u takes the
@@ -30,16 +31,19 @@ def _fmix32(h):
 
 
 @triton.jit
-def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, inv_temps_ptr, best_ptr, index_ptr, vocab, chunk,
-                          BLOCK: tl.constexpr):
+def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, inv_temps_ptr, thresholds_ptr, best_ptr, index_ptr, vocab,
+                          chunk, BLOCK: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
     """Grid (rows, chunks). Program (r, c) scans vocabulary entries [c * chunk, (c + 1) * chunk) of row r and
-    writes its best score and index to best[r, c], index[r, c]. keys: [rows, 2] int64 (low, high 32 bits)."""
+    writes its best score and index to best[r, c], index[r, c]. keys: [rows, 2] int64 (low, high 32 bits).
+    HAS_THRESHOLD: only tokens with logit * inv_temp >= thresholds[r] compete."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     num_parts = tl.num_programs(1)
     k0 = tl.load(keys_ptr + 2 * row)
     k1 = tl.load(keys_ptr + 2 * row + 1)
     inv_t = tl.load(inv_temps_ptr + row)
+    if HAS_THRESHOLD:
+        threshold = tl.load(thresholds_ptr + row)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_idx = tl.zeros([BLOCK], tl.int64)
     lo = part * chunk
@@ -51,7 +55,10 @@ def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, inv_temps_ptr, best_ptr,
         h = _fmix32(_fmix32(cols ^ k0) ^ k1)
         u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
         score = logit * inv_t - tl.log(-tl.log(u))
-        score = tl.where(mask & (logit > float("-inf")), score, float("-inf"))
+        keep = mask & (logit > float("-inf"))
+        if HAS_THRESHOLD:
+            keep = keep & (logit * inv_t >= threshold)
+        score = tl.where(keep, score, float("-inf"))
         better = score > best  # per lane: ties keep the lower index (seen first)
         best = tl.where(better, score, best)
         best_idx = tl.where(better, cols, best_idx)
@@ -71,9 +78,11 @@ def split_keys(keys: list[int]) -> list[int]:
     return out
 
 
-def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Tensor) -> torch.Tensor:
+def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Tensor,
+                  thresholds: torch.Tensor | None = None) -> torch.Tensor:
     """logits [n, V] (float32/bf16; -inf = excluded), keys [n, 2] int64 (split_keys), inv_temps [n] float32
-    (1 / temperature) -> [n] int64 token ids."""
+    (1 / temperature), thresholds [n] float32 or None (a row draws among the tokens with logit * inv_temp >= its
+    threshold) -> [n] int64 token ids."""
     n, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -87,8 +96,9 @@ def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Ten
     parts = triton.cdiv(vocab, chunk)
     best = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
     index = torch.empty(n, parts, dtype=torch.int64, device=logits.device)
-    _gumbel_argmax_kernel[(n, parts)](logits, logits.stride(0), keys, inv_temps, best, index, vocab, chunk,
-                                      BLOCK=_BLOCK)
+    _gumbel_argmax_kernel[(n, parts)](logits, logits.stride(0), keys, inv_temps,
+                                      inv_temps if thresholds is None else thresholds, best, index, vocab, chunk,
+                                      BLOCK=_BLOCK, HAS_THRESHOLD=thresholds is not None)
     if parts == 1:
         return index.view(n)
     return index.gather(1, best.argmax(dim=1, keepdim=True)).view(n)
@@ -102,12 +112,16 @@ def _fmix32_ref(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def gumbel_sample_ref(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Tensor) -> torch.Tensor:
+def gumbel_sample_ref(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Tensor,
+                      thresholds: torch.Tensor | None = None) -> torch.Tensor:
     """The same draw in torch (int64 arithmetic): the reference the kernel is tested against."""
     n, vocab = logits.shape
     cols = torch.arange(vocab, dtype=torch.int64, device=logits.device).unsqueeze(0)
     h = _fmix32_ref(_fmix32_ref(cols ^ keys[:, :1]) ^ keys[:, 1:])
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
     score = logits.float() * inv_temps.unsqueeze(1) - torch.log(-torch.log(u))
-    score = torch.where(logits.float() > float("-inf"), score, float("-inf"))
+    keep = logits.float() > float("-inf")
+    if thresholds is not None:
+        keep &= logits.float() * inv_temps.unsqueeze(1) >= thresholds.unsqueeze(1)
+    score = torch.where(keep, score, float("-inf"))
     return score.argmax(dim=1)

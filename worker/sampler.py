@@ -163,10 +163,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
         threshold = top_vals.gather(1, (k.clamp(max=kmax) - 1).unsqueeze(1))
         threshold = torch.where(k.unsqueeze(1) >= vocab, torch.full_like(threshold, float("-inf")), threshold)
         return logits.masked_fill(logits < threshold, float("-inf"))
-    # One sort of the whole vocabulary. Measured on an H200 (batch 256 x 151,936, bf16 logits): the sampling call
-    # with top_p takes 6.0 ms this way; taking the 1024 largest logits first (exact when they hold top_p of the
-    # mass) took 6.8 ms, because torch.topk at that size is slower than the sort. A Triton top-p without a sort
-    # (a search for the cut-off value over a few passes) is what would win here.
+    # One sort of the whole vocabulary (the CPU path; CUDA searches a cut-off instead, kernels/sampling_filter.py).
+    # On an H200 (batch 256 x 151,936, bf16 logits) the sampling call with top_p took 6.0 ms this way.
     sorted_logits, order = torch.sort(logits, dim=1, descending=True)
     rank = torch.arange(vocab, device=device).unsqueeze(0)
     sorted_logits = sorted_logits.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
@@ -214,17 +212,32 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
 
 
 def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-    """The GPU draw: filters as -inf logits, then one Triton pass per row (kernels/sampling.py: Gumbel-max over
-    hashed uniforms of the same per-row key). Without top-k/top-p/min-p the logits are read once, unscaled."""
+    """The GPU draw: one Triton pass per row (kernels/sampling.py: Gumbel-max over hashed uniforms of the same
+    per-row key). With top-p in the batch, top-k, top-p and min-p become one cut-off per row, searched without a
+    sort (kernels/sampling_filter.py; ties at the cut-off are kept), which the draw applies as it reads the unscaled
+    logits. Without top-p, top-k (torch.topk's k-th value) and min-p mask a scaled copy as before: that path never
+    sorted, and the search's top-k figure at batch 256 is unexplained (docs/performance.md)."""
     from shardserve.kernels.sampling import gumbel_sample, split_keys
+    from shardserve.kernels.sampling_filter import filter_thresholds, filter_thresholds_ref
 
     device = logits.device
-    inv_temps = device_tensor([1.0 / r.spec.temperature for r in rows], torch.float32, device)
     keys = device_tensor(split_keys([row_key(r.spec.seed, r.output_index) for r in rows]), torch.int64, device)
-    if _uses_filters(rows):
+    vocab = logits.shape[1]
+    search = any(r.spec.top_p < 1.0 for r in rows)
+    # one copy to the device: 1 / temperature, then (searching) top-k (0: off), top-p, min-p
+    params = [1.0 / r.spec.temperature for r in rows]
+    if search:
+        params += [float(r.spec.top_k if 0 < r.spec.top_k < vocab else 0) for r in rows]
+        params += [r.spec.top_p for r in rows] + [r.spec.min_p for r in rows]
+    params = device_tensor(params, torch.float32, device).view(-1, len(rows))
+    inv_temps, thresholds = params[0], None
+    if search:
+        find = filter_thresholds if logits.is_cuda else filter_thresholds_ref  # CPU: the tests of this path
+        thresholds = find(logits, inv_temps, params[1], params[2], params[3])
+    elif _uses_filters(rows):
         logits = _filter(logits * inv_temps.unsqueeze(1), rows)
         inv_temps = torch.ones_like(inv_temps)
-    return gumbel_sample(logits, keys.view(-1, 2), inv_temps)
+    return gumbel_sample(logits, keys.view(-1, 2), inv_temps, thresholds)
 
 
 def token_logprobs(

@@ -1,0 +1,78 @@
+"""Times the sampler's top-p on one GPU: the sort (the path before the cut-off search) against the sort-free cut-off,
+at batch 1, 32 and 256 x the Qwen3 vocabulary (151,936, bf16 logits), with CUDA events around the whole call.
+
+    python tests/gpu/sampling_timing.py OUT.json     # on a CUDA host, from the project root
+
+Not a test (no timing asserts); docs/performance.md records its figures with the command, machine, date and commit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from shardserve.kernels import sampling_filter
+from shardserve.kernels.sampling import gumbel_sample, split_keys
+from shardserve.proto.plan import SamplingSpec
+from shardserve.worker.sampler import SamplingRow, _filter, row_key, sample_tokens
+
+VOCAB = 151936
+
+
+def _ms(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
+def _sort_top_p(logits, rows):
+    """The sampler's CUDA path before the cut-off search: scaled float copy, the sort-based filter, the draw."""
+    inv_t = torch.tensor([1.0 / r.spec.temperature for r in rows], device="cuda")
+    keys = torch.tensor(split_keys([row_key(r.spec.seed, r.output_index) for r in rows]), dtype=torch.int64,
+                        device="cuda").view(-1, 2)
+    return gumbel_sample(_filter(logits * inv_t.unsqueeze(1), rows), keys, torch.ones_like(inv_t))
+
+
+def main(path: str) -> None:
+    out = {"device": torch.cuda.get_device_name(), "vocab": VOCAB, "dtype": "bfloat16", "ms": {}}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch in (1, 32, 256):
+        logits = (torch.randn(batch, VOCAB, device="cuda", generator=gen) * 2).to(torch.bfloat16)
+        spec = lambda **kw: [SamplingRow(SamplingSpec(temperature=0.7, seed=i, **kw), [1], 1)  # noqa: E731
+                             for i in range(batch)]
+        nucleus = spec(top_p=0.9)
+        logits_f32 = logits.float()
+        inv_t = torch.full((batch,), 1 / 0.7, device="cuda")
+        zeros, p = torch.zeros(batch, device="cuda"), torch.full((batch,), 0.9, device="cuda")
+        row = {
+            "temperature_only": _ms(lambda: sample_tokens(logits, spec())),
+            "top_p_sort": _ms(lambda: _sort_top_p(logits, nucleus), repeats=10),
+            "top_p": _ms(lambda: sample_tokens(logits, nucleus)),
+            "top_p_cut_off_kernel": _ms(lambda: sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros)),
+            "top_k_50": _ms(lambda: sample_tokens(logits, spec(top_k=50))),
+            "top_k_50_top_p": _ms(lambda: sample_tokens(logits, spec(top_k=50, top_p=0.9))),
+            "min_p_0.05": _ms(lambda: sample_tokens(logits, spec(min_p=0.05))),
+            "top_p_float32_logits": _ms(lambda: sample_tokens(logits_f32, nucleus)),
+        }
+        for pivots in (8, 32):  # the pivots-per-pass setting (16 by default)
+            sampling_filter._PIVOTS = pivots
+            row[f"top_p_cut_off_kernel_{pivots}_pivots"] = _ms(
+                lambda: sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros))
+        sampling_filter._PIVOTS = 16
+        out["ms"][str(batch)] = {k: round(v, 4) for k, v in row.items()}
+        print(batch, out["ms"][str(batch)], flush=True)
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
