@@ -13,21 +13,24 @@ NOT_SERVING) once no replica is serving.
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import logging
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from shardserve.cluster.admission import Prompt, has_chat_template
+from shardserve.cluster.admission import Prompt, encode_prompt, has_chat_template
 from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import StepReport
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
 from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.outputs import RequestDelta
-from shardserve.cluster.replica import Replica, ReplicaState
+from shardserve.cluster.replica import Replica
+from shardserve.cluster.router import Router, prompt_block_hashes
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.transport import host_port
@@ -68,6 +71,7 @@ class ControllerConfig:
     metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
     name: str = "replica"  # replica i is "{name}/{i}", named in every stream's last message
     num_replicas: int = 1
+    routing: str = "cache-aware"  # cluster/router.py POLICIES
     health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
     max_live_requests: int = 4096  # admission limit: beyond it Generate answers RESOURCE_EXHAUSTED (read per call)
 
@@ -103,6 +107,12 @@ class Controller:
                     config.health_check_interval_s)
             for i in range(config.num_replicas)
         ]
+        self._position = {r.id: i for i, r in enumerate(self.replicas)}
+        self.router = Router(self.replicas, config.routing)
+        # The controller's own copy of the tokenizer, used on this one thread only (the engines' copies stay on
+        # their engine threads): prompts are tokenized before routing, which needs their block hashes.
+        self._tokenizer = None
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="shardserve-tokenize")
         self._started_at = time.time()
         self._live: dict[str, LiveRequest] = {}
         self._idle = asyncio.Event()  # set while no request is live (drain waits on it)
@@ -138,6 +148,7 @@ class Controller:
         if self.state is not State.STARTING:  # shut down while loading
             return
         engine = self.replicas[0].engine
+        self._tokenizer = copy.deepcopy(engine.tokenizer)  # no step has run yet: nothing else touches it
         self.has_chat_template = has_chat_template(engine.tokenizer)
         self.state = State.SERVING
         await self._set_health(True)
@@ -168,7 +179,8 @@ class Controller:
         for live in cut:
             self._end(live.req_id, ServerUnavailable(f"the server shut down before request {live.req_id} finished "
                                                      f"(aborted after a {grace_s:g} s drain)"), outcome="abort")
-            live.replica.abort(live.req_id)
+            if live.replica is not None:
+                live.replica.abort(live.req_id)
         return len(cut)
 
     async def shutdown(self, grace_s: float = 30.0) -> int:
@@ -180,6 +192,7 @@ class Controller:
             self._load_task.cancel()
         if self._server is not None:
             await self._server.stop(1.0)
+        self._tokenize_pool.shutdown(wait=False)
         self.metrics.close()
         return cut
 
@@ -196,14 +209,24 @@ class Controller:
         error = self._failure or self._load_error
         return {"state": self.state.value, "address": self.address, "metrics_address": self.metrics_address,
                 "live_requests": len(self._live), "error": repr(error) if error else None,
-                "replicas": {r.id: r.state.value for r in self.replicas}}
+                "replicas": {r.id: r.state.value for r in self.replicas},
+                "routed": dict(zip(self._position, self.router.num_routed))}
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def _route(self) -> Replica:
-        serving = [r for r in self.replicas if r.serving]
-        if not serving:
-            raise ServerUnavailable("no replica is serving")
-        return min(serving, key=lambda r: r.load.outstanding_tokens)
+    async def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """encode_prompt on the tokenize thread (token ids, the common case of a busy server, stay here)."""
+        if isinstance(prompt, (list, tuple)) and (not prompt or not isinstance(prompt[0], dict)):
+            return encode_prompt(prompt, None)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, encode_prompt, prompt, self._tokenizer)
+
+    def _route(self, token_ids: list[int]) -> Replica:
+        hashes = (prompt_block_hashes(token_ids, self.config.engine.block_size)
+                  if self.router.policy == "cache-aware" else ())
+        try:
+            return self.replicas[self.router.route(hashes)[0]]
+        except LookupError as e:
+            raise ServerUnavailable(str(e)) from None
 
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
         """Admits a request on a replica (Engine.admit, on its engine thread). Raises ValueError for bad input,
@@ -217,25 +240,30 @@ class Controller:
             req_id = req_id if req_id is not None else uuid.uuid4().hex
             if req_id in self._live:
                 raise ValueError(f"request id {req_id!r} is already in use")
-            replica = self._route()
-            live = LiveRequest(req_id, asyncio.Queue(), replica=replica)
-            self._live[req_id] = live  # before the engine sees it, so that no delta can miss its queue
+            live = LiveRequest(req_id, asyncio.Queue())
+            self._live[req_id] = live  # first: the id is taken while the prompt is tokenized
             self._idle.clear()
             try:
-                live.num_prompt_tokens = await replica.admit(req_id, prompt, params)
+                text, token_ids = await self._encode(prompt)
+                if self.state is not State.SERVING:
+                    raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
+                live.replica = replica = self._route(token_ids)
+                live.cost = len(token_ids) + params.max_tokens  # counted now: the next request's route sees it
+                replica.note_admitted(live.cost)
+                live.num_prompt_tokens = len(token_ids)
+                await replica.admit(req_id, token_ids, params, text)
             except BaseException as e:
+                if self._live.get(req_id) is live and live.cost:
+                    live.replica.note_finished(live.cost)
                 self._forget(req_id)
-                if isinstance(e, asyncio.CancelledError):  # the client left while we waited: undo the add
-                    replica.abort(req_id)
-                elif not isinstance(e, ValueError):  # the engine loop died meanwhile
+                if isinstance(e, asyncio.CancelledError) and live.replica is not None:  # the client left while
+                    live.replica.abort(req_id)  # we waited: undo the add
+                elif not isinstance(e, (ValueError, ServerUnavailable, asyncio.CancelledError)):  # the engine loop died meanwhile
                     raise ServerUnavailable(f"the engine failed: {e!r}") from e
                 raise
         except (ValueError, ServerUnavailable, ServerOverloaded):
             self.note_rejected()
             raise
-        if req_id in self._live:  # not already ended by a replica failure
-            live.cost = live.num_prompt_tokens + (params.max_tokens or 0)
-            replica.note_admitted(live.cost)
         self.metrics.prompt_tokens.inc(live.num_prompt_tokens)
         return live
 
@@ -246,7 +274,7 @@ class Controller:
     async def abort(self, req_id: str) -> None:
         """Ends a live request with finish reason ABORT. Raises UnknownRequest when no live request has the id."""
         live = self._live.get(req_id)
-        if live is None:
+        if live is None or live.replica is None:
             raise UnknownRequest(req_id)
         try:
             found = await asyncio.wrap_future(live.replica.abort(req_id))
@@ -260,7 +288,8 @@ class Controller:
         live = self._live.get(req_id)
         if live is not None:
             self._end(req_id, None, outcome="abort")
-            live.replica.abort(req_id)
+            if live.replica is not None:
+                live.replica.abort(req_id)
 
     async def server_stats(self) -> tuple[EngineStats | None, dict]:
         """Fresh engine stats (taken between two steps), summed over the serving replicas, and the controller's
@@ -273,7 +302,9 @@ class Controller:
                        "uptime_s": time.time() - self._started_at}
 
     # ---- from the replicas (on the event loop) --------------------------------------------------------------
-    def _dispatch(self, report: StepReport) -> None:
+    def _dispatch(self, replica: Replica, report: StepReport) -> None:
+        if report.block_events:
+            self.router.apply_events(self._position[replica.id], report.block_events)
         self.metrics.step_time.observe(report.step_s)
         self.metrics.observe_stats(report.stats)
         now = time.perf_counter()
@@ -292,6 +323,7 @@ class Controller:
     def _on_replica_failure(self, replica: Replica, error: BaseException) -> None:
         """A replica failed: its live requests end with UNAVAILABLE; the server fails once none is serving."""
         self._failure = error
+        self.router.forget(self._position[replica.id])
         for live in [live for live in self._live.values() if live.replica is replica]:
             self._end(live.req_id, ServerUnavailable(f"a worker failed: {error}"), outcome="error")
         if not any(r.serving for r in self.replicas) and self.state in (State.SERVING, State.DRAINING):

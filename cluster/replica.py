@@ -3,7 +3,7 @@ state, its health and its load.
 
     replica = Replica("serve-1a2b/0", engine_config, build_engine, on_step, on_failure)
     await replica.start()                         # build_engine(config) in a thread; STARTING -> SERVING | FAILED
-    n = await replica.admit(req_id, prompt, params)   # Engine.admit on the engine thread; -> prompt tokens
+    await replica.admit(req_id, token_ids, params)   # Engine.add_request on the engine thread
     replica.abort(req_id)                         # a concurrent Future[bool]
     replica.state, replica.load                   # what the router weighs
     await replica.stop()                          # the loop stops, the engine (and its workers) shut down
@@ -14,7 +14,8 @@ state, its health and its load.
 RayGroupFactory), so starting again means a fresh group; the engine's shutdown takes the group down with it.
 
 Threads: the controller's event loop calls every method here; the engine thread calls on_step (a StepReport) and
-reports failures, both handed over to the event loop: on_step(report) and on_failure(replica, error) run there.
+reports failures, both handed over to the event loop: on_step(replica, report) and on_failure(replica, error) run
+there.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from shardserve.cluster.admission import Prompt
 from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import EngineLoop, StepReport
 from shardserve.cluster.sampling_params import SamplingParams
@@ -58,7 +58,7 @@ class Replica:
         replica_id: str,
         engine_config: EngineConfig,
         build_engine: Callable[[EngineConfig], Engine],
-        on_step: Callable[[StepReport], None],
+        on_step: Callable[[Replica, StepReport], None],
         on_failure: Callable[[Replica, BaseException], None],
         health_check_interval_s: float = 5.0,
     ) -> None:
@@ -132,9 +132,11 @@ class Replica:
             return future
         return self._engine_loop.submit(fn)
 
-    async def admit(self, req_id: str, prompt: Prompt, params: SamplingParams) -> int:
-        """Engine.admit on the engine thread; returns the prompt's token count (ValueError for bad input)."""
-        return await asyncio.wrap_future(self.submit(lambda engine: engine.admit(req_id, prompt, params)))
+    async def admit(self, req_id: str, token_ids: list[int], params: SamplingParams, text: str | None = None) -> None:
+        """Engine.add_request on the engine thread (ValueError for a request that is malformed or can never fit).
+        The prompt is already tokenized: the router needs its token ids (cluster/router.py)."""
+        await asyncio.wrap_future(
+            self.submit(lambda engine: engine.add_request(req_id, token_ids, params, prompt=text)))
 
     def abort(self, req_id: str) -> Future:
         """Engine.abort on the engine thread: a Future of whether the request was live there."""
@@ -172,7 +174,7 @@ class Replica:
 
     def _after_step(self, report: StepReport) -> None:
         self.load.num_free_blocks = report.stats.num_kv_blocks - report.stats.num_kv_blocks_used
-        self._on_step(report)
+        self._on_step(self, report)
 
     def _failure_threadsafe(self, error: BaseException) -> None:
         self._loop.call_soon_threadsafe(self.fail, error)

@@ -136,6 +136,8 @@ def start_cluster(
     model_name: str | None = None,
     ready_timeout_s: float = 600.0,
     max_live_requests: int = 4096,
+    replicas: int | str = 1,
+    routing: str = "cache-aware",
 ) -> RunningCluster:
     """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
     shardserve.launcher.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
@@ -147,6 +149,7 @@ def start_cluster(
 
     name = f"shardserve-{uuid.uuid4().hex[:8]}"
     served = served_model(config, _model_name(config, model_name))
+    num_replicas = auto_replicas(config) if replicas == "auto" else int(replicas)
     controller = None
     try:
         controller_config = ControllerConfig(
@@ -158,6 +161,8 @@ def start_cluster(
             metrics_port=metrics_port,
             name=name,
             max_live_requests=max_live_requests,
+            num_replicas=num_replicas,
+            routing=routing,
         )
         here = ray.get_runtime_context().get_node_id()
         controller = (
@@ -185,6 +190,19 @@ def start_cluster(
     return RunningCluster(address, status["metrics_address"], controller, name)
 
 
+def auto_replicas(config: EngineConfig) -> int:
+    """--replicas auto: as many TP groups as the cluster's GPUs hold (CUDA), or one per alive node (CPU)."""
+    import ray
+
+    if config.device == "cuda":
+        gpus = int(ray.cluster_resources().get("GPU", 0))
+        if gpus < config.tensor_parallel_size:
+            raise ValueError(f"--replicas auto: the cluster has {gpus} GPU(s), fewer than --tp "
+                             f"{config.tensor_parallel_size}")
+        return gpus // config.tensor_parallel_size
+    return max(1, sum(1 for node in ray.nodes() if node["Alive"]))
+
+
 class _Interrupted(BaseException):
     """SIGTERM or SIGINT before the server was ready (a BaseException, so that cleanup handlers see it)."""
 
@@ -201,7 +219,7 @@ def resolve_ray_address(address: str | None) -> str:
 def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
-          http_host: str | None = None) -> int:
+          http_host: str | None = None, replicas: int | str = 1, routing: str = "cache-aware") -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails (exits 1). http_port: also
     the HTTP gateway (shardserve/gateway.py), started once the server is ready, stopped after the drain."""
     import ray
@@ -230,12 +248,14 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
     try:
         start = time.perf_counter()
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
-                                strategy=strategy, model_name=model_name, max_live_requests=max_live_requests)
+                                strategy=strategy, model_name=model_name, max_live_requests=max_live_requests,
+                                replicas=replicas, routing=routing)
         for s in previous:
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
+        replicas_now = len(cluster.status()["replicas"])
         print(f"shardserve ready: {_model_name(config, model_name)} (tp={config.tensor_parallel_size}, "
-              f"{config.device}) serving on {cluster.address}{metrics} [{time.perf_counter() - start:.1f} s]",
+              f"replicas={replicas_now}, {config.device}) serving on {cluster.address}{metrics} [{time.perf_counter() - start:.1f} s]",
               flush=True)
         if http_port is not None:
             from shardserve.gateway import GatewayThread
