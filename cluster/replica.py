@@ -77,8 +77,13 @@ class Replica:
         self._watch_task: asyncio.Task | None = None
 
     @property
-    def serving(self) -> bool:
-        return self.state is ReplicaState.SERVING
+    def state(self) -> ReplicaState:
+        return self._state
+
+    @state.setter
+    def state(self, value: ReplicaState) -> None:
+        self._state = value
+        self.serving = value is ReplicaState.SERVING  # a plain attribute: the router reads it per request
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:

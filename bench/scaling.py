@@ -1,0 +1,3 @@
+"""placeholder"""
+def add_scaling_parser(kinds, add_engine_args, run):
+    pass
