@@ -152,7 +152,8 @@ def controller_share(num_replicas: int, args: argparse.Namespace) -> dict:
         return dict(replicas=num_replicas, requests=done, requests_per_s=done / wall,
                     output_tok_per_s=done * args.output_len / wall, steps_per_s=steps / wall,
                     ideal_steps_per_s=ideal_steps_per_s, step_efficiency=steps / wall / ideal_steps_per_s,
-                    controller_cores=cpu / wall, event_loop_cores=loop_cpu / wall, threads=threading.active_count())
+                    controller_cores=cpu / wall, event_loop_cores=loop_cpu / wall, threads=threading.active_count(),
+                    cpu_us_per_step=cpu / max(steps, 1) * 1e6, loop_cpu_us_per_request=loop_cpu / max(done, 1) * 1e6)
 
     return asyncio.run(run())
 
@@ -167,7 +168,9 @@ def main(args: argparse.Namespace, engine_kwargs: dict | None = None) -> int:
         if share:
             print(f"controller replicas={m:3d}: {share['requests_per_s']:,.0f} req/s, "
                   f"{share['output_tok_per_s']:,.0f} tok/s, steps {share['step_efficiency']:.0%} of ideal, "
-                  f"controller CPU {share['controller_cores']:.2f} cores (event loop {share['event_loop_cores']:.2f})",
+                  f"controller CPU {share['controller_cores']:.2f} cores (event loop {share['event_loop_cores']:.2f}); "
+                  f"{share['cpu_us_per_step']:.0f} us CPU per engine step, event loop "
+                  f"{share['loop_cpu_us_per_request']:.0f} us per request",
                   flush=True)
         results.append(dict(router=cost, controller=share))
     if args.json_out:

@@ -301,6 +301,19 @@ class Controller:
         return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
                        "uptime_s": time.time() - self._started_at}
 
+    async def replica_stats(self) -> list[dict]:
+        """Per replica: id, state, requests routed to it, and (serving ones) its engine's prompt and cached-prompt
+        token counts (the prefix-cache hit rate) and finished requests."""
+        out = []
+        for i, r in enumerate(self.replicas):
+            row = dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i])
+            if r.serving:
+                s = await r.stats()
+                row.update(prompt_tokens=s.num_prompt_tokens, cached_prompt_tokens=s.num_cached_prompt_tokens,
+                           finished=s.num_finished, generated_tokens=s.num_generated_tokens)
+            out.append(row)
+        return out
+
     # ---- from the replicas (on the event loop) --------------------------------------------------------------
     def _dispatch(self, replica: Replica, report: StepReport) -> None:
         if report.block_events:
