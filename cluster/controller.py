@@ -302,11 +302,13 @@ class Controller:
                        "uptime_s": time.time() - self._started_at}
 
     async def replica_stats(self) -> list[dict]:
-        """Per replica: id, state, requests routed to it, and (serving ones) its engine's prompt and cached-prompt
+        """Per replica: id, state, requests routed to it, the nodes of its ranks (where the executor knows them),
+        and (serving ones) its engine's prompt and cached-prompt
         token counts (the prefix-cache hit rate) and finished requests."""
         out = []
         for i, r in enumerate(self.replicas):
-            row = dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i])
+            row = dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i],
+                       nodes=list(getattr(r.engine.executor, "node_ids", ())) if r.engine is not None else [])
             if r.serving:
                 s = await r.stats()
                 row.update(prompt_tokens=s.num_prompt_tokens, cached_prompt_tokens=s.num_cached_prompt_tokens,

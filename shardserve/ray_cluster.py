@@ -46,6 +46,11 @@ class GroupExecutor(GrpcExecutor):
         self.group = group  # shardserve.launcher.WorkerGroup
         super().__init__(config, group.endpoints, group.init_method)
 
+    @property
+    def node_ids(self) -> list[str]:
+        """The Ray node of each rank (Controller.replica_stats reports them)."""
+        return self.group.node_ids
+
     def shutdown(self, timeout_s: float = 10.0) -> None:
         try:
             super().shutdown(timeout_s)
