@@ -19,8 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import json
-import os
 import random
 import sys
 import time
