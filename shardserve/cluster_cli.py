@@ -82,9 +82,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _check_port_free("0.0.0.0", args.metrics_port, "--metrics-port")
     if args.http_port:
         _check_port_free(args.http_host or args.host, args.http_port, "--http-port")
-    config = build_engine_config(**engine_kwargs(args))
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise ValueError(f"--replicas {args.replicas}: give a number >= 1 or 'auto'")
+    config = build_engine_config(**engine_kwargs(args))
     strategy = args.placement_strategy
     if args.placement == "spread":
         strategy = "SPREAD"
