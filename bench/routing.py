@@ -1,7 +1,8 @@
 """`shardserve bench routing`: what the global scheduler costs the controller, with replicas simulated.
 
 Two measurements per replica count (default 8 and 64):
-- router: the prompt's block hashes + Router.route (cluster/router.py), as the controller runs them per request,
+- router: the prompt's block hashes (its first ROUTE_BLOCKS) + Router.route (cluster/router.py), as the
+  controller runs them per request,
   over a warm index (16 shared prefixes + unique tails, each replica holding some): CPU microseconds per request
   (thread_time, so other processes on a shared machine do not count) and the routed requests/s one core gives.
 - controller: a real Controller (cluster/controller.py; gRPC server started, not used) whose replicas are real
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from shardserve.cluster.controller import Controller, ControllerConfig, ServedModel
 from shardserve.cluster.engine import Engine
 from shardserve.cluster.replica import ReplicaLoad
-from shardserve.cluster.router import Router, prompt_block_hashes
+from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import StepPlan, StepResult
@@ -97,11 +98,11 @@ def router_cost(num_replicas: int, prompt_len: int, num_requests: int, block_siz
     prompts = [prefixes[i % 16] + [rng.randrange(VOCAB) for _ in range(prompt_len - prompt_len // 2)]
                for i in range(2048)]
     for p in prompts[:256]:  # warm: every prefix is held somewhere
-        router.route(prompt_block_hashes(p, block_size))
+        router.route(prompt_block_hashes(p, block_size, ROUTE_BLOCKS))
     # CPU time of this thread, not wall time: on a shared machine the wall clock also counts other processes' turns.
     start = time.thread_time()
     for k in range(num_requests):
-        chosen, _ = router.route(prompt_block_hashes(prompts[k % len(prompts)], block_size))
+        chosen, _ = router.route(prompt_block_hashes(prompts[k % len(prompts)], block_size, ROUTE_BLOCKS))
         stand_ins[chosen].load.outstanding_tokens = (stand_ins[chosen].load.outstanding_tokens + 7) % 50_000
     elapsed = time.thread_time() - start
     return dict(replicas=num_replicas, prompt_len=prompt_len, requests=num_requests,

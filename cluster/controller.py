@@ -27,7 +27,7 @@ from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, Unkno
 from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.replica import Replica
-from shardserve.cluster.router import Router, prompt_block_hashes
+from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.transport import host_port
 
@@ -163,7 +163,7 @@ class Controller:
             self._tokenize_pool, encode_prompt, prompt, self._tokenizer)
 
     def _route(self, token_ids: list[int]) -> Replica:
-        hashes = (prompt_block_hashes(token_ids, self.config.engine.block_size)
+        hashes = (prompt_block_hashes(token_ids, self.config.engine.block_size, ROUTE_BLOCKS)
                   if self.router.policy == "cache-aware" else ())
         try:
             return self.replicas[self.router.route(hashes)[0]]

@@ -32,6 +32,9 @@ from shardserve.cluster.block_manager import ROOT_HASH
 from shardserve.cluster.replica import ReplicaLoad
 
 POLICIES = ("cache-aware", "least-loaded", "round-robin")
+# Routing looks at a prompt's first ROUTE_BLOCKS blocks only (512 tokens at block size 16): prompts that share
+# more than that rank as equal matches and go to the less loaded holder. Hashing is most of routing's cost.
+ROUTE_BLOCKS = 32
 OVERLOAD_FACTOR = 2.0
 OVERLOAD_SLACK_TOKENS = 4096
 
@@ -44,11 +47,13 @@ class Routable(Protocol):
     def serving(self) -> bool: ...
 
 
-def prompt_block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def prompt_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
     """The chain hashes of the prompt's blocks a prefix lookup can use (as BlockManager.find_cached_prefix: every
-    full block but one token short of the whole prompt). Equal to chaining block_manager.hash_block (a test checks
-    it), with the prompt's bytes made once instead of once per block."""
+    full block but one token short of the whole prompt), the first max_blocks of them at most. Equal to chaining
+    block_manager.hash_block (a test checks it), with the prompt's bytes made once instead of once per block."""
     num_blocks = (len(token_ids) - 1) // block_size
+    if max_blocks is not None:
+        num_blocks = min(num_blocks, max_blocks)
     if num_blocks <= 0:
         return []
     data = array("q", token_ids[: num_blocks * block_size]).tobytes()

@@ -100,3 +100,8 @@ def test_prompt_hashes_equal_the_block_managers_chain():
         expected.append(parent)
     assert hashes(tokens) == expected and len(expected) == 6
     assert hashes(tokens[:BS]) == [] and hashes(tokens[: BS + 1]) == expected[:1]
+
+
+def test_max_blocks_keeps_the_chains_head():
+    tokens = list(range(100))
+    assert hashes(tokens)[:2] == prompt_block_hashes(tokens, BS, max_blocks=2)
