@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import random
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -153,7 +152,7 @@ def controller_share(num_replicas: int, args: argparse.Namespace) -> dict:
         return dict(replicas=num_replicas, requests=done, requests_per_s=done / wall,
                     output_tok_per_s=done * args.output_len / wall, steps_per_s=steps / wall,
                     ideal_steps_per_s=ideal_steps_per_s, step_efficiency=steps / wall / ideal_steps_per_s,
-                    controller_cores=cpu / wall, event_loop_cores=loop_cpu / wall, threads=threading.active_count(),
+                    controller_cores=cpu / wall, event_loop_cores=loop_cpu / wall,
                     cpu_us_per_step=cpu / max(steps, 1) * 1e6, loop_cpu_us_per_request=loop_cpu / max(done, 1) * 1e6)
 
     return asyncio.run(run())
