@@ -68,6 +68,12 @@ def add_bench_parser(sub) -> None:
 
     add_serve_parser(kinds, add_engine_args, _run("shardserve.bench.serve"))
 
+    from shardserve.bench.routing import add_routing_parser
+    from shardserve.bench.scaling import add_scaling_parser
+
+    add_routing_parser(kinds)
+    add_scaling_parser(kinds, add_engine_args, _run("shardserve.bench.scaling"))
+
 
 def _run(module: str):
     def run(args: argparse.Namespace) -> int:

@@ -51,6 +51,9 @@ class BlockManager:
         self._tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self._cached: dict[int, int] = {}  # chain hash -> block id
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # front = evict first
+        # Prefix-cache events for the global router (cluster/router.py), None = not recorded: (chain hash, True)
+        # when a hash becomes findable, (hash, False) when it is evicted or forgotten, in order. take_events().
+        self.events: list[tuple[int, bool]] | None = None
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -132,13 +135,22 @@ class BlockManager:
                 self._parent[block] = seq.block_hashes[i - 1] if i else ROOT_HASH
                 self._tokens[block] = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 self._cached[h] = block
+                if self.events is not None:
+                    self.events.append((h, True))
         seq.num_registered_blocks = num_full
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached hash (blocks in use keep their KV; they are just no longer findable)."""
+        if self.events is not None:
+            self.events += [(h, False) for h in self._cached]
         self._cached.clear()
         self._hash = [None] * self.num_blocks
         self._tokens = [None] * self.num_blocks
+
+    def take_events(self) -> list[tuple[int, bool]]:
+        """The prefix-cache events since the last call (set `events = []` to start recording)."""
+        events, self.events = self.events or [], []
+        return events
 
     # ---- allocation ----------------------------------------------------------------------------------------
     def _take_free_block(self) -> int:
@@ -147,6 +159,8 @@ class BlockManager:
         if h is not None:  # evict: its KV is about to be overwritten
             if self._cached.get(h) == block:
                 del self._cached[h]
+                if self.events is not None:
+                    self.events.append((h, False))
             self._hash[block] = None
             self._tokens[block] = None
         self._ref_count[block] = 1

@@ -1,87 +1,39 @@
-"""Controller: one engine replica behind the client-facing gRPC service (cluster/generation_service.py).
-`shardserve serve` runs it as a Ray actor (an asyncio actor: its methods run on the actor's event loop); tests may
-also run it in their own event loop.
+"""Controller: the engine replicas (cluster/replica.py) behind the client-facing gRPC service
+(cluster/generation_service.py). `shardserve serve` runs it as a Ray actor (an asyncio actor: its methods run on the
+actor's event loop); tests may also run it in their own event loop.
 
-Threads: the event loop serves gRPC (Generate streams, health, stats) and never blocks; the EngineLoop thread owns
-the Engine and runs its steps (which block on the workers), then hands each step's deltas back to the event loop,
-where they go into one asyncio queue per live request. Lifecycle: STARTING (health NOT_SERVING while the workers
-load) -> SERVING -> DRAINING (SIGTERM: no new requests, in-flight ones may finish) -> STOPPED; FAILED when a
-worker fails (health NOT_SERVING, every live stream ends with UNAVAILABLE).
+Threads: the event loop serves gRPC (Generate streams, health, stats) and never blocks; each replica's EngineLoop
+thread owns its Engine and runs its steps (which block on the workers), then hands each step's deltas back to the
+event loop, where they go into one asyncio queue per live request. Lifecycle: STARTING (health NOT_SERVING while
+the replicas load) -> SERVING -> DRAINING (SIGTERM: no new requests, in-flight ones may finish) -> STOPPED; a
+replica whose worker fails ends its live streams with UNAVAILABLE and gets nothing new; FAILED (health
+NOT_SERVING) once no replica is serving.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
+import copy
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
 
-from shardserve.cluster.admission import Prompt, has_chat_template
-from shardserve.cluster.engine import Engine, EngineStats
-from shardserve.cluster.engine_loop import EngineLoop, StepReport
+from shardserve.cluster.admission import Prompt, encode_prompt, has_chat_template
+from shardserve.cluster.controller_types import ControllerConfig, LiveRequest, ServedModel, State, StreamItem
+from shardserve.cluster.engine import EngineStats
+from shardserve.cluster.engine_loop import StepReport
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
 from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
-from shardserve.cluster.outputs import RequestDelta
+from shardserve.cluster.replica import Replica
+from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.sampling_params import SamplingParams
-from shardserve.proto.config import EngineConfig
 from shardserve.proto.transport import host_port
 
 log = logging.getLogger(__name__)
 
-
-class State(enum.Enum):
-    STARTING = "starting"
-    SERVING = "serving"
-    DRAINING = "draining"
-    FAILED = "failed"
-    STOPPED = "stopped"
-
-
-@dataclass
-class ServedModel:
-    """The model facts clients see in GetModelInfo."""
-
-    name: str
-    architecture: str
-    vocab_size: int
-    eos_token_ids: list[int]
-    bos_token_id: int | None = None
-
-
-@dataclass
-class ControllerConfig:
-    engine: EngineConfig
-    model: ServedModel
-    # Runs in the controller, off its event loop: loads the tokenizer, connects to the workers (returning once
-    # every rank has loaded and allocated its cache) and builds the Engine. `shardserve serve` passes
-    # shardserve/engine_factory.py's EngineFactory, the one engine wiring LLM and the benchmarks use too.
-    build_engine: Callable[[EngineConfig], Engine]
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 = any free port
-    metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
-    replica: str = "replica-0"  # named in every stream's last message
-    health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
-    max_live_requests: int = 4096  # admission limit: beyond it Generate answers RESOURCE_EXHAUSTED (read per call)
-
-
-@dataclass(slots=True)
-class StreamItem:
-    delta: RequestDelta
-    logprob_texts: dict[int, str]
-
-
-@dataclass
-class LiveRequest:
-    req_id: str
-    queue: asyncio.Queue  # StreamItem, or an exception that ends the stream
-    admitted_at: float = field(default_factory=time.perf_counter)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    num_prompt_tokens: int = 0
+__all__ = ["Controller", "ControllerConfig", "LiveRequest", "ServedModel", "State", "StreamItem"]
 
 
 class Controller:
@@ -92,17 +44,24 @@ class Controller:
         self.address: str | None = None
         self.metrics_address: str | None = None
         self.has_chat_template = False
+        self.replicas = [
+            Replica(f"{config.name}/{i}", config.engine, config.build_engine, self._dispatch, self._on_replica_failure,
+                    config.health_check_interval_s)
+            for i in range(config.num_replicas)
+        ]
+        self._position = {r.id: i for i, r in enumerate(self.replicas)}
+        self.router = Router(self.replicas, config.routing)
+        # The controller's own copy of the tokenizer, used on this one thread only (the engines' copies stay on
+        # their engine threads): prompts are tokenized before routing, which needs their block hashes.
+        self._tokenizer = None
+        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="shardserve-tokenize")
         self._started_at = time.time()
         self._live: dict[str, LiveRequest] = {}
         self._idle = asyncio.Event()  # set while no request is live (drain waits on it)
         self._idle.set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._engine_loop: EngineLoop | None = None
-        self._engine: Engine | None = None
         self._server = None
         self._health = None
         self._load_task: asyncio.Task | None = None
-        self._watch_task: asyncio.Task | None = None
         self._load_error: BaseException | None = None
         self._failure: BaseException | None = None
         self.num_rejected = 0
@@ -110,8 +69,7 @@ class Controller:
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> str:
-        """Serves gRPC at once (health NOT_SERVING) and loads the engine in the background; returns host:port."""
-        self._loop = asyncio.get_running_loop()
+        """Serves gRPC at once (health NOT_SERVING) and loads the replicas in the background; returns host:port."""
         self._server, port, self._health = await start_server(self, self.config.host, self.config.port)
         self.address = host_port(self.config.host, port)
         if self.config.metrics_port is not None:
@@ -121,38 +79,21 @@ class Controller:
         return self.address
 
     async def _load(self) -> None:
-        try:
-            engine = await asyncio.to_thread(self.config.build_engine, self.config.engine)
-        except BaseException as e:
-            log.exception("loading the engine failed")
-            self._load_error = e
-            self.state = State.FAILED
+        """Starts every replica at once; serving needs all of them (a replica that fails to load fails the start)."""
+        results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
+        errors = [e for e in results if isinstance(e, BaseException)]
+        if errors:
+            self._load_error = errors[0]
+            if self.state is State.STARTING:
+                self.state = State.FAILED
             return
         if self.state is not State.STARTING:  # shut down while loading
-            await asyncio.to_thread(engine.shutdown)
             return
-        self._engine = engine
+        engine = self.replicas[0].engine
+        self._tokenizer = copy.deepcopy(engine.tokenizer)  # no step has run yet: nothing else touches it
         self.has_chat_template = has_chat_template(engine.tokenizer)
-        self._engine_loop = EngineLoop(engine, self._on_step_threadsafe, self._on_failure_threadsafe)
-        self._engine_loop.start()
         self.state = State.SERVING
         await self._set_health(True)
-        if hasattr(engine.executor, "health"):
-            self._watch_task = asyncio.create_task(self._watch_workers(engine.executor))
-
-    async def _watch_workers(self, executor) -> None:
-        """Asks every rank for its health now and then (between two steps, on the engine thread); a rank that is
-        not READY or does not answer fails the replica, as a failed step would."""
-        while self.state in (State.SERVING, State.DRAINING):
-            await asyncio.sleep(self.config.health_check_interval_s)
-            try:
-                ranks = await asyncio.wrap_future(self._engine_loop.submit(lambda engine: executor.health()))
-            except Exception:
-                return  # the engine loop stopped or failed: that path reports it
-            bad = [r for r in ranks if not r.ready]
-            if bad and self.state in (State.SERVING, State.DRAINING):
-                await self._fail(RuntimeError("; ".join(f"rank {r.rank} is {r.state} {r.error}".strip() for r in bad)))
-                return
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         """True once SERVING; False on timeout; raises RuntimeError when loading failed."""
@@ -176,27 +117,24 @@ class Controller:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except asyncio.TimeoutError:
             pass
-        cut = list(self._live)
-        for req_id in cut:
-            self._end(req_id, ServerUnavailable(f"the server shut down before request {req_id} finished "
-                                                f"(aborted after a {grace_s:g} s drain)"), outcome="abort")
-            if self._engine_loop is not None:
-                self._engine_loop.submit(lambda engine, r=req_id: engine.abort(r))
+        cut = list(self._live.values())
+        for live in cut:
+            self._end(live.req_id, ServerUnavailable(f"the server shut down before request {live.req_id} finished "
+                                                     f"(aborted after a {grace_s:g} s drain)"), outcome="abort")
+            if live.replica is not None:
+                live.replica.abort(live.req_id)
         return len(cut)
 
     async def shutdown(self, grace_s: float = 30.0) -> int:
-        """Drains, stops the engine loop and the workers, then the servers. Returns drain()'s count."""
+        """Drains, stops the replicas (their engine loops and workers), then the servers. Returns drain()'s count."""
         cut = await self.drain(grace_s)
         self.state = State.STOPPED
-        if self._engine_loop is not None:
-            await asyncio.to_thread(self._engine_loop.stop, 30.0)
-        if self._engine is not None:
-            await asyncio.to_thread(self._engine.shutdown)
-        for task in (self._load_task, self._watch_task):
-            if task is not None and not task.done():
-                task.cancel()
+        await asyncio.gather(*(r.stop(30.0) for r in self.replicas))
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
         if self._server is not None:
             await self._server.stop(1.0)
+        self._tokenize_pool.shutdown(wait=False)
         self.metrics.close()
         return cut
 
@@ -212,12 +150,29 @@ class Controller:
     def status(self) -> dict:
         error = self._failure or self._load_error
         return {"state": self.state.value, "address": self.address, "metrics_address": self.metrics_address,
-                "live_requests": len(self._live), "error": repr(error) if error else None}
+                "live_requests": len(self._live), "error": repr(error) if error else None,
+                "replicas": {r.id: r.state.value for r in self.replicas},
+                "routed": dict(zip(self._position, self.router.num_routed))}
 
     # ---- requests -------------------------------------------------------------------------------------------
+    async def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """encode_prompt on the tokenize thread (token ids, the common case of a busy server, stay here)."""
+        if isinstance(prompt, (list, tuple)) and (not prompt or not isinstance(prompt[0], dict)):
+            return encode_prompt(prompt, None)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenize_pool, encode_prompt, prompt, self._tokenizer)
+
+    def _route(self, token_ids: list[int]) -> Replica:
+        hashes = (prompt_block_hashes(token_ids, self.config.engine.block_size, ROUTE_BLOCKS)
+                  if self.router.policy == "cache-aware" else ())
+        try:
+            return self.replicas[self.router.route(hashes)[0]]
+        except LookupError as e:
+            raise ServerUnavailable(str(e)) from None
+
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
-        """Admits a request (Engine.admit, on the engine thread). Raises ValueError for bad input, ServerUnavailable
-        when not serving, ServerOverloaded beyond max_live_requests."""
+        """Admits a request on a replica (Engine.admit, on its engine thread). Raises ValueError for bad input,
+        ServerUnavailable when not serving, ServerOverloaded beyond max_live_requests."""
         try:
             if self.state is not State.SERVING:
                 raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
@@ -228,16 +183,24 @@ class Controller:
             if req_id in self._live:
                 raise ValueError(f"request id {req_id!r} is already in use")
             live = LiveRequest(req_id, asyncio.Queue())
-            self._live[req_id] = live  # before the engine sees it, so that no delta can miss its queue
+            self._live[req_id] = live  # first: the id is taken while the prompt is tokenized
             self._idle.clear()
-            future = self._engine_loop.submit(lambda engine: engine.admit(req_id, prompt, params))
             try:
-                live.num_prompt_tokens = await asyncio.wrap_future(future)
+                text, token_ids = await self._encode(prompt)
+                if self.state is not State.SERVING:
+                    raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
+                live.replica = replica = self._route(token_ids)
+                live.cost = len(token_ids) + params.max_tokens  # counted now: the next request's route sees it
+                replica.note_admitted(live.cost)
+                live.num_prompt_tokens = len(token_ids)
+                await replica.admit(req_id, token_ids, params, text)
             except BaseException as e:
+                if self._live.get(req_id) is live and live.cost:
+                    live.replica.note_finished(live.cost)
                 self._forget(req_id)
-                if isinstance(e, asyncio.CancelledError):  # the client left while we waited: undo the add
-                    self._engine_loop.submit(lambda engine: engine.abort(req_id))
-                elif not isinstance(e, ValueError):  # the engine loop died meanwhile
+                if isinstance(e, asyncio.CancelledError) and live.replica is not None:  # the client left while
+                    live.replica.abort(req_id)  # we waited: undo the add
+                elif not isinstance(e, (ValueError, ServerUnavailable, asyncio.CancelledError)):  # the engine loop died meanwhile
                     raise ServerUnavailable(f"the engine failed: {e!r}") from e
                 raise
         except (ValueError, ServerUnavailable, ServerOverloaded):
@@ -252,33 +215,53 @@ class Controller:
 
     async def abort(self, req_id: str) -> None:
         """Ends a live request with finish reason ABORT. Raises UnknownRequest when no live request has the id."""
-        if req_id not in self._live or self._engine_loop is None:
+        live = self._live.get(req_id)
+        if live is None or live.replica is None:
             raise UnknownRequest(req_id)
-        if not await asyncio.wrap_future(self._engine_loop.submit(lambda engine: engine.abort(req_id))):
+        try:
+            found = await asyncio.wrap_future(live.replica.abort(req_id))
+        except RuntimeError as e:
+            raise ServerUnavailable(str(e)) from e
+        if not found:
             raise UnknownRequest(req_id)
 
     def cancel(self, req_id: str) -> None:
         """The client went away: abort without waiting (the blocks are freed by the engine's next step)."""
-        if req_id in self._live:
+        live = self._live.get(req_id)
+        if live is not None:
             self._end(req_id, None, outcome="abort")
-            self._engine_loop.submit(lambda engine: engine.abort(req_id))
+            if live.replica is not None:
+                live.replica.abort(req_id)
 
     async def server_stats(self) -> tuple[EngineStats | None, dict]:
-        """Fresh engine stats (taken between two steps) and the controller's own counters."""
+        """Fresh engine stats (taken between two steps), summed over the serving replicas, and the controller's
+        own counters."""
         stats = None
-        if self._engine_loop is not None and self.state in (State.SERVING, State.DRAINING):
-            stats = await asyncio.wrap_future(self._engine_loop.submit(lambda engine: engine.stats()))
+        if self.state in (State.SERVING, State.DRAINING):
+            serving = [r for r in self.replicas if r.serving]
+            stats = _sum_stats(await asyncio.gather(*(r.stats() for r in serving))) if serving else None
         return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
                        "uptime_s": time.time() - self._started_at}
 
-    # ---- from the engine thread -----------------------------------------------------------------------------
-    def _on_step_threadsafe(self, report: StepReport) -> None:
-        self._loop.call_soon_threadsafe(self._dispatch, report)
+    async def replica_stats(self) -> list[dict]:
+        """Per replica: id, state, requests routed to it, the nodes of its ranks (where the executor knows them),
+        and (serving ones) its engine's prompt and cached-prompt
+        token counts (the prefix-cache hit rate) and finished requests."""
+        out = []
+        for i, r in enumerate(self.replicas):
+            row = dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i],
+                       nodes=list(getattr(r.engine.executor, "node_ids", ())) if r.engine is not None else [])
+            if r.serving:
+                s = await r.stats()
+                row.update(prompt_tokens=s.num_prompt_tokens, cached_prompt_tokens=s.num_cached_prompt_tokens,
+                           finished=s.num_finished, generated_tokens=s.num_generated_tokens)
+            out.append(row)
+        return out
 
-    def _on_failure_threadsafe(self, error: BaseException) -> None:
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._fail(error)))
-
-    def _dispatch(self, report: StepReport) -> None:
+    # ---- from the replicas (on the event loop) --------------------------------------------------------------
+    def _dispatch(self, replica: Replica, report: StepReport) -> None:
+        if report.block_events:
+            self.router.apply_events(self._position[replica.id], report.block_events)
         self.metrics.step_time.observe(report.step_s)
         self.metrics.observe_stats(report.stats)
         now = time.perf_counter()
@@ -294,13 +277,15 @@ class Controller:
             if delta.finished:
                 self._end(delta.request_id, None, outcome=delta.finish_reason or "stop", num=delta.num_generated)
 
-    async def _fail(self, error: BaseException) -> None:
+    def _on_replica_failure(self, replica: Replica, error: BaseException) -> None:
+        """A replica failed: its live requests end with UNAVAILABLE; the server fails once none is serving."""
         self._failure = error
-        if self.state in (State.SERVING, State.DRAINING):
+        self.router.forget(self._position[replica.id])
+        for live in [live for live in self._live.values() if live.replica is replica]:
+            self._end(live.req_id, ServerUnavailable(f"a worker failed: {error}"), outcome="error")
+        if not any(r.serving for r in self.replicas) and self.state in (State.SERVING, State.DRAINING):
             self.state = State.FAILED
-        await self._set_health(False)
-        for req_id in list(self._live):
-            self._end(req_id, ServerUnavailable(f"a worker failed: {error}"), outcome="error")
+            asyncio.ensure_future(self._set_health(False))
 
     def _end(self, req_id: str, error: BaseException | None, outcome: str, num: int = 0) -> None:
         """Forgets a live request; puts `error` into its stream first, if given."""
@@ -311,6 +296,8 @@ class Controller:
             live.queue.put_nowait(error)
         if outcome == "abort":
             self.num_aborted += 1
+        if live.cost:
+            live.replica.note_finished(live.cost)
         base = live.admitted_at
         self.metrics.observe_finished(
             outcome,
@@ -325,3 +312,8 @@ class Controller:
         if not self._live:
             self._idle.set()
 
+
+def _sum_stats(stats: list[EngineStats]) -> EngineStats:
+    total = EngineStats(*(sum(getattr(s, f) for s in stats) for f in EngineStats.__slots__))
+    total.kv_usage = total.num_kv_blocks_used / max(total.num_kv_blocks, 1)
+    return total

@@ -31,6 +31,7 @@ class StepReport:
     step_s: float  # wall time of engine.step()
     stats: EngineStats  # after the step
     logprob_texts: dict[int, str]  # token id -> its text, for every id in the deltas' logprobs
+    block_events: list[tuple[int, bool]]  # the prefix cache's (hash, stored) events of this step, for the router
 
 
 class EngineLoop:
@@ -43,6 +44,7 @@ class EngineLoop:
         """on_step and on_failure are called on this loop's thread; they must only hand work over (e.g. with
         loop.call_soon_threadsafe)."""
         self.engine = engine
+        engine.block_manager.events = []  # record prefix-cache events: each StepReport carries them
         self._on_step = on_step
         self._on_failure = on_failure
         self._commands: queue.SimpleQueue[tuple[Callable, Future] | None] = queue.SimpleQueue()
@@ -107,7 +109,8 @@ class EngineLoop:
         for delta in deltas:
             if delta.finished:
                 self.engine.pop_output(delta.request_id)  # the stream has everything; free the id
-        self._on_step(StepReport(deltas, step_s, self.engine.stats(), self._texts_of_logprobs(deltas)))
+        self._on_step(StepReport(deltas, step_s, self.engine.stats(), self._texts_of_logprobs(deltas),
+                                 self.engine.block_manager.take_events()))
 
     def _texts_of_logprobs(self, deltas: list[RequestDelta]) -> dict[int, str]:
         tokenizer = self.engine.tokenizer

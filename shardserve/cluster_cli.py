@@ -28,7 +28,16 @@ def add_cluster_parsers(sub) -> None:
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may take to finish after SIGTERM")
     serve.add_argument("--placement-strategy", default="STRICT_PACK",
-                       choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"])
+                       choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+                       help="Ray's strategy for each TP group's placement group (--placement sets it)")
+    serve.add_argument("--placement", choices=["pack", "spread"], default=None,
+                       help="pack (default): each TP group on one node; spread: a TP group may span nodes (its "
+                       "all-reduces then run at network speed)")
+    serve.add_argument("--replicas", default="1",
+                       help="tensor-parallel groups (engine replicas) to run, each with its own KV cache: a number, "
+                       "or 'auto' (as many as the cluster's GPUs hold; one per node on CPU)")
+    serve.add_argument("--routing", default="cache-aware", choices=["cache-aware", "least-loaded", "round-robin"],
+                       help="how the controller picks a replica for each request")
     serve.add_argument("--served-model-name", default=None, help="the name GetModelInfo reports")
     serve.add_argument("--http-port", type=int, default=None,
                        help="also serve the OpenAI-compatible HTTP gateway on this port (0 = any free port)")
@@ -75,10 +84,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _check_port_free("0.0.0.0", args.metrics_port, "--metrics-port")
     if args.http_port:
         _check_port_free(args.http_host or args.host, args.http_port, "--http-port")
+    if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
+        raise ValueError(f"--replicas {args.replicas}: give a number >= 1 or 'auto'")
     config = build_engine_config(**engine_kwargs(args))
-    return serve(config, ray_address=args.ray_address, host=args.host, port=args.port,
-                 worker_host=args.worker_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
-                 strategy=args.placement_strategy, model_name=args.served_model_name,
+    strategy = args.placement_strategy
+    if args.placement == "spread":
+        strategy = "SPREAD"
+        print("shardserve: warning: --placement spread lets a tensor-parallel group span nodes; its all-reduces "
+              "then cross the network and run at network speed", file=sys.stderr, flush=True)
+    elif args.placement == "pack":
+        strategy = "STRICT_PACK"
+    return serve(config, replicas=args.replicas, routing=args.routing, ray_address=args.ray_address,
+                 host=args.host, port=args.port, worker_host=args.worker_host, metrics_port=args.metrics_port,
+                 drain_timeout_s=args.drain_timeout,
+                 strategy=strategy, model_name=args.served_model_name,
                  max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host,
                  http_workers=args.http_workers)
 

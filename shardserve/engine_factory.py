@@ -8,6 +8,7 @@ engine here, so cluster/ never needs to know how a tokenizer is loaded or where 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,15 +18,21 @@ from shardserve.proto.config import EngineConfig
 from shardserve.cluster.executor import Executor
 
 
+# transformers' lazy first import is not thread-safe: two replicas loading at once in the controller failed with
+# "cannot import name 'AutoTokenizer' from 'transformers'".
+_TOKENIZER_LOCK = threading.Lock()
+
+
 def load_tokenizer(config: EngineConfig):
     """The model's tokenizer from its local folder (never the hub), or None for dummy configs."""
     if config.tokenizer is None:
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from transformers import AutoTokenizer
+    with _TOKENIZER_LOCK:
+        from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
+        return AutoTokenizer.from_pretrained(config.tokenizer, local_files_only=True)
 
 
 def build_engine(config: EngineConfig, make_executor: Callable[[EngineConfig], Executor]) -> Engine:

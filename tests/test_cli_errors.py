@@ -55,6 +55,10 @@ def test_serve_with_a_metrics_port_in_use_is_refused(busy_port):
     assert_one_line_error(done, f"--metrics-port {busy_port}")
 
 
+def test_serve_with_zero_replicas_names_the_flag():
+    assert_one_line_error(shardserve("serve", "--port", "0", "--replicas", "0", "--device", "cpu"), "--replicas 0")
+
+
 def test_client_with_a_missing_file_names_it(tmp_path):
     missing = tmp_path / "prompts.jsonl"
     assert_one_line_error(shardserve("client", "--file", str(missing)), "--file", str(missing), "does not exist")

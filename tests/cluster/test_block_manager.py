@@ -195,3 +195,20 @@ def test_reset_prefix_cache_forgets_every_hash():
     bm.reset_prefix_cache()
     assert bm.num_cached_blocks == 0 and bm.all_free()
     assert admit(bm, seq("b", list(range(9)))) == 0
+
+
+def test_events_report_stored_then_evicted_hashes_in_order_and_match_the_routers_hashes():
+    from shardserve.cluster.router import prompt_block_hashes
+
+    bm = BlockManager(3, BS)
+    bm.events = []
+    a = seq("a", list(range(9)))  # two full blocks + 1 token
+    admit(bm, a)
+    computed(bm, a)
+    stored = bm.take_events()
+    assert stored == [(h, True) for h in prompt_block_hashes(a.token_ids, BS)] and len(stored) == 2
+    bm.free(a)
+    b = seq("b", list(range(100, 112)))  # three fresh blocks: both cached blocks are evicted
+    admit(bm, b)
+    assert sorted(bm.take_events()) == sorted((h, False) for h, _ in stored)
+    assert bm.take_events() == []

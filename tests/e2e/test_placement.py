@@ -44,3 +44,32 @@ def test_strict_spread_control_puts_the_ranks_on_two_nodes(report):
 def test_a_group_no_node_can_hold_fails_with_a_placement_error(report):
     assert report["too_large"].startswith("could not place 5 bundles"), report["too_large"]
     assert "STRICT_PACK" in report["too_large"]
+
+
+REPLICA_SCRIPT = Path(__file__).with_name("_replica_placement.py")
+
+
+@pytest.fixture(scope="module")
+def replica_report(tiny_llama_dir) -> dict:
+    env = dict(os.environ, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=str(REPO), RAY_ADDRESS="")
+    proc = subprocess.run([sys.executable, str(REPLICA_SCRIPT), tiny_llama_dir], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=str(REPO))
+    assert proc.returncode == 0, f"replica placement script failed:\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_three_replicas_each_keep_their_tp_group_on_one_node_and_take_distinct_nodes(replica_report):
+    replicas = replica_report["replicas"]
+    assert len(replica_report["nodes"]) == 3 and len(replicas) == 3
+    assert all(len(r["nodes"]) == 2 and len(set(r["nodes"])) == 1 for r in replicas)  # STRICT_PACK: one node
+    assert sorted(r["nodes"][0] for r in replicas) == replica_report["nodes"]  # one replica per node
+
+
+def test_every_replica_serves_and_names_itself(replica_report):
+    ids = sorted(r["id"] for r in replica_report["replicas"])
+    assert sorted(set(replica_report["answered_by"])) == ids  # round-robin: all three answered
+
+
+def test_spread_placement_lets_a_tp_group_span_nodes(replica_report):
+    (spread,) = replica_report["spread"]
+    assert len(set(spread["nodes"])) == 2

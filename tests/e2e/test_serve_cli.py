@@ -1,7 +1,7 @@
 """`shardserve serve` and `shardserve client` as a user runs them: separate processes, real Ray (serve joins the
 test session's Ray on loopback), real gRPC. The default model at TP=1 keeps it quick.
 
-Proves: serve prints a ready line with its address once SERVING; the client CLI streams text, reports server errors
+Proves: serve prints a ready line with its address once SERVING; --replicas 2 answers from both replicas; the client CLI streams text, reports server errors
 with their status, and runs a JSON-lines batch in input order; SIGTERM lets an in-flight request finish, refuses new
 ones, exits 0 and leaves no actor or placement group behind.
 """
@@ -121,6 +121,21 @@ def test_client_cli_runs_a_jsonl_batch_and_writes_results_in_input_order(served,
     assert records[2]["error"]["code"] == "INVALID_ARGUMENT"
     assert len(records[3]["token_ids"]) == 3
     assert "4/4" in run.stderr  # the progress bar reached the end
+
+
+def test_serve_with_two_replicas_answers_from_both_and_warns_about_spread_placement(ray_session, default_model_dir):
+    server = serve_default_model(ray_session, default_model_dir, "--replicas", "2", "--routing", "round-robin",
+                                 "--placement", "spread")
+    try:
+        address = server.wait_ready(300)
+        with Client(address, timeout=120) as client:
+            answered_by = {client.generate("Hello", max_tokens=2).replica for _ in range(4)}
+            info = client.model_info()
+        assert len(answered_by) == 2 and info.replicas == 2
+        assert "network speed" in "".join(server.stderr)
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0
 
 
 def test_sigterm_lets_in_flight_requests_finish_then_exits_0_leaving_nothing(served, ray_session):

@@ -1,0 +1,82 @@
+"""`bench scaling`'s outputs: the table (stdout and scaling.md), scaling.csv, scaling.png and scaling.json."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+
+COLUMNS = ("config", "replicas", "tp", "workload", "output_tok_s", "speedup", "efficiency", "ttft_p50_ms",
+           "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "cache_hit_rate", "outputs_match_first")
+
+
+def rows(results: list[dict]) -> list[dict]:
+    out = []
+    for r in results:
+        for kind in ("offline", "shared"):
+            w = r[kind]
+            out.append(dict(
+                config=f"{r['replicas']}x{r['tp']}", replicas=r["replicas"], tp=r["tp"],
+                workload="offline" if kind == "offline" else "shared-prefix",
+                output_tok_s=round(w["output_tok_s"], 1), speedup=round(w["speedup"], 3),
+                efficiency=round(w["efficiency"], 3),
+                ttft_p50_ms=_ms(w["ttft"], "p50"), ttft_p99_ms=_ms(w["ttft"], "p99"),
+                tpot_p50_ms=_ms(w["tpot"], "p50"), tpot_p99_ms=_ms(w["tpot"], "p99"),
+                cache_hit_rate=round(r["cache_hit_rate"], 3) if kind == "shared" else "",
+                outputs_match_first=r["outputs_match_first"],
+            ))
+    return out
+
+
+def _ms(stats, key: str):
+    return "" if stats is None else round(getattr(stats, key), 1)
+
+
+def markdown(table: list[dict]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(str(row[c]) for c in COLUMNS) + " |" for row in table]
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: list[dict], path: str, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("the scaling plot needs matplotlib: pip install 'shardserve[bench]'") from None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, workload in zip(axes, ("offline", "shared-prefix")):
+        points = [r for r in table if r["workload"] == workload]
+        labels = [r["config"] for r in points]
+        ax.bar(labels, [r["output_tok_s"] for r in points], color="#4a7ab5")
+        for i, r in enumerate(points):
+            ax.annotate(f"{r['speedup']:.2f}x", (i, r["output_tok_s"]), ha="center", fontsize=8,
+                        textcoords="offset points", xytext=(0, 3))
+        ax.set_title(workload)
+        ax.set_xlabel("replicas x TP")
+        ax.set_ylabel("output tokens/s")
+        ax.grid(axis="y", alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_outputs(results: list[dict], records: list[dict], out_dir: str | None, title: str) -> None:
+    table = rows(results)
+    text = markdown(table)
+    print(text, flush=True)
+    if not out_dir:
+        return
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "scaling.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, "scaling.csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(table)
+    with open(os.path.join(out_dir, "scaling.json"), "w") as f:
+        json.dump(records, f, indent=2)
+        f.write("\n")
+    plot(table, os.path.join(out_dir, "scaling.png"), title)

@@ -1,0 +1,71 @@
+"""The controller's settings and its per-request records: what `shardserve serve` hands the controller actor
+(ControllerConfig, ServedModel) and what it keeps per live request (LiveRequest, StreamItem)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from shardserve.cluster.engine import Engine
+from shardserve.cluster.outputs import RequestDelta
+from shardserve.cluster.replica import Replica
+from shardserve.proto.config import EngineConfig
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    SERVING = "serving"
+    DRAINING = "draining"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class ServedModel:
+    """The model facts clients see in GetModelInfo."""
+
+    name: str
+    architecture: str
+    vocab_size: int
+    eos_token_ids: list[int]
+    bos_token_id: int | None = None
+
+
+@dataclass
+class ControllerConfig:
+    engine: EngineConfig
+    model: ServedModel
+    # One replica's factory, called once per replica start, in the controller, off its event loop: loads the
+    # tokenizer, starts and connects to the group's workers (returning once every rank has loaded and allocated
+    # its cache) and builds the Engine; the engine's shutdown stops the group. `shardserve serve` passes
+    # shardserve/ray_cluster.py's RayGroupFactory (over engine_factory.py's build_engine, the one engine wiring).
+    build_engine: Callable[[EngineConfig], Engine]
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port
+    metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
+    name: str = "replica"  # replica i is "{name}/{i}", named in every stream's last message
+    num_replicas: int = 1
+    routing: str = "cache-aware"  # cluster/router.py POLICIES
+    health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
+    max_live_requests: int = 4096  # admission limit: beyond it Generate answers RESOURCE_EXHAUSTED (read per call)
+
+
+@dataclass(slots=True)
+class StreamItem:
+    delta: RequestDelta
+    logprob_texts: dict[int, str]
+
+
+@dataclass
+class LiveRequest:
+    req_id: str
+    queue: asyncio.Queue  # StreamItem, or an exception that ends the stream
+    admitted_at: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_prompt_tokens: int = 0
+    replica: Replica | None = None  # where it runs
+    cost: int = 0  # what it adds to its replica's outstanding tokens

@@ -1,0 +1,185 @@
+"""Replica: one tensor-parallel group behind the controller: its Engine, the EngineLoop thread that owns it, its
+state, its health and its load.
+
+    replica = Replica("serve-1a2b/0", engine_config, build_engine, on_step, on_failure)
+    await replica.start()                         # build_engine(config) in a thread; STARTING -> SERVING | FAILED
+    await replica.admit(req_id, token_ids, params)   # Engine.add_request on the engine thread
+    replica.abort(req_id)                         # a concurrent Future[bool]
+    replica.state, replica.load                   # what the router weighs
+    await replica.stop()                          # the loop stops, the engine (and its workers) shut down
+    await replica.start()                         # a stopped or failed replica can start again (a new group)
+
+`build_engine` is the group's factory: a callable EngineConfig -> Engine that runs off the event loop. Under
+`shardserve serve` it places the group's placement group and worker actors itself (shardserve/ray_cluster.py:
+RayGroupFactory), so starting again means a fresh group; the engine's shutdown takes the group down with it.
+
+Threads: the controller's event loop calls every method here; the engine thread calls on_step (a StepReport) and
+reports failures, both handed over to the event loop: on_step(replica, report) and on_failure(replica, error) run
+there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from shardserve.cluster.engine import Engine, EngineStats
+from shardserve.cluster.engine_loop import EngineLoop, StepReport
+from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.proto.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+class ReplicaState(enum.Enum):
+    STOPPED = "stopped"  # not started, or stopped
+    STARTING = "starting"  # the group is being placed and loaded
+    SERVING = "serving"
+    FAILED = "failed"  # loading failed, a step failed or a rank stopped answering health checks
+
+
+@dataclass(slots=True)
+class ReplicaLoad:
+    """The load facts the router weighs (kept on the event loop; no call to the engine thread)."""
+
+    num_live: int = 0  # admitted, not yet finished
+    outstanding_tokens: int = 0  # the live requests' prompt tokens + max_tokens (an upper bound of its work)
+    num_kv_blocks: int = 0
+    num_free_blocks: int = 0  # after the last step
+
+
+class Replica:
+    def __init__(
+        self,
+        replica_id: str,
+        engine_config: EngineConfig,
+        build_engine: Callable[[EngineConfig], Engine],
+        on_step: Callable[[Replica, StepReport], None],
+        on_failure: Callable[[Replica, BaseException], None],
+        health_check_interval_s: float = 5.0,
+    ) -> None:
+        self.id = replica_id
+        self.engine_config = engine_config
+        self.state = ReplicaState.STOPPED
+        self.error: BaseException | None = None
+        self.load = ReplicaLoad()
+        self.engine: Engine | None = None  # touched on the engine thread only, through submit()
+        self._build = build_engine
+        self._on_step = on_step
+        self._on_failure = on_failure
+        self._health_interval_s = health_check_interval_s
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._engine_loop: EngineLoop | None = None
+        self._watch_task: asyncio.Task | None = None
+
+    @property
+    def state(self) -> ReplicaState:
+        return self._state
+
+    @state.setter
+    def state(self, value: ReplicaState) -> None:
+        self._state = value
+        self.serving = value is ReplicaState.SERVING  # a plain attribute: the router reads it per request
+
+    # ---- lifecycle ------------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Builds the engine (off the event loop) and starts its loop. Raises what building raised (the replica is
+        then FAILED). A replica stop()ped while starting shuts the new engine down again."""
+        assert self.state in (ReplicaState.STOPPED, ReplicaState.FAILED), f"{self.id} is {self.state.value}"
+        self._loop = asyncio.get_running_loop()
+        self.state, self.error, self.load = ReplicaState.STARTING, None, ReplicaLoad()
+        try:
+            engine = await asyncio.to_thread(self._build, self.engine_config)
+        except BaseException as e:
+            log.exception("replica %s: loading the engine failed", self.id)
+            self.state, self.error = ReplicaState.FAILED, e
+            raise
+        if self.state is not ReplicaState.STARTING:  # stopped meanwhile
+            await asyncio.to_thread(engine.shutdown)
+            return
+        self.engine = engine
+        self.load.num_kv_blocks = self.load.num_free_blocks = engine.block_manager.num_blocks
+        self._engine_loop = EngineLoop(engine, self._step_threadsafe, self._failure_threadsafe)
+        self._engine_loop.start()
+        self.state = ReplicaState.SERVING
+        if hasattr(engine.executor, "health"):
+            self._watch_task = asyncio.create_task(self._watch_workers(engine.executor))
+
+    async def stop(self, timeout_s: float = 30.0) -> None:
+        """Stops the engine loop after its current step, then shuts the engine (its workers) down. Idempotent."""
+        self.state = ReplicaState.STOPPED
+        if self._watch_task is not None and not self._watch_task.done():
+            self._watch_task.cancel()
+        engine_loop, engine = self._engine_loop, self.engine
+        self._engine_loop = self.engine = None
+        if engine_loop is not None:
+            await asyncio.to_thread(engine_loop.stop, timeout_s)
+        if engine is not None:
+            await asyncio.to_thread(engine.shutdown)
+
+    def fail(self, error: BaseException) -> None:
+        """Marks the replica FAILED (it gets nothing new) and tells the controller; the engine stays until stop()."""
+        if self.state is not ReplicaState.SERVING:
+            return
+        self.state, self.error = ReplicaState.FAILED, error
+        self._on_failure(self, error)
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def submit(self, fn: Callable[[Engine], object]) -> Future:
+        """Runs fn(engine) on the engine thread between two steps."""
+        if self._engine_loop is None:
+            future: Future = Future()
+            future.set_exception(RuntimeError(f"replica {self.id} is {self.state.value}"))
+            return future
+        return self._engine_loop.submit(fn)
+
+    async def admit(self, req_id: str, token_ids: list[int], params: SamplingParams, text: str | None = None) -> None:
+        """Engine.add_request on the engine thread (ValueError for a request that is malformed or can never fit).
+        The prompt is already tokenized: the router needs its token ids (cluster/router.py)."""
+        await asyncio.wrap_future(
+            self.submit(lambda engine: engine.add_request(req_id, token_ids, params, prompt=text)))
+
+    def abort(self, req_id: str) -> Future:
+        """Engine.abort on the engine thread: a Future of whether the request was live there."""
+        return self.submit(lambda engine: engine.abort(req_id))
+
+    def note_admitted(self, num_tokens: int) -> None:
+        self.load.num_live += 1
+        self.load.outstanding_tokens += num_tokens
+
+    def note_finished(self, num_tokens: int) -> None:
+        self.load.num_live -= 1
+        self.load.outstanding_tokens -= num_tokens
+
+    async def stats(self) -> EngineStats:
+        return await asyncio.wrap_future(self.submit(lambda engine: engine.stats()))
+
+    # ---- health ---------------------------------------------------------------------------------------------
+    async def _watch_workers(self, executor) -> None:
+        """Asks every rank for its health now and then (between two steps, on the engine thread); a rank that is
+        not READY or does not answer fails the replica, as a failed step would."""
+        while self.state is ReplicaState.SERVING:
+            await asyncio.sleep(self._health_interval_s)
+            try:
+                ranks = await asyncio.wrap_future(self.submit(lambda engine: executor.health()))
+            except Exception:
+                return  # the engine loop stopped or failed: that path reports it
+            bad = [r for r in ranks if not r.ready]
+            if bad:
+                self.fail(RuntimeError("; ".join(f"rank {r.rank} is {r.state} {r.error}".strip() for r in bad)))
+                return
+
+    # ---- from the engine thread -----------------------------------------------------------------------------
+    def _step_threadsafe(self, report: StepReport) -> None:
+        self._loop.call_soon_threadsafe(self._after_step, report)
+
+    def _after_step(self, report: StepReport) -> None:
+        self.load.num_free_blocks = report.stats.num_kv_blocks - report.stats.num_kv_blocks_used
+        self._on_step(self, report)
+
+    def _failure_threadsafe(self, error: BaseException) -> None:
+        self._loop.call_soon_threadsafe(self.fail, error)
