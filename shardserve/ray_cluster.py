@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardserve.config import model_facts
@@ -30,11 +30,12 @@ class GrpcExecutorFactory:
 
     endpoints: list[str]
     init_method: str
+    secret: str = field(default="", repr=False)  # the workers' launch secret: reaches the controller through Ray
 
     def __call__(self, config: EngineConfig):
         from shardserve.cluster.executor import GrpcExecutor
 
-        return GrpcExecutor(config, self.endpoints, self.init_method)
+        return GrpcExecutor(config, self.endpoints, self.init_method, secret=self.secret)
 
 
 @dataclass
@@ -115,7 +116,7 @@ def start_cluster(
         controller_config = ControllerConfig(
             engine=config,
             model=served,
-            build_engine=EngineFactory(GrpcExecutorFactory(workers.endpoints, workers.init_method)),
+            build_engine=EngineFactory(GrpcExecutorFactory(workers.endpoints, workers.init_method, workers.secret)),
             host=host,
             port=port,
             metrics_port=metrics_port,
