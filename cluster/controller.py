@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from shardserve.cluster.admission import Prompt, has_chat_template
+from shardserve.cluster.api_security import ApiSecurity
 from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import EngineLoop, StepReport
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
@@ -66,6 +67,7 @@ class ControllerConfig:
     replica: str = "replica-0"  # named in every stream's last message
     health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
     max_live_requests: int = 4096  # admission limit: beyond it Generate answers RESOURCE_EXHAUSTED (read per call)
+    security: ApiSecurity = field(default_factory=ApiSecurity)  # the client API's token, TLS and size limit
 
 
 @dataclass(slots=True)
@@ -112,7 +114,8 @@ class Controller:
     async def start(self) -> str:
         """Serves gRPC at once (health NOT_SERVING) and loads the engine in the background; returns host:port."""
         self._loop = asyncio.get_running_loop()
-        self._server, port, self._health = await start_server(self, self.config.host, self.config.port)
+        self._server, port, self._health = await start_server(self, self.config.host, self.config.port,
+                                                                  self.config.security)
         self.address = host_port(self.config.host, port)
         if self.config.metrics_port is not None:
             bound = self.metrics.serve(self.config.host, self.config.metrics_port)

@@ -33,13 +33,14 @@ from shardserve.openai_format import error_body
 from shardserve.openai_schema import ChatCompletionRequest, CompletionRequest
 
 
-def build_app(upstream: str, request_timeout_s: float | None = None) -> FastAPI:
-    """The ASGI app for a gateway in front of the gRPC server at `upstream` (host:port)."""
+def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tls: dict | None = None) -> FastAPI:
+    """The ASGI app for a gateway in front of the gRPC server at `upstream` (host:port); upstream_tls: AsyncClient's
+    tls keywords (the token is not one: each HTTP request's Authorization header is forwarded)."""
     gateway = Gateway(upstream, request_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        gateway.client = Upstream(upstream)  # the one channel of this gateway, made on its event loop
+        gateway.client = Upstream(upstream, **(upstream_tls or {}))  # the one channel of this gateway, made on its event loop
         try:
             yield
         finally:
@@ -121,16 +122,17 @@ def _local(upstream: str) -> str:
     return f"127.0.0.1:{port}" if host in ("0.0.0.0", "[::]", "::") else upstream
 
 
-def _server(upstream: str, sock: socket.socket, request_timeout_s: float | None, access_log: bool):
+def _server(upstream: str, sock: socket.socket, request_timeout_s: float | None, access_log: bool,
+            upstream_tls: dict | None = None):
     import uvicorn
 
-    config = uvicorn.Config(build_app(_local(upstream), request_timeout_s), log_level="warning",
+    config = uvicorn.Config(build_app(_local(upstream), request_timeout_s, upstream_tls), log_level="warning",
                             access_log=access_log, timeout_graceful_shutdown=5, lifespan="on")
     return uvicorn.Server(config)
 
 
 def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
-                access_log: bool = False) -> int:
+                access_log: bool = False, upstream_tls: dict | None = None) -> int:
     """`shardserve gateway`: serves until SIGINT/SIGTERM (uvicorn's graceful shutdown)."""
     sock = _bind(host, port)
     bound = sock.getsockname()[1]
@@ -139,7 +141,7 @@ def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, reques
     # no-op ones make that a normal exit (0), as `shardserve serve` exits after its drain.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        _server(upstream, sock, request_timeout_s, access_log).run(sockets=[sock])
+        _server(upstream, sock, request_timeout_s, access_log, upstream_tls).run(sockets=[sock])
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

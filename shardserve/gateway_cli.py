@@ -14,10 +14,17 @@ def add_gateway_parser(sub) -> None:
     gateway.add_argument("--request-timeout", type=float, default=None,
                          help="deadline of each upstream request, seconds (past it: 504, the server frees it)")
     gateway.add_argument("--access-log", action="store_true", help="log every HTTP request")
+    from shardserve.cluster_cli import add_connection_args
+
+    add_connection_args(gateway.add_argument_group("upstream TLS (a server's token comes from each HTTP request's "
+                                                   "Authorization header)"), prefix="upstream-")
     gateway.set_defaults(func=cmd_gateway)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    from shardserve.cluster_cli import connection_kwargs
     from shardserve.gateway import run_gateway
 
-    return run_gateway(args.upstream, args.host, args.port, args.request_timeout, args.access_log)
+    tls = connection_kwargs(args, prefix="upstream-")
+    tls.pop("token")
+    return run_gateway(args.upstream, args.host, args.port, args.request_timeout, args.access_log, upstream_tls=tls)

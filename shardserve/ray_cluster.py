@@ -99,9 +99,11 @@ def start_cluster(
     model_name: str | None = None,
     ready_timeout_s: float = 600.0,
     max_live_requests: int = 4096,
+    security=None,
 ) -> RunningCluster:
     """Launches the workers and the controller (Ray must be connected: shardserve.launcher.ensure_ray) and
-    returns once health is SERVING. Everything started is torn down again if any of it fails."""
+    returns once health is SERVING. Everything started is torn down again if any of it fails. security: the
+    client API's token, TLS and size limit (cluster/api_security.py ApiSecurity; None = none, the default limit)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -123,6 +125,8 @@ def start_cluster(
             replica=f"{name}/0",
             max_live_requests=max_live_requests,
         )
+        if security is not None:
+            controller_config.security = security
         here = ray.get_runtime_context().get_node_id()
         controller = (
             ray.remote(Controller)
@@ -166,7 +170,7 @@ def resolve_ray_address(address: str | None) -> str:
 def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
-          http_host: str | None = None) -> int:
+          http_host: str | None = None, security=None) -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails (exits 1). http_port: also
     the HTTP gateway (shardserve/gateway.py), started once the server is ready, stopped after the drain."""
     import ray
@@ -195,7 +199,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
     try:
         start = time.perf_counter()
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
-                                strategy=strategy, model_name=model_name, max_live_requests=max_live_requests)
+                                strategy=strategy, model_name=model_name, max_live_requests=max_live_requests,
+                                security=security)
         for s in previous:
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
