@@ -1,5 +1,5 @@
-"""The client API's edge: who may call it (a bearer token, TLS, mutual TLS), how large a message may be, and what
-a message that does not decode gets (INVALID_ARGUMENT with the reason, never UNKNOWN).
+"""The client API's edge: who may call it (a bearer token, TLS, mutual TLS), how large a message and a prompt's
+text may be, and what a message that does not decode gets (INVALID_ARGUMENT with the reason, never UNKNOWN).
 
     security = ApiSecurity(token="...", tls_cert="server.pem", tls_key="server.key", client_ca=None)
     server = grpc.aio.server(interceptors=security.interceptors(), options=security.server_options())
@@ -27,6 +27,9 @@ class ApiSecurity:
     tls_key: str | None = field(default=None, repr=False)
     client_ca: str | None = None  # mutual TLS: clients must present a certificate this CA signed
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES  # larger messages: RESOURCE_EXHAUSTED
+    # prompt text over it: INVALID_ARGUMENT before tokenizing (cluster/prompt_encoder.py); None: 32 B per token
+    # of max_model_len, at least 64 KiB
+    max_prompt_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):

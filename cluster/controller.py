@@ -27,6 +27,7 @@ from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, Unkno
 from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.outputs import RequestDelta
+from shardserve.cluster.prompt_encoder import PromptEncoder, default_max_prompt_bytes
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.transport import host_port
@@ -67,7 +68,7 @@ class ControllerConfig:
     replica: str = "replica-0"  # named in every stream's last message
     health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
     max_live_requests: int = 4096  # admission limit: beyond it Generate answers RESOURCE_EXHAUSTED (read per call)
-    security: ApiSecurity = field(default_factory=ApiSecurity)  # the client API's token, TLS and size limit
+    security: ApiSecurity = field(default_factory=ApiSecurity)  # the client API's token, TLS and size limits
 
 
 @dataclass(slots=True)
@@ -101,6 +102,7 @@ class Controller:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_loop: EngineLoop | None = None
         self._engine: Engine | None = None
+        self._prompts: PromptEncoder | None = None  # tokenizes off the engine thread
         self._server = None
         self._health = None
         self._load_task: asyncio.Task | None = None
@@ -135,6 +137,8 @@ class Controller:
             await asyncio.to_thread(engine.shutdown)
             return
         self._engine = engine
+        self._prompts = PromptEncoder(engine.tokenizer, self.config.security.max_prompt_bytes
+                                      or default_max_prompt_bytes(self.config.engine.max_model_len))
         self.has_chat_template = has_chat_template(engine.tokenizer)
         self._engine_loop = EngineLoop(engine, self._on_step_threadsafe, self._on_failure_threadsafe)
         self._engine_loop.start()
@@ -195,6 +199,8 @@ class Controller:
             await asyncio.to_thread(self._engine_loop.stop, 30.0)
         if self._engine is not None:
             await asyncio.to_thread(self._engine.shutdown)
+        if self._prompts is not None:
+            self._prompts.close()
         for task in (self._load_task, self._watch_task):
             if task is not None and not task.done():
                 task.cancel()
@@ -219,7 +225,8 @@ class Controller:
 
     # ---- requests -------------------------------------------------------------------------------------------
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
-        """Admits a request (Engine.admit, on the engine thread). Raises ValueError for bad input, ServerUnavailable
+        """Admits a request: its prompt tokenized on the PromptEncoder's pool, then Engine.add_request on the engine
+        thread. Raises ValueError for bad input, ServerUnavailable
         when not serving, ServerOverloaded beyond max_live_requests."""
         try:
             if self.state is not State.SERVING:
@@ -233,14 +240,18 @@ class Controller:
             live = LiveRequest(req_id, asyncio.Queue())
             self._live[req_id] = live  # before the engine sees it, so that no delta can miss its queue
             self._idle.clear()
-            future = self._engine_loop.submit(lambda engine: engine.admit(req_id, prompt, params))
             try:
-                live.num_prompt_tokens = await asyncio.wrap_future(future)
+                text, ids = await self._prompts.encode(prompt)
+                if self.state is not State.SERVING:  # drained or failed while it was tokenized
+                    raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
+                future = self._engine_loop.submit(lambda engine: engine.add_request(req_id, ids, params, prompt=text))
+                await asyncio.wrap_future(future)
+                live.num_prompt_tokens = len(ids)
             except BaseException as e:
                 self._forget(req_id)
                 if isinstance(e, asyncio.CancelledError):  # the client left while we waited: undo the add
                     self._engine_loop.submit(lambda engine: engine.abort(req_id))
-                elif not isinstance(e, ValueError):  # the engine loop died meanwhile
+                elif not isinstance(e, (ValueError, ServerUnavailable)):  # the engine loop died meanwhile
                     raise ServerUnavailable(f"the engine failed: {e!r}") from e
                 raise
         except (ValueError, ServerUnavailable, ServerOverloaded):

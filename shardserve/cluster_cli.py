@@ -42,6 +42,9 @@ def add_cluster_parsers(sub) -> None:
                      help="mutual TLS: clients must present a certificate this CA signed")
     api.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                      help="a request message larger than this is refused with RESOURCE_EXHAUSTED (default 4 MiB)")
+    api.add_argument("--max-prompt-bytes", type=int, default=None, metavar="N",
+                     help="prompt text longer than this is refused (INVALID_ARGUMENT) before it is tokenized "
+                     "(default: 32 bytes per token of max_model_len, at least 64 KiB)")
     serve.set_defaults(func=cmd_serve)
 
     client = sub.add_parser("client", help="send prompts to a running `shardserve serve`")
@@ -93,7 +96,8 @@ def api_security(args: argparse.Namespace):
         raise ValueError("--http-port with --tls-cert: run `shardserve gateway --upstream-tls-ca ...` instead")
     token = read_token_file(args.auth_token_file) if args.auth_token_file else None
     return ApiSecurity(token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.tls_client_ca,
-                       max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+                       max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+                       max_prompt_bytes=args.max_prompt_bytes)
 
 
 def _check_port_free(host: str, port: int | None, flag: str) -> None:

@@ -1,6 +1,7 @@
 """The client API's edge, on a real controller (the tiny model in-process, real gRPC on 127.0.0.1): a bearer token
 (none, wrong and right; health stays open), TLS with a CA made here by openssl, mutual TLS refused without a client
-certificate, and bytes that do not decode or are too large getting INVALID_ARGUMENT / RESOURCE_EXHAUSTED."""
+certificate, and bytes that do not decode or are too large getting INVALID_ARGUMENT / RESOURCE_EXHAUSTED, and prompt
+text over the byte limit refused before tokenizing."""
 
 from __future__ import annotations
 
@@ -56,7 +57,8 @@ def certs(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def token_server(tiny_llama_dir, e2e_config):
-    served = _serve(e2e_config, tiny_llama_dir, ApiSecurity(token=TOKEN, max_request_bytes=64 * 1024))
+    served = _serve(e2e_config, tiny_llama_dir, ApiSecurity(token=TOKEN, max_request_bytes=64 * 1024,
+                                                                 max_prompt_bytes=4096))
     yield served
     served.close()
 
@@ -110,6 +112,14 @@ def test_a_message_over_max_request_bytes_is_resource_exhausted_and_the_server_s
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
     with Client(token_server.address, timeout=60, token=TOKEN) as client:
         assert client.generate(PROMPT, max_tokens=2, ignore_eos=True).usage.completion_tokens == 2
+
+
+def test_prompt_text_over_max_prompt_bytes_is_invalid_argument_naming_the_limit(token_server):
+    with Client(token_server.address, timeout=60, token=TOKEN) as client:
+        with pytest.raises(grpc.RpcError) as error:
+            client.generate("é" * 2049, max_tokens=2)  # 4098 bytes of UTF-8, under max_request_bytes
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "4098 bytes" in error.value.details() and "limit of 4096 bytes (--max-prompt-bytes)" in error.value.details()
 
 
 def test_tls_with_a_ca_made_here_and_plaintext_refused(certs, tiny_llama_dir, e2e_config):
