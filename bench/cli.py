@@ -68,6 +68,10 @@ def add_bench_parser(sub) -> None:
 
     add_serve_parser(kinds, add_engine_args, _run("shardserve.bench.serve"))
 
+    from shardserve.bench.prompt_stall import add_prompt_stall_parser
+
+    add_prompt_stall_parser(kinds, add_engine_args, _run("shardserve.bench.prompt_stall"))
+
 
 def _run(module: str):
     def run(args: argparse.Namespace) -> int:
