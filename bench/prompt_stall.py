@@ -33,13 +33,20 @@ def add_prompt_stall_parser(kinds, add_engine_args, run) -> None:
     parser.set_defaults(func=run, engine_defaults=vars(engine.parse_args([])))
 
 
-def _stream_gaps(client, output_len: int) -> list[float]:
-    """Seconds between consecutive deltas of one greedy stream (from its first delta on)."""
-    times = []
-    for _ in client.stream("Tell me a long story about the sea.", max_tokens=output_len, temperature=0.0,
-                           ignore_eos=True):
-        times.append(time.perf_counter())
-    return [b - a for a, b in zip(times, times[1:])]
+def _stream_gaps(client, output_len: int) -> tuple[list[float], str | None]:
+    """Seconds between consecutive deltas of one greedy stream (from its first delta on), and the status it ended
+    with when it did not finish (a stalled server: DEADLINE_EXCEEDED after the client's 600 s)."""
+    import grpc
+
+    times, started = [], time.perf_counter()
+    try:
+        for _ in client.stream("Tell me a long story about the sea.", max_tokens=output_len, temperature=0.0,
+                               ignore_eos=True):
+            times.append(time.perf_counter())
+    except grpc.RpcError as e:
+        return [b - a for a, b in zip(times, times[1:])], (
+            f"{e.code().name} after {time.perf_counter() - started:.0f} s and {len(times)} deltas")
+    return [b - a for a, b in zip(times, times[1:])], None
 
 
 def _flood(address: str, text: str, stop: threading.Event, codes: Counter, lock: threading.Lock) -> None:
@@ -58,7 +65,10 @@ def _flood(address: str, text: str, stop: threading.Event, codes: Counter, lock:
                 codes[code] += 1
 
 
-def _summary(gaps: list[float]) -> dict:
+def _summary(measured: tuple[list[float], str | None]) -> dict:
+    gaps, failed = measured
+    if failed is not None or len(gaps) < 2:
+        return {"failed": failed or "too few deltas", "deltas": len(gaps) + 1 if gaps else 0}
     median, largest = statistics.median(gaps), max(gaps)
     return {"median_gap_s": round(median, 4), "max_gap_s": round(largest, 4), "max_over_median": round(largest / median, 2),
             "deltas": len(gaps) + 1}
