@@ -70,14 +70,15 @@ def _summary(measured: tuple[list[float], str | None]) -> dict:
     if failed is not None or len(gaps) < 2:
         return {"failed": failed or "too few deltas", "deltas": len(gaps) + 1 if gaps else 0}
     median, largest = statistics.median(gaps), max(gaps)
-    return {"median_gap_s": round(median, 4), "max_gap_s": round(largest, 4), "max_over_median": round(largest / median, 2),
-            "deltas": len(gaps) + 1}
+    return {"median_gap_s": round(median, 4), "max_gap_s": round(largest, 4),
+            "max_over_median": round(largest / median, 2), "deltas": len(gaps) + 1}
 
 
 def measure(address: str, args: argparse.Namespace) -> dict:
     from shardserve.client import Client
 
-    text = ("The quick brown fox jumps over the lazy dog. " * int(args.prompt_mb * 1e6 / 45 + 1))[: int(args.prompt_mb * 1e6)]
+    size = int(args.prompt_mb * 1e6)
+    text = ("The quick brown fox jumps over the lazy dog. " * (size // 45 + 1))[:size]
     with Client(address, timeout=600) as client:
         _stream_gaps(client, 8)  # warm-up
         alone = _summary(_stream_gaps(client, args.output_len))

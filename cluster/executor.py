@@ -108,7 +108,8 @@ class GrpcExecutor:
         secret: str = "",
     ) -> None:
         """secret: the workers' launch secret (WorkerGroup.secret, LocalWorkers.secret), sent with every call;
-        the workers refuse any call without it (UNAUTHENTICATED). stop_workers(timeout_s): stops workers this executor owns (local processes); called by shutdown, and
+        the workers refuse any call without it (UNAUTHENTICATED).
+        stop_workers(timeout_s): stops workers this executor owns (local processes); called by shutdown, and
         as soon as a step fails (a healthy rank may be stuck in a collective with the failed one). A Ray group is
         stopped by its owner instead, and stays up after a failure for health checks to report it."""
         if not secret:

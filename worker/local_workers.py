@@ -60,8 +60,8 @@ def start_local_workers(config: EngineConfig, startup_timeout_s: float = 120.0) 
     try:
         for rank in range(tp):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_serve_rank, args=(config.device, tp, child_end, workers.secret), name=f"shardserve-tp{rank}",
-                               daemon=True)
+            proc = ctx.Process(target=_serve_rank, args=(config.device, tp, child_end, workers.secret),
+                               name=f"shardserve-tp{rank}", daemon=True)
             proc.start()
             child_end.close()
             workers.processes.append(proc)
