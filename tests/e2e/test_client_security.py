@@ -146,3 +146,23 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(certs, tiny_llama_dir
             assert client.generate(PROMPT, max_tokens=3, ignore_eos=True).usage.completion_tokens == 3
     finally:
         served.close()
+
+
+def test_the_gateway_forwards_the_bearer_token_401_without_it(token_server):
+    import httpx
+
+    from shardserve.gateway import GatewayThread
+
+    gateway = GatewayThread(token_server.address, "127.0.0.1", 0)
+    try:
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        url = f"http://{gateway.address}/v1/completions"
+        refused = httpx.post(url, json=body, timeout=60)
+        assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
+        wrong = httpx.post(url, json=body, headers={"Authorization": "Bearer nope"}, timeout=60)
+        assert wrong.status_code == 401
+        ok = httpx.post(url, json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["completion_tokens"] == 2
+    finally:
+        gateway.stop()
