@@ -74,6 +74,10 @@ def add_bench_parser(sub) -> None:
     add_routing_parser(kinds)
     add_scaling_parser(kinds, add_engine_args, _run("shardserve.bench.scaling"))
 
+    from shardserve.bench.prompt_stall import add_prompt_stall_parser
+
+    add_prompt_stall_parser(kinds, add_engine_args, _run("shardserve.bench.prompt_stall"))
+
 
 def _run(module: str):
     def run(args: argparse.Namespace) -> int:

@@ -130,7 +130,7 @@ def open_engine(config: EngineConfig, executor: str = "local") -> BenchEngine:
         ensure_ray("local")
         group = launch_worker_group(config, startup_timeout_s=300.0)
         closers.append(group.shutdown)
-        make_executor = GrpcExecutorFactory(group.endpoints, group.init_method)
+        make_executor = GrpcExecutorFactory(group.endpoints, group.init_method, group.secret)
     try:
         engine = build_engine(config, lambda cfg: TimedExecutor(make_executor(cfg)))
     except BaseException:

@@ -3,7 +3,7 @@
 Every front end admits through Engine.admit / Engine.add_request (LLM.generate, the gRPC Generation service, and so
 a gateway over it), so these two functions are the source of truth for what a request may be:
 - `encode_prompt`: a prompt given as text, token ids or chat messages -> token ids (the one place prompts are
-  encoded; it runs where the tokenizer lives: on the engine's thread);
+  encoded; LLM runs it on the caller's thread, the server on a tokenizing pool: cluster/prompt_encoder.py);
 - `check_request`: the prompt's token ids and the SamplingParams against the engine's limits (vocabulary,
   max_model_len, KV blocks), once per admission. SamplingParams checks its own fields' ranges when it is made.
 """
@@ -50,6 +50,19 @@ def encode_prompt(prompt: Prompt, tokenizer) -> tuple[str | None, list[int]]:
     if isinstance(prompt, (list, tuple)):
         return None, list(prompt)
     raise ValueError(f"a prompt is text, token ids or chat messages; got {type(prompt).__name__}")
+
+
+def prompt_text_bytes(prompt: Prompt) -> int:
+    """How many bytes of text (UTF-8) a prompt holds: its text, or its chat messages' contents; 0 for token ids.
+    Cheap next to tokenizing, so limits can be checked before it."""
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt", "")
+    if isinstance(prompt, str):
+        return len(prompt.encode("utf-8", "surrogatepass"))
+    if isinstance(prompt, (list, tuple)):
+        return sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in prompt
+                   if isinstance(m, dict) and isinstance(m.get("content"), str))
+    return 0
 
 
 def _unwrap_prompt_dict(prompt: dict) -> str | list[int]:

@@ -13,19 +13,18 @@ NOT_SERVING) once no replica is serving.
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 
-from shardserve.cluster.admission import Prompt, encode_prompt, has_chat_template
+from shardserve.cluster.admission import Prompt, has_chat_template
 from shardserve.cluster.controller_types import ControllerConfig, LiveRequest, ServedModel, State, StreamItem
 from shardserve.cluster.engine import EngineStats
 from shardserve.cluster.engine_loop import StepReport
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
 from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
+from shardserve.cluster.prompt_encoder import PromptEncoder, default_max_prompt_bytes
 from shardserve.cluster.replica import Replica
 from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.sampling_params import SamplingParams
@@ -51,14 +50,11 @@ class Controller:
         ]
         self._position = {r.id: i for i, r in enumerate(self.replicas)}
         self.router = Router(self.replicas, config.routing)
-        # The controller's own copy of the tokenizer, used on this one thread only (the engines' copies stay on
-        # their engine threads): prompts are tokenized before routing, which needs their block hashes.
-        self._tokenizer = None
-        self._tokenize_pool = ThreadPoolExecutor(1, thread_name_prefix="shardserve-tokenize")
         self._started_at = time.time()
         self._live: dict[str, LiveRequest] = {}
         self._idle = asyncio.Event()  # set while no request is live (drain waits on it)
         self._idle.set()
+        self._prompts: PromptEncoder | None = None  # tokenizes off the engine threads (a pool of its own)
         self._server = None
         self._health = None
         self._load_task: asyncio.Task | None = None
@@ -70,7 +66,8 @@ class Controller:
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> str:
         """Serves gRPC at once (health NOT_SERVING) and loads the replicas in the background; returns host:port."""
-        self._server, port, self._health = await start_server(self, self.config.host, self.config.port)
+        self._server, port, self._health = await start_server(self, self.config.host, self.config.port,
+                                                                  self.config.security)
         self.address = host_port(self.config.host, port)
         if self.config.metrics_port is not None:
             bound = self.metrics.serve(self.config.host, self.config.metrics_port)
@@ -90,7 +87,8 @@ class Controller:
         if self.state is not State.STARTING:  # shut down while loading
             return
         engine = self.replicas[0].engine
-        self._tokenizer = copy.deepcopy(engine.tokenizer)  # no step has run yet: nothing else touches it
+        self._prompts = PromptEncoder(engine.tokenizer, self.config.security.max_prompt_bytes
+                                      or default_max_prompt_bytes(self.config.engine.max_model_len))
         self.has_chat_template = has_chat_template(engine.tokenizer)
         self.state = State.SERVING
         await self._set_health(True)
@@ -132,9 +130,10 @@ class Controller:
         await asyncio.gather(*(r.stop(30.0) for r in self.replicas))
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
+        if self._prompts is not None:
+            self._prompts.close()
         if self._server is not None:
             await self._server.stop(1.0)
-        self._tokenize_pool.shutdown(wait=False)
         self.metrics.close()
         return cut
 
@@ -155,13 +154,6 @@ class Controller:
                 "routed": dict(zip(self._position, self.router.num_routed))}
 
     # ---- requests -------------------------------------------------------------------------------------------
-    async def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        """encode_prompt on the tokenize thread (token ids, the common case of a busy server, stay here)."""
-        if isinstance(prompt, (list, tuple)) and (not prompt or not isinstance(prompt[0], dict)):
-            return encode_prompt(prompt, None)
-        return await asyncio.get_running_loop().run_in_executor(
-            self._tokenize_pool, encode_prompt, prompt, self._tokenizer)
-
     def _route(self, token_ids: list[int]) -> Replica:
         hashes = (prompt_block_hashes(token_ids, self.config.engine.block_size, ROUTE_BLOCKS)
                   if self.router.policy == "cache-aware" else ())
@@ -171,8 +163,9 @@ class Controller:
             raise ServerUnavailable(str(e)) from None
 
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
-        """Admits a request on a replica (Engine.admit, on its engine thread). Raises ValueError for bad input,
-        ServerUnavailable when not serving, ServerOverloaded beyond max_live_requests."""
+        """Admits a request: its prompt tokenized on the PromptEncoder's pool (off every engine thread), routed to a
+        replica, then Engine.admit on that replica's engine thread. Raises ValueError for bad input, ServerUnavailable
+        when not serving, ServerOverloaded beyond max_live_requests."""
         try:
             if self.state is not State.SERVING:
                 raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
@@ -186,7 +179,7 @@ class Controller:
             self._live[req_id] = live  # first: the id is taken while the prompt is tokenized
             self._idle.clear()
             try:
-                text, token_ids = await self._encode(prompt)
+                text, token_ids = await self._prompts.encode(prompt)
                 if self.state is not State.SERVING:
                     raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
                 live.replica = replica = self._route(token_ids)

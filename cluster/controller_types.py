@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shardserve.cluster.api_security import ApiSecurity
 from shardserve.cluster.engine import Engine
 from shardserve.cluster.outputs import RequestDelta
 from shardserve.cluster.replica import Replica
@@ -51,6 +52,7 @@ class ControllerConfig:
     routing: str = "cache-aware"  # cluster/router.py POLICIES
     health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
     max_live_requests: int = 4096  # admission limit: beyond it Generate answers RESOURCE_EXHAUSTED (read per call)
+    security: ApiSecurity = field(default_factory=ApiSecurity)  # the client API's token, TLS and size limits
 
 
 @dataclass(slots=True)

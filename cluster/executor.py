@@ -35,7 +35,7 @@ from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.convert import engine_config_to_proto, step_plan_to_proto, step_result_from_proto
 from shardserve.proto.plan import StepPlan, StepResult
-from shardserve.proto.transport import MESSAGE_OPTIONS
+from shardserve.proto.transport import worker_channel
 
 _CLOSE = object()  # ends a request stream
 
@@ -105,10 +105,15 @@ class GrpcExecutor:
         startup_timeout_s: float = 600.0,
         rpc_timeout_s: float = 10.0,
         stop_workers: Callable[[float], None] | None = None,
+        secret: str = "",
     ) -> None:
-        """stop_workers(timeout_s): stops workers this executor owns (local processes); called by shutdown, and
+        """secret: the workers' launch secret (WorkerGroup.secret, LocalWorkers.secret), sent with every call;
+        the workers refuse any call without it (UNAUTHENTICATED).
+        stop_workers(timeout_s): stops workers this executor owns (local processes); called by shutdown, and
         as soon as a step fails (a healthy rank may be stuck in a collective with the failed one). A Ray group is
         stopped by its owner instead, and stays up after a failure for health checks to report it."""
+        if not secret:
+            raise ValueError("GrpcExecutor needs the workers' launch secret (secret=...)")
         if len(endpoints) != config.tensor_parallel_size:
             raise ValueError(f"{len(endpoints)} endpoints for tensor_parallel_size {config.tensor_parallel_size}")
         self.config = config
@@ -121,7 +126,7 @@ class GrpcExecutor:
         self._early: list[deque] = [deque() for _ in endpoints]  # replies to later steps that arrived first
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: list[_StepStream] = []
-        self._channels = [grpc.insecure_channel(ep, options=MESSAGE_OPTIONS) for ep in self.endpoints]
+        self._channels = [worker_channel(ep, secret) for ep in self.endpoints]
         self._stubs = [pb_grpc.WorkerStub(ch) for ch in self._channels]
         self.last_forward_ms = 0.0  # the slowest rank's forward_ms in the last collected step
         try:

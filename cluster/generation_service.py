@@ -22,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from shardserve.cluster.api_security import ApiSecurity
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto import generation_pb2 as pb
@@ -177,10 +178,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return msg
 
 
-async def start_server(controller, host: str, port: int):
-    """Starts the grpc.aio server on host:port (0 = a free port). Returns (server, bound port, health servicer);
-    health starts NOT_SERVING."""
-    server = grpc.aio.server()
+async def start_server(controller, host: str, port: int, security: ApiSecurity | None = None):
+    """Starts the grpc.aio server on host:port (0 = a free port), with the token, TLS and size limit `security`
+    gives (cluster/api_security.py). Returns (server, bound port, health servicer); health starts NOT_SERVING."""
+    security = security or ApiSecurity()
+    server = grpc.aio.server(interceptors=security.interceptors(), options=security.server_options())
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(controller), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -188,7 +190,7 @@ async def start_server(controller, host: str, port: int):
         (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     try:
-        bound = server.add_insecure_port(host_port(host, port))
+        bound = security.bind(server, host_port(host, port))
     except RuntimeError as e:
         raise RuntimeError(f"cannot bind the gRPC server to {host_port(host, port)}: {e}") from e
     if bound == 0:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 
+import grpc
+
 # Large plans (a batch of long prompts) and results (logprobs) exceed gRPC's 4 MiB default: no limit either way.
 MESSAGE_OPTIONS = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
 
@@ -18,3 +20,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def worker_channel(endpoint: str, secret: str) -> grpc.Channel:
+    """A channel to a Worker server whose every call carries the launch's secret (proto/auth.py)."""
+    from shardserve.proto.auth import WORKER_SECRET_KEY, AddMetadata
+
+    channel = grpc.insecure_channel(endpoint, options=MESSAGE_OPTIONS)
+    return grpc.intercept_channel(channel, AddMetadata(WORKER_SECRET_KEY, secret))

@@ -10,7 +10,12 @@ Sampling keywords are SamplingParams' fields (temperature, max_tokens, stop, see
 GenerateRequest's sampling fields mirror; unset ones take the server's defaults. Server errors surface as
 grpc.RpcError with their status code (INVALID_ARGUMENT for bad input, UNAVAILABLE while the server is not serving,
 RESOURCE_EXHAUSTED beyond its live-request limit, NOT_FOUND for an unknown id on abort, DEADLINE_EXCEEDED past
-`timeout`). Importing this module needs only grpcio and protobuf (no torch).
+`timeout`, UNAUTHENTICATED without the server's token). Importing this module needs only grpcio and protobuf (no
+torch).
+
+A server started with --auth-token-file wants `token=...`; one with TLS wants `tls_root_cert=` (the CA that signed
+its certificate; `tls=True` alone trusts the system's roots), and with mutual TLS also `tls_client_cert=` and
+`tls_client_key=` (PEM file paths or bytes).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from shardserve.client_connection import Connection
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
 
@@ -209,11 +215,14 @@ class AsyncStream(_StreamState):
 
 
 class Client:
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
-        """timeout: the default deadline in seconds of every call (None = none); each method takes its own."""
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None, *, token: str | None = None,
+                 tls: bool = False, tls_root_cert: str | bytes | None = None,
+                 tls_client_cert: str | bytes | None = None, tls_client_key: str | bytes | None = None) -> None:
+        """timeout: the default deadline in seconds of every call (None = none); each method takes its own.
+        token: the server's bearer token; tls*: see the module's docstring."""
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        self._channel = Connection(token, tls, tls_root_cert, tls_client_cert, tls_client_key).channel(address)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
@@ -281,10 +290,12 @@ class Client:
 class AsyncClient:
     """The same calls as Client, awaitable; stream() is an async iterator of deltas."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+    def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None, *, token: str | None = None,
+                 tls: bool = False, tls_root_cert: str | bytes | None = None,
+                 tls_client_cert: str | bytes | None = None, tls_client_key: str | bytes | None = None) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.aio.insecure_channel(address)
+        self._channel = Connection(token, tls, tls_root_cert, tls_client_cert, tls_client_key).aio_channel(address)
         self._stub = pb_grpc.GenerationStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

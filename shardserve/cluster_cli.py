@@ -44,6 +44,18 @@ def add_cluster_parsers(sub) -> None:
     serve.add_argument("--http-host", default=None, help="the gateway's bind address (default: --host)")
     serve.add_argument("--http-workers", type=int, default=1,
                        help="gateway processes on the HTTP port: a thread of this one, plus N-1 (`gateway --workers`)")
+    api = serve.add_argument_group("client API security (docs/security.md)")
+    api.add_argument("--auth-token-file", default=None, metavar="PATH",
+                     help="clients must send 'authorization: Bearer <the token in this file>' (health stays open)")
+    api.add_argument("--tls-cert", default=None, metavar="PEM", help="serve the client API over TLS with this certificate")
+    api.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
+    api.add_argument("--tls-client-ca", default=None, metavar="PEM",
+                     help="mutual TLS: clients must present a certificate this CA signed")
+    api.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
+                     help="a request message larger than this is refused with RESOURCE_EXHAUSTED (default 4 MiB)")
+    api.add_argument("--max-prompt-bytes", type=int, default=None, metavar="N",
+                     help="prompt text longer than this is refused (INVALID_ARGUMENT) before it is tokenized "
+                     "(default: 32 bytes per token of max_model_len, at least 64 KiB)")
     serve.set_defaults(func=cmd_serve)
 
     client = sub.add_parser("client", help="send prompts to a running `shardserve serve`")
@@ -55,8 +67,48 @@ def add_cluster_parsers(sub) -> None:
     client.add_argument("--concurrency", type=int, default=8, help="requests in flight with --file")
     client.add_argument("--output", help="with --file: write the JSON-lines results here (default: stdout)")
     client.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds")
+    add_connection_args(client)
     add_sampling_args(client)
     client.set_defaults(func=cmd_client)
+
+
+def add_connection_args(parser, prefix: str = "") -> None:
+    """How a client reaches a server with a token or TLS (the client command; the gateway's upstream, prefixed)."""
+    if not prefix:
+        parser.add_argument("--token-file", default=None, metavar="PATH", help="send the bearer token in this file")
+    parser.add_argument(f"--{prefix}tls-ca", default=None, metavar="PEM",
+                        help="connect over TLS, verifying the server with this CA certificate")
+    parser.add_argument(f"--{prefix}tls", action="store_true", help="connect over TLS with the system's CA roots")
+    parser.add_argument(f"--{prefix}tls-cert", default=None, metavar="PEM", help="mutual TLS: this client's certificate")
+    parser.add_argument(f"--{prefix}tls-key", default=None, metavar="PEM", help="mutual TLS: the key of that certificate")
+
+
+def connection_kwargs(args: argparse.Namespace, prefix: str = "") -> dict:
+    """Client/AsyncClient keywords from add_connection_args' flags."""
+    from shardserve.proto.auth import read_token_file
+
+    p = prefix.replace("-", "_")
+    token_file = getattr(args, "token_file", None) if not prefix else None
+    return dict(token=read_token_file(token_file) if token_file else None, tls=getattr(args, f"{p}tls"),
+                tls_root_cert=getattr(args, f"{p}tls_ca"), tls_client_cert=getattr(args, f"{p}tls_cert"),
+                tls_client_key=getattr(args, f"{p}tls_key"))
+
+
+def api_security(args: argparse.Namespace):
+    """The serve command's ApiSecurity (a ValueError naming the flag when the files do not make sense)."""
+    from shardserve.cluster.api_security import DEFAULT_MAX_REQUEST_BYTES, ApiSecurity
+    from shardserve.proto.auth import read_token_file
+
+    for flag in ("auth_token_file", "tls_cert", "tls_key", "tls_client_ca"):
+        path = getattr(args, flag)
+        if path is not None and not os.path.isfile(path):
+            raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
+    if args.tls_cert and args.http_port is not None:
+        raise ValueError("--http-port with --tls-cert: run `shardserve gateway --upstream-tls-ca ...` instead")
+    token = read_token_file(args.auth_token_file) if args.auth_token_file else None
+    return ApiSecurity(token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.tls_client_ca,
+                       max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+                       max_prompt_bytes=args.max_prompt_bytes)
 
 
 def _check_port_free(host: str, port: int | None, flag: str) -> None:
@@ -86,6 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _check_port_free(args.http_host or args.host, args.http_port, "--http-port")
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise ValueError(f"--replicas {args.replicas}: give a number >= 1 or 'auto'")
+    security = api_security(args)
     config = build_engine_config(**engine_kwargs(args))
     strategy = args.placement_strategy
     if args.placement == "spread":
@@ -99,7 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  drain_timeout_s=args.drain_timeout,
                  strategy=strategy, model_name=args.served_model_name,
                  max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host,
-                 http_workers=args.http_workers)
+                 http_workers=args.http_workers, security=security)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
@@ -114,7 +167,12 @@ def cmd_client(args: argparse.Namespace) -> int:
         why = "is a folder, not a file" if os.path.isdir(args.file) else "does not exist"
         print(f"error: --file {args.file} {why}", file=sys.stderr)
         return 2
-    with Client(args.address, timeout=args.timeout) as client:
+    try:
+        connection = connection_kwargs(args)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    with Client(args.address, timeout=args.timeout, **connection) as client:
         try:
             if args.file:
                 return _run_batch(client, args)

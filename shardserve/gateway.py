@@ -35,13 +35,14 @@ from shardserve.openai_format import error_body
 from shardserve.openai_schema import ChatCompletionRequest, CompletionRequest
 
 
-def build_app(upstream: str, request_timeout_s: float | None = None) -> FastAPI:
-    """The ASGI app for a gateway in front of the gRPC server at `upstream` (host:port)."""
+def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tls: dict | None = None) -> FastAPI:
+    """The ASGI app for a gateway in front of the gRPC server at `upstream` (host:port); upstream_tls: AsyncClient's
+    tls keywords (the token is not one: each HTTP request's Authorization header is forwarded)."""
     gateway = Gateway(upstream, request_timeout_s)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        gateway.client = AsyncClient(upstream)  # the one channel of this gateway, made on its event loop
+        gateway.client = AsyncClient(upstream, **(upstream_tls or {}))  # the one channel of this gateway, made on its event loop
         try:
             yield
         finally:
@@ -111,7 +112,7 @@ def _local(upstream: str) -> str:
 
 
 def _server(upstream: str, sock: socket.socket, request_timeout_s: float | None, access_log: bool,
-            on_signal=None):
+            on_signal=None, upstream_tls: dict | None = None):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -120,13 +121,14 @@ def _server(upstream: str, sock: socket.socket, request_timeout_s: float | None,
                 on_signal(sig)
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(build_app(_local(upstream), request_timeout_s), log_level="warning",
+    config = uvicorn.Config(build_app(_local(upstream), request_timeout_s, upstream_tls), log_level="warning",
                             access_log=access_log, timeout_graceful_shutdown=5, lifespan="on")
     return Server(config)
 
 
 def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
-                access_log: bool = False, workers: int = 1, worker_of_parent: bool = False) -> int:
+                access_log: bool = False, workers: int = 1, worker_of_parent: bool = False,
+                upstream_tls: dict | None = None) -> int:
     """`shardserve gateway`: serves until SIGINT/SIGTERM (uvicorn's graceful shutdown). workers > 1: this process
     and workers - 1 more on the same port (shardserve/gateway_workers.py)."""
     if workers < 1:
@@ -136,7 +138,7 @@ def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, reques
     others = None
     if workers > 1 and not worker_of_parent:
         try:
-            others = Workers(workers, upstream, host, bound, request_timeout_s, access_log)
+            others = Workers(workers, upstream, host, bound, request_timeout_s, access_log, upstream_tls)
         except BaseException:
             sock.close()
             raise
@@ -146,7 +148,7 @@ def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, reques
     # no-op ones make that a normal exit (0), as `shardserve serve` exits after its drain.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server = _server(upstream, sock, request_timeout_s, access_log, others and others.signal)
+        server = _server(upstream, sock, request_timeout_s, access_log, others and others.signal, upstream_tls)
         if worker_of_parent:
             exit_with_stdin(server)
         server.run(sockets=[sock])

@@ -17,11 +17,18 @@ def add_gateway_parser(sub) -> None:
     gateway.add_argument("--workers", type=int, default=1,
                          help="gateway processes sharing the port (SO_REUSEPORT): one core's worth of streams each")
     gateway.add_argument("--worker-of-parent", action="store_true", help=argparse.SUPPRESS)  # started by --workers
+    from shardserve.cluster_cli import add_connection_args
+
+    add_connection_args(gateway.add_argument_group("upstream TLS (a server's token comes from each HTTP request's "
+                                                   "Authorization header)"), prefix="upstream-")
     gateway.set_defaults(func=cmd_gateway)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
+    from shardserve.cluster_cli import connection_kwargs
     from shardserve.gateway import run_gateway
 
+    tls = connection_kwargs(args, prefix="upstream-")
+    tls.pop("token")
     return run_gateway(args.upstream, args.host, args.port, args.request_timeout, args.access_log, args.workers,
-                       args.worker_of_parent)
+                       args.worker_of_parent, upstream_tls=tls)

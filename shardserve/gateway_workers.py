@@ -43,9 +43,16 @@ class Workers:
     """Workers 1..count-1 of a gateway whose worker 0 is this process, started on (host, port)."""
 
     def __init__(self, count: int, upstream: str, host: str, port: int, request_timeout_s: float | None,
-                 access_log: bool, ready_timeout_s: float = 60.0) -> None:
+                 access_log: bool, upstream_tls: dict | None = None, ready_timeout_s: float = 60.0) -> None:
         command = [sys.executable, "-m", "shardserve.cli", "gateway", "--upstream", upstream, "--host", host,
                    "--port", str(port), "--worker-of-parent"]
+        tls = upstream_tls or {}
+        if tls.get("tls"):
+            command.append("--upstream-tls")
+        for key, flag in (("tls_root_cert", "--upstream-tls-ca"), ("tls_client_cert", "--upstream-tls-cert"),
+                          ("tls_client_key", "--upstream-tls-key")):
+            if tls.get(key):
+                command += [flag, tls[key]]  # file paths: the workers read them themselves
         if request_timeout_s is not None:
             command += ["--request-timeout", str(request_timeout_s)]
         if access_log:

@@ -57,6 +57,7 @@ class WorkerGroup:
     placement_group: Any  # ray.util.placement_group.PlacementGroup
     actors: list[Any]  # Ray actor handles, rank order
     node_ids: list[str] = field(default_factory=list)  # Ray node of each rank
+    secret: str = field(default="", repr=False)  # this launch's worker-plane secret (proto/auth.py)
     _shut_down: bool = False
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -68,7 +69,7 @@ class WorkerGroup:
         if self._shut_down:
             return
         self._shut_down = True
-        _shutdown_workers(self.endpoints, timeout_s)
+        _shutdown_workers(self.endpoints, timeout_s, self.secret)
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -95,6 +96,7 @@ def launch_worker_group(
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from shardserve.proto.auth import new_secret
     from shardserve.worker.distributed import MULTICAST_OFF_ENV, cpu_threads_per_rank  # imports torch: lazily
 
     tp = config.tensor_parallel_size
@@ -113,6 +115,7 @@ def launch_worker_group(
 
     num_threads = cpu_threads_per_rank(config.device, tp)  # STRICT_PACK: the group's ranks share one node
     remote_cls = ray.remote(WorkerActor)
+    secret = new_secret()  # only this launch's executor can drive these workers
     actors = []
     try:
         for rank in range(tp):
@@ -126,7 +129,7 @@ def launch_worker_group(
                         placement_group=pg, placement_group_bundle_index=rank
                     ),
                     runtime_env={"env_vars": dict(MULTICAST_OFF_ENV)},
-                ).remote(worker_host, num_threads)
+                ).remote(worker_host, num_threads, secret=secret)
             )
         endpoints = ray.get([a.endpoint.remote() for a in actors], timeout=startup_timeout_s)
         node_ids = ray.get([a.node_id.remote() for a in actors], timeout=startup_timeout_s)
@@ -141,17 +144,18 @@ def launch_worker_group(
     if worker_host.startswith("127.") or worker_host == "localhost":
         rendezvous_ip = worker_host  # a loopback-only deployment keeps the rendezvous on loopback too
     init_method = f"tcp://{rendezvous_ip}:{rendezvous_port}"
-    return WorkerGroup(endpoints, init_method, pg, actors, node_ids)
+    return WorkerGroup(endpoints, init_method, pg, actors, node_ids, secret)
 
 
-def _shutdown_workers(endpoints: list[str], timeout_s: float) -> None:
+def _shutdown_workers(endpoints: list[str], timeout_s: float, secret: str) -> None:
     """Sends Shutdown to every worker at once and waits up to timeout_s; unreachable workers are skipped."""
     import grpc
 
     from shardserve.proto import worker_pb2 as pb
     from shardserve.proto import worker_pb2_grpc as pb_grpc
+    from shardserve.proto.transport import worker_channel
 
-    channels = [grpc.insecure_channel(ep) for ep in endpoints]
+    channels = [worker_channel(ep, secret) for ep in endpoints]
     try:
         calls = [pb_grpc.WorkerStub(ch).Shutdown.future(pb.ShutdownRequest(), timeout=timeout_s) for ch in channels]
         for call in calls:

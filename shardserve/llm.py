@@ -32,7 +32,8 @@ def create_executor(config: EngineConfig):
 
     workers = start_local_workers(config)
     try:
-        return GrpcExecutor(config, workers.endpoints, workers.init_method, stop_workers=workers.stop)
+        return GrpcExecutor(config, workers.endpoints, workers.init_method, stop_workers=workers.stop,
+                            secret=workers.secret)
     except BaseException:
         workers.stop(timeout_s=0.0)
         raise

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from shardserve.cluster.executor import GrpcExecutor
@@ -32,11 +32,12 @@ class GrpcExecutorFactory:
 
     endpoints: list[str]
     init_method: str
+    secret: str = field(default="", repr=False)  # the workers' launch secret: reaches the controller through Ray
 
     def __call__(self, config: EngineConfig):
         from shardserve.cluster.executor import GrpcExecutor
 
-        return GrpcExecutor(config, self.endpoints, self.init_method)
+        return GrpcExecutor(config, self.endpoints, self.init_method, secret=self.secret)
 
 
 class GroupExecutor(GrpcExecutor):
@@ -44,7 +45,7 @@ class GroupExecutor(GrpcExecutor):
 
     def __init__(self, config: EngineConfig, group) -> None:
         self.group = group  # shardserve.launcher.WorkerGroup
-        super().__init__(config, group.endpoints, group.init_method)
+        super().__init__(config, group.endpoints, group.init_method, secret=group.secret)
 
     @property
     def node_ids(self) -> list[str]:
@@ -143,10 +144,12 @@ def start_cluster(
     max_live_requests: int = 4096,
     replicas: int | str = 1,
     routing: str = "cache-aware",
+    security=None,
 ) -> RunningCluster:
     """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
     shardserve.launcher.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
-    any of it fails."""
+    any of it fails. security: the client API's token, TLS and size limit (cluster/api_security.py ApiSecurity;
+    None = none, the default limit)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -169,6 +172,8 @@ def start_cluster(
             num_replicas=num_replicas,
             routing=routing,
         )
+        if security is not None:
+            controller_config.security = security
         here = ray.get_runtime_context().get_node_id()
         controller = (
             ray.remote(Controller)
@@ -225,7 +230,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
           http_host: str | None = None, http_workers: int = 1, replicas: int | str = 1,
-          routing: str = "cache-aware") -> int:
+          routing: str = "cache-aware", security=None) -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails (exits 1). http_port: also
     the HTTP gateway (shardserve/gateway.py), started once the server is ready, stopped after the drain."""
     import ray
@@ -255,7 +260,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         start = time.perf_counter()
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
                                 strategy=strategy, model_name=model_name, max_live_requests=max_live_requests,
-                                replicas=replicas, routing=routing)
+                                replicas=replicas, routing=routing, security=security)
         for s in previous:
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""

@@ -48,8 +48,14 @@ def prepare_worker_process(num_threads: int | None = None) -> None:
         torch.set_num_threads(max(1, num_threads))
 
 
-def init_distributed(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float) -> None:
-    """Joins the TP group. backend: "gloo" (CPU), "nccl" (CUDA) or "auto" (nccl when CUDA is available)."""
+def init_distributed(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float,
+                     bind_host: str | None = None) -> None:
+    """Joins the TP group. backend: "gloo" (CPU), "nccl" (CUDA) or "auto" (nccl when CUDA is available).
+
+    A "tcp://host:port" rendezvous is a TCPStore that rank 0 serves on a socket it binds to that host itself
+    (torch's own tcp:// init listens on every interface); bind_host, the address this worker was given, also
+    pins the interface gloo's and NCCL's own sockets listen on (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME, unless
+    already set). None or an all-interfaces address leaves those to torch."""
     global _group
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
@@ -59,14 +65,51 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(
-            backend=backend,
-            init_method=init_method,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),  # never the 30-minute default watchdog
-        )
+        timeout = timedelta(seconds=timeout_s)  # never the 30-minute default watchdog
+        interface = interface_of(bind_host) if bind_host else None
+        if interface is not None:
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", interface)
+        if init_method.startswith("tcp://"):
+            store = _tcp_store(init_method, rank, world_size, timeout)
+            dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        else:
+            dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=timeout)
     _group = _TPGroup(rank=rank, size=world_size, owns_process_group=True)
+
+
+def _tcp_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The rendezvous store; rank 0 serves it on a listening socket bound to the rendezvous host only."""
+    import socket
+
+    host, port = init_method.removeprefix("tcp://").rsplit(":", 1)
+    host, port = host.strip("[]"), int(port)
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen(128)
+    except OSError:
+        listener.close()
+        raise
+    # The store owns the descriptor from here (detach: Python must not close it under the store).
+    return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach())
+
+
+def interface_of(address: str) -> str | None:
+    """The network interface that holds `address` ("lo" for 127.0.0.1), or None for an all-interfaces address
+    or one no interface holds."""
+    import psutil
+
+    if address in ("", "0.0.0.0", "::", "[::]"):
+        return None
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address.strip("[]") for a in addrs):
+            return name
+    return None
 
 
 def tp_rank() -> int:

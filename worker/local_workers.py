@@ -1,5 +1,6 @@
 """Local tensor parallelism: one spawned process per rank on this machine, each serving the Worker gRPC service
-(worker/worker_service.py) on 127.0.0.1 with an ephemeral port, the same service a Ray actor hosts.
+(worker/worker_service.py) on 127.0.0.1 with an ephemeral port, the same service a Ray actor hosts, checking a
+secret made here and handed to the rank through its spawn arguments (another local process cannot drive it).
 
 start_local_workers() returns their endpoints and a torch.distributed rendezvous on loopback; the caller drives
 them with the controller's GrpcExecutor (shardserve/llm.py: create_executor wires the two). Each rank reports its
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from shardserve.proto.auth import new_secret
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.transport import free_port
 
@@ -27,6 +29,7 @@ class LocalWorkers:
     endpoints: list[str]  # "127.0.0.1:port" of each rank's Worker server, rank order
     init_method: str  # torch.distributed rendezvous on loopback
     processes: list[Any]  # multiprocessing.Process, rank order
+    secret: str = field(default="", repr=False)  # the worker-plane secret these ranks check (proto/auth.py)
     _pipes: list[Connection] = field(default_factory=list)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -53,12 +56,12 @@ def start_local_workers(config: EngineConfig, startup_timeout_s: float = 120.0) 
     Raises RuntimeError when a rank fails or does not report in time (every started rank is stopped then)."""
     ctx = mp.get_context("spawn")
     tp = config.tensor_parallel_size
-    workers = LocalWorkers([], f"tcp://127.0.0.1:{free_port()}", [])
+    workers = LocalWorkers([], f"tcp://127.0.0.1:{free_port()}", [], new_secret())
     try:
         for rank in range(tp):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_serve_rank, args=(config.device, tp, child_end), name=f"shardserve-tp{rank}",
-                               daemon=True)
+            proc = ctx.Process(target=_serve_rank, args=(config.device, tp, child_end, workers.secret),
+                               name=f"shardserve-tp{rank}", daemon=True)
             proc.start()
             child_end.close()
             workers.processes.append(proc)
@@ -95,14 +98,14 @@ def _addresses(workers: LocalWorkers, timeout_s: float) -> list[str]:
     return [replies[rank] for rank in range(len(workers.processes))]
 
 
-def _serve_rank(device: str, tp: int, conn: Connection) -> None:
+def _serve_rank(device: str, tp: int, conn: Connection, secret: str) -> None:
     """One rank's process: serve the Worker service until Shutdown stops it or the parent goes away."""
     try:
         from shardserve.worker.distributed import cpu_threads_per_rank, prepare_worker_process
         from shardserve.worker.worker_service import serve_worker
 
         prepare_worker_process(cpu_threads_per_rank(device, tp))
-        server, address = serve_worker("127.0.0.1", 0)
+        server, address = serve_worker("127.0.0.1", 0, secret=secret)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return

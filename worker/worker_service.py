@@ -27,13 +27,15 @@ from shardserve.proto import worker_pb2 as pb
 from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.convert import engine_config_from_proto, step_plan_from_proto, step_result_to_proto
+from shardserve.proto.auth import WORKER_SECRET_KEY, RequireMetadata
 from shardserve.proto.transport import MESSAGE_OPTIONS, host_port
 from shardserve.worker.step_loop import StepLoop, StepRefusal
 
 
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, on_shutdown: Any = None) -> None:
+    def __init__(self, on_shutdown: Any = None, bind_host: str = "127.0.0.1") -> None:
         self._on_shutdown = on_shutdown  # called once by Shutdown (stops the server)
+        self.bind_host = bind_host  # the address this worker was given: its collectives listen there too
         self._lock = threading.Lock()  # one lifecycle call at a time
         self._state = pb.WORKER_STATE_STARTED  # the lifecycle's; FAILED is the step loop's error
         self.rank = 0
@@ -56,7 +58,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self.config = engine_config_from_proto(request.config)
                 self.rank, self.world_size = request.rank, request.world_size
                 backend = "nccl" if self.config.device == "cuda" else "gloo"
-                init_distributed(self.rank, self.world_size, request.init_method, backend, self.config.dist_timeout_s)
+                init_distributed(self.rank, self.world_size, request.init_method, backend, self.config.dist_timeout_s,
+                                 bind_host=self.bind_host)
                 self._state = pb.WORKER_STATE_INITIALIZED
             except Exception:
                 self._fail_call(context, "Init")
@@ -160,14 +163,21 @@ def _device_name(config: EngineConfig | None) -> str:
     return torch.cuda.get_device_name()
 
 
-def serve_worker(host: str = "127.0.0.1", port: int = 0, max_workers: int = 8) -> tuple[grpc.Server, str]:
+def serve_worker(host: str = "127.0.0.1", port: int = 0, max_workers: int = 8, *, secret: str) -> tuple[grpc.Server, str]:
     """Starts a Worker server on host:port (0 = an ephemeral port); returns it and its bound "host:port".
 
-    Threads: the Step stream holds one for its whole life; the rest serve Health and the lifecycle calls.
+    secret: the launch's worker-plane secret (proto/auth.py); every call without it in its metadata, Health
+    included, ends with UNAUTHENTICATED before the servicer sees it, so only the controller that launched this
+    worker can drive it. Threads: the Step stream holds one for its whole life; the rest serve Health and the
+    lifecycle calls.
     """
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=MESSAGE_OPTIONS)
+    if not secret:
+        raise ValueError("a worker server needs its launch's secret")
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=MESSAGE_OPTIONS,
+                         interceptors=[RequireMetadata(WORKER_SECRET_KEY, secret, "the controller's secret", ())])
     # Shutdown stops the server from another thread, after a grace period that lets its own reply leave.
-    servicer = WorkerServicer(on_shutdown=lambda: threading.Thread(target=server.stop, args=(1.0,), daemon=True).start())
+    servicer = WorkerServicer(on_shutdown=lambda: threading.Thread(target=server.stop, args=(1.0,), daemon=True).start(),
+                              bind_host=host)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
     bound_port = server.add_insecure_port(host_port(host, port))
     if bound_port == 0:

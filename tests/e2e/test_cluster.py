@@ -209,10 +209,11 @@ def _controller_over_one_worker(engine_config, executor_options: dict, **control
     from shardserve.worker.worker_service import serve_worker
     from tests.e2e._controller_thread import ControllerThread
 
-    worker, endpoint = serve_worker("127.0.0.1", 0)
+    worker, endpoint = serve_worker("127.0.0.1", 0, secret="test-secret")
 
     def build(config):
-        return Engine(config, GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", **executor_options), vocab_size=384)
+        return Engine(config, GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", secret="test-secret",
+                                           **executor_options), vocab_size=384)
 
     served = ControllerThread(ControllerConfig(
         engine=engine_config,

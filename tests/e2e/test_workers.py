@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 
 from shardserve.cluster.engine import Engine
@@ -16,6 +15,7 @@ from shardserve.proto import worker_pb2 as pb
 from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.convert import step_plan_to_proto
 from shardserve.proto.plan import StepPlan
+from shardserve.proto.transport import worker_channel
 from shardserve.worker.inprocess import InProcessExecutor
 from shardserve.worker.worker_service import serve_worker
 from tests.hf_reference import assert_greedy_match, hf_greedy
@@ -42,7 +42,7 @@ def tp2(ray_session, tiny_llama_dir, e2e_config):
     config = e2e_config(tiny_llama_dir, tensor_parallel_size=2)
     group = launch_worker_group(config, name_prefix="test-workers-tp2")
     try:
-        executor = GrpcExecutor(config, group.endpoints, group.init_method, step_timeout_s=60.0)
+        executor = GrpcExecutor(config, group.endpoints, group.init_method, step_timeout_s=60.0, secret=group.secret)
     except BaseException:
         group.shutdown()
         raise
@@ -69,7 +69,7 @@ def test_stale_or_out_of_order_step_is_refused_and_not_applied(tp2):
     config, group, executor = tp2
     executor.execute(StepPlan(step_id=_next_step_id(executor)))  # an empty step: the group is in sync
     last = executor.health()[0].last_step_id
-    channel = grpc.insecure_channel(group.endpoints[0])
+    channel = worker_channel(group.endpoints[0], group.secret)
     try:
         stream = pb_grpc.WorkerStub(channel).Step(
             iter([step_plan_to_proto(StepPlan(step_id=last)), step_plan_to_proto(StepPlan(step_id=last + 2))]),
@@ -90,8 +90,9 @@ def test_stale_or_out_of_order_step_is_refused_and_not_applied(tp2):
 @pytest.fixture
 def local_worker(tiny_llama_dir, e2e_config):
     """A TP=1 Worker server in this process (no Ray) and its GrpcExecutor: for the executor's error paths."""
-    server, address = serve_worker("127.0.0.1", 0)
-    executor = GrpcExecutor(e2e_config(tiny_llama_dir), [address], "tcp://127.0.0.1:0", step_timeout_s=60.0)
+    server, address = serve_worker("127.0.0.1", 0, secret="test-secret")
+    executor = GrpcExecutor(e2e_config(tiny_llama_dir), [address], "tcp://127.0.0.1:0", step_timeout_s=60.0,
+                            secret="test-secret")
     yield executor
     executor.shutdown()
     server.stop(grace=None)

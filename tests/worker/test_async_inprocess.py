@@ -155,10 +155,11 @@ def test_overlapped_engine_over_grpc_equals_one_step_at_a_time(model_dir):
 
     cfg1 = config(model_dir, False)
     reference, _ = run_engine(cfg1, InProcessExecutor(cfg1))
-    server, address = serve_worker("127.0.0.1", 0)
+    server, address = serve_worker("127.0.0.1", 0, secret="test-secret")
     try:
         cfg = config(model_dir, True)
-        outputs, engine = run_engine(cfg, GrpcExecutor(cfg, [address], "tcp://127.0.0.1:0", step_timeout_s=60.0))
+        outputs, engine = run_engine(cfg, GrpcExecutor(cfg, [address], "tcp://127.0.0.1:0", step_timeout_s=60.0,
+                                                 secret="test-secret"))
     finally:
         server.stop(grace=None)
     assert engine.async_scheduling

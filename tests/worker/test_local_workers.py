@@ -53,7 +53,8 @@ def _local_tp2(model_dir):
     """create_executor's wiring, with the processes' handle kept for the test."""
     config = engine_config(model_dir, tensor_parallel_size=2)
     workers = start_local_workers(config)
-    return GrpcExecutor(config, workers.endpoints, workers.init_method, stop_workers=workers.stop), workers
+    return GrpcExecutor(config, workers.endpoints, workers.init_method, stop_workers=workers.stop,
+                        secret=workers.secret), workers
 
 
 def test_a_rank_error_in_a_step_surfaces_with_its_traceback(model_dir):
