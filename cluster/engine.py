@@ -9,6 +9,11 @@ flight. The workers append their own sampled tokens (proto/plan.py), so plan N+1
 The costs, handled in the scheduler: a stop is seen one step late (the extra token is discarded, so outputs are
 the same as without overlap), a finished request's blocks are freed once its last plan's result is applied, and
 a request preempted with a token in flight waits at the queue head until that token lands.
+
+Lost workers: when the executor raises WorkerError the TP group is gone (cluster/executor.py). The owner starts a
+new group and calls `restart(executor)`: every live request is recomputed on it from the tokens the controller
+has (as a preemption is; cluster/scheduler.py `restart`), so callers see a pause, and greedy or seeded outputs
+equal an undisturbed run.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class Engine:
         self.num_computed_tokens = 0
         self.num_generated_tokens = 0
         self.num_finished = 0
+        self.num_restarts = 0  # executors replaced after a failure (restart)
         self.async_scheduling = self._resolve_async_scheduling(config, executor)
         self._in_flight: deque[StepPlan] = deque()  # submitted, results not collected yet (async only)
 
@@ -124,6 +130,18 @@ class Engine:
         self.scheduler.finish(seq, "abort")
         self._pending_deltas.append(self._on_finished(seq))
         return True
+
+    def restart(self, executor: Executor) -> None:
+        """Continues over a new executor after the old one failed (its cache and plans in flight are lost; it is
+        not shut down here, its owner does that). Live requests keep their tokens and streams and are recomputed."""
+        self.executor = executor
+        self.block_manager = BlockManager(executor.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler.restart(self.block_manager)
+        self.limits = RequestLimits(self.vocab_size, self.config.max_model_len, self.config.block_size,
+                                    self.block_manager.num_blocks)
+        self._in_flight.clear()
+        self.async_scheduling = self._resolve_async_scheduling(self.config, executor)
+        self.num_restarts += 1
 
     def has_unfinished(self) -> bool:
         """True while there is work: live requests, deltas to report, or submitted plans to collect."""

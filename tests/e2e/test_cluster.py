@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from shardserve.client import AsyncClient, Client
+from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.config import build_engine_config
 
 NUM_TOKENS = 16
@@ -226,7 +227,7 @@ def _controller_over_one_worker(engine_config, executor_options: dict, **control
 
 def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(tiny_llama_dir, e2e_config):
     """A real worker server that dies under a live request (no Ray needed: the controller in a thread)."""
-    worker, served = _controller_over_one_worker(e2e_config(tiny_llama_dir), {"step_timeout_s": 60})
+    worker, served = _controller_over_one_worker(e2e_config(tiny_llama_dir), {"deadline": StepDeadline(floor_s=60.0)})
     try:
         assert served.call(served.controller.wait_ready(120))
         with Client(served.address, timeout=60) as client:
