@@ -6,7 +6,9 @@ Threads: the event loop serves gRPC (Generate streams, health, stats) and never 
 the Engine and runs its steps (which block on the workers), then hands each step's deltas back to the event loop,
 where they go into one asyncio queue per live request. Lifecycle: STARTING (health NOT_SERVING while the workers
 load) -> SERVING -> DRAINING (SIGTERM: no new requests, in-flight ones may finish) -> STOPPED; FAILED when a
-worker fails (health NOT_SERVING, every live stream ends with UNAVAILABLE).
+worker fails (health NOT_SERVING, every live stream ends with UNAVAILABLE). With `restart_executor` set, a failed
+worker fails its TP group only: health is NOT_SERVING while a new group starts (cluster/engine_loop.py), live
+requests are recomputed on it and their streams go on; FAILED only when the group cannot come back.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dataclasses import dataclass, field
 
 from shardserve.cluster.admission import Prompt, has_chat_template
 from shardserve.cluster.engine import Engine, EngineStats
-from shardserve.cluster.engine_loop import EngineLoop, StepReport
+from shardserve.cluster.engine_loop import EngineLoop, RestartPolicy, StepReport
+from shardserve.cluster.executor import Executor
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
 from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
@@ -66,6 +69,11 @@ class ControllerConfig:
     replica: str = "replica-0"  # named in every stream's last message
     health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
     max_live_requests: int = 4096  # admission limit: beyond it Generate answers RESOURCE_EXHAUSTED (read per call)
+    # Starts a new TP group (after tearing down the failed one) and returns its ready executor; None: a failed
+    # worker fails the controller. Tried restart_tries times with backoff (cluster/engine_loop.py RestartPolicy).
+    restart_executor: Callable[[EngineConfig], Executor] | None = None
+    restart_tries: int = 3
+    restart_backoff_s: float = 1.0
 
 
 @dataclass(slots=True)
@@ -107,6 +115,8 @@ class Controller:
         self._failure: BaseException | None = None
         self.num_rejected = 0
         self.num_aborted = 0
+        self.num_group_restarts = 0  # TP groups replaced after a failure
+        self.recovering = False  # a failed group is being replaced (health NOT_SERVING meanwhile)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -133,26 +143,54 @@ class Controller:
             return
         self._engine = engine
         self.has_chat_template = has_chat_template(engine.tokenizer)
-        self._engine_loop = EngineLoop(engine, self._on_step_threadsafe, self._on_failure_threadsafe)
+        self._engine_loop = EngineLoop(engine, self._on_step_threadsafe, self._on_failure_threadsafe,
+                                       self._restart_policy())
         self._engine_loop.start()
         self.state = State.SERVING
         await self._set_health(True)
         if hasattr(engine.executor, "health"):
-            self._watch_task = asyncio.create_task(self._watch_workers(engine.executor))
+            self._watch_task = asyncio.create_task(self._watch_workers())
 
-    async def _watch_workers(self, executor) -> None:
+    def _restart_policy(self) -> RestartPolicy | None:
+        if self.config.restart_executor is None:
+            return None
+        make, engine_config = self.config.restart_executor, self.config.engine
+        return RestartPolicy(
+            make_executor=lambda: make(engine_config),
+            max_tries=self.config.restart_tries,
+            backoff_s=self.config.restart_backoff_s,
+            on_group_lost=lambda error: self._loop.call_soon_threadsafe(self._group_lost, error),
+            on_group_back=lambda: self._loop.call_soon_threadsafe(self._group_back),
+        )
+
+    def _group_lost(self, error: BaseException) -> None:
+        log.error("TP group lost, restarting it: %s", error)
+        self.recovering = True
+        self.num_group_restarts += 1
+        asyncio.ensure_future(self._set_health(False))
+
+    def _group_back(self) -> None:
+        self.recovering = False
+        if self.state is State.SERVING:
+            asyncio.ensure_future(self._set_health(True))
+
+    async def _watch_workers(self) -> None:
         """Asks every rank for its health now and then (between two steps, on the engine thread); a rank that is
-        not READY or does not answer fails the replica, as a failed step would."""
+        not READY or does not answer fails the group, as a failed step would."""
+        loop = self._engine_loop
         while self.state in (State.SERVING, State.DRAINING):
             await asyncio.sleep(self.config.health_check_interval_s)
-            try:
-                ranks = await asyncio.wrap_future(self._engine_loop.submit(lambda engine: executor.health()))
+            try:  # the current executor, unless a new group is being started
+                ranks = await asyncio.wrap_future(loop.submit(lambda e: [] if loop.recovering else e.executor.health()))
             except Exception:
                 return  # the engine loop stopped or failed: that path reports it
             bad = [r for r in ranks if not r.ready]
-            if bad and self.state in (State.SERVING, State.DRAINING):
-                await self._fail(RuntimeError("; ".join(f"rank {r.rank} is {r.state} {r.error}".strip() for r in bad)))
-                return
+            if bad and self.state in (State.SERVING, State.DRAINING) and not loop.recovering:
+                error = RuntimeError("; ".join(f"rank {r.rank} is {r.state} {r.error}".strip() for r in bad))
+                if self.config.restart_executor is None:
+                    await self._fail(error)
+                    return
+                loop.group_lost(error)
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         """True once SERVING; False on timeout; raises RuntimeError when loading failed."""
@@ -212,7 +250,8 @@ class Controller:
     def status(self) -> dict:
         error = self._failure or self._load_error
         return {"state": self.state.value, "address": self.address, "metrics_address": self.metrics_address,
-                "live_requests": len(self._live), "error": repr(error) if error else None}
+                "live_requests": len(self._live), "error": repr(error) if error else None,
+                "recovering": self.recovering, "group_restarts": self.num_group_restarts}
 
     # ---- requests -------------------------------------------------------------------------------------------
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
