@@ -45,23 +45,28 @@ class LocalGroups:
             workers.stop(timeout_s=5.0)
 
 
-@pytest.fixture
-def served(tiny_llama_dir, e2e_config):
+def _controller(config, groups: LocalGroups, restart_executor):
     from shardserve.cluster.controller import ControllerConfig, ServedModel
     from shardserve.cluster.engine import Engine
     from tests.e2e._controller_thread import ControllerThread
 
-    groups = LocalGroups(deadline_floor_s=2.0)
-    config = e2e_config(tiny_llama_dir, tensor_parallel_size=2, max_num_seqs=NUM_STREAMS)
-    controller = ControllerThread(ControllerConfig(
+    return ControllerThread(ControllerConfig(
         engine=config,
         model=ServedModel("tiny", "LlamaForCausalLM", vocab_size=384, eos_token_ids=[]),
         build_engine=lambda cfg: Engine(cfg, groups(cfg), vocab_size=384),
         port=0,
-        restart_executor=groups,
+        restart_executor=restart_executor,
+        restart_tries=3,
         restart_backoff_s=0.5,
         health_check_interval_s=0.5,
     ))
+
+
+@pytest.fixture
+def served(tiny_llama_dir, e2e_config):
+    groups = LocalGroups(deadline_floor_s=2.0)
+    controller = _controller(e2e_config(tiny_llama_dir, tensor_parallel_size=2, max_num_seqs=NUM_STREAMS), groups,
+                             restart_executor=groups)
     try:
         assert controller.call(controller.controller.wait_ready(120))
         yield controller, groups
@@ -150,3 +155,38 @@ def test_sigstop_of_a_rank_turns_health_not_serving_then_the_group_is_replaced(s
     assert controller.controller.status()["group_restarts"] >= 1
     victim.join(30)  # the stopped rank was killed with its group, not left behind
     assert not victim.is_alive()
+
+
+def test_a_group_that_cannot_come_back_ends_streams_with_unavailable_and_health_and_stats_still_answer(
+        tiny_llama_dir, e2e_config):
+    import grpc
+
+    groups = LocalGroups(deadline_floor_s=2.0)
+    tries: list[int] = []
+
+    def no_room(config):
+        tries.append(1)
+        raise RuntimeError("no placement for a new group")
+
+    controller = _controller(e2e_config(tiny_llama_dir, tensor_parallel_size=2), groups, restart_executor=no_room)
+    try:
+        assert controller.call(controller.controller.wait_ready(120))
+        with Client(controller.address, timeout=120) as client:
+            stream = client.stream([1, 2, 3], max_tokens=200, ignore_eos=True)
+            first = next(iter(stream))  # under way
+            assert first.token_ids
+            os.kill(groups.groups[0].processes[0].pid, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as error:
+                for _ in stream:
+                    pass
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert len(tries) == 3  # the bounded number of tries, then it gave up
+            assert client.health() == "NOT_SERVING"
+            client.server_stats()  # still answers
+            with pytest.raises(grpc.RpcError) as error:
+                client.generate([1, 2, 3], max_tokens=4)
+            assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert controller.controller.status()["state"] == "failed"
+    finally:
+        controller.close()
+        groups.stop_all()
