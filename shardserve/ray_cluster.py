@@ -157,6 +157,8 @@ def resolve_ray_address(address: str | None) -> str:
     """None: join the cluster this node belongs to when there is one (RAY_ADDRESS or `ray start`), else local."""
     if address:
         return address
+    if os.environ.get("RAY_ADDRESS") == "local":
+        return "local"
     if os.environ.get("RAY_ADDRESS") or os.path.exists("/tmp/ray/ray_current_cluster"):
         return "auto"
     return "local"
@@ -176,6 +178,12 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
     if address == "local" and (host.startswith("127.") or host == "localhost"):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback server: Ray on loopback too
     started_ray = not ray.is_initialized()
+    ray_host = None
+    if address == "local" and started_ray:  # Ray in a session of its own: a signal to our group leaves it up
+        from shardserve.local_ray import LocalRay
+
+        ray_host = LocalRay.start(num_cpus=max(8, os.cpu_count() or 1))
+        address = ray_host.address
     ensure_ray(address)
     stop = threading.Event()
     received: list[int] = []
@@ -230,6 +238,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
             gateway.stop()
         if started_ray:
             ray.shutdown()
+        if ray_host is not None:
+            ray_host.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
     return code
