@@ -1,14 +1,14 @@
-"""Controller: one engine replica behind the client-facing gRPC service (cluster/generation_service.py).
-`shardserve serve` runs it as a Ray actor (an asyncio actor: its methods run on the actor's event loop); tests may
-also run it in their own event loop.
+"""Controller: the engine replicas (cluster/replica.py) behind the client-facing gRPC service
+(cluster/generation_service.py). `shardserve serve` runs it as a Ray actor (an asyncio actor: its methods run on the
+actor's event loop); tests may also run it in their own event loop.
 
-Threads: the event loop serves gRPC (Generate streams, health, stats) and never blocks; the EngineLoop thread owns
-the Engine and runs its steps (which block on the workers), then hands each step's deltas back to the event loop,
-where they go into one asyncio queue per live request. Lifecycle: STARTING (health NOT_SERVING while the workers
-load) -> SERVING -> DRAINING (SIGTERM: no new requests, in-flight ones may finish) -> STOPPED; FAILED when a
-worker fails (health NOT_SERVING, every live stream ends with UNAVAILABLE). With `restart_executor` set, a failed
-worker fails its TP group only: health is NOT_SERVING while a new group starts (cluster/engine_loop.py), live
-requests are recomputed on it and their streams go on; FAILED only when the group cannot come back.
+Threads: the event loop serves gRPC (Generate streams, health, stats) and never blocks; each replica's EngineLoop
+thread owns its Engine and runs its steps (which block on the workers), then hands each step's deltas back to the
+event loop, where they go into one asyncio queue per live request. Lifecycle: STARTING (health NOT_SERVING while
+the replicas load) -> SERVING -> DRAINING (SIGTERM: no new requests, in-flight ones may finish) -> STOPPED; a
+replica whose worker fails starts a new TP group (RECOVERING: its live requests wait, their streams see a pause;
+cluster/replica.py) and, when that fails restart_tries times, ends its live streams with UNAVAILABLE and gets nothing
+new; health is NOT_SERVING while no replica is SERVING, FAILED once none is serving or recovering.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 
 from shardserve.cluster.admission import Prompt, has_chat_template
 from shardserve.cluster.engine import Engine, EngineStats
-from shardserve.cluster.engine_loop import EngineLoop, RestartPolicy, StepReport
-from shardserve.cluster.executor import Executor
+from shardserve.cluster.engine_loop import StepReport
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
 from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.outputs import RequestDelta
+from shardserve.cluster.replica import Replica, ReplicaState
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.transport import host_port
@@ -59,21 +59,20 @@ class ServedModel:
 class ControllerConfig:
     engine: EngineConfig
     model: ServedModel
-    # Runs in the controller, off its event loop: loads the tokenizer, connects to the workers (returning once
-    # every rank has loaded and allocated its cache) and builds the Engine. `shardserve serve` passes
-    # shardserve/engine_factory.py's EngineFactory, the one engine wiring LLM and the benchmarks use too.
+    # One replica's factory, called once per replica start, in the controller, off its event loop: loads the
+    # tokenizer, starts and connects to the group's workers (returning once every rank has loaded and allocated
+    # its cache) and builds the Engine; the engine's shutdown stops the group. `shardserve serve` passes
+    # shardserve/ray_cluster.py's RayGroupFactory (over engine_factory.py's build_engine, the one engine wiring).
     build_engine: Callable[[EngineConfig], Engine]
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port
     metrics_port: int | None = None  # None = no /metrics endpoint; 0 = any free port
-    replica: str = "replica-0"  # named in every stream's last message
+    name: str = "replica"  # replica i is "{name}/{i}", named in every stream's last message
+    num_replicas: int = 1
     health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
     max_live_requests: int = 4096  # admission limit: beyond it Generate answers RESOURCE_EXHAUSTED (read per call)
-    # Starts a new TP group (after tearing down the failed one) and returns its ready executor; None: a failed
-    # worker fails the controller. Tried restart_tries times with backoff (cluster/engine_loop.py RestartPolicy).
-    restart_executor: Callable[[EngineConfig], Executor] | None = None
-    restart_tries: int = 3
-    restart_backoff_s: float = 1.0
+    restart_tries: int = 3  # new TP groups tried after a group fails (0: a failed group fails its replica)
+    restart_backoff_s: float = 1.0  # the wait before the second try, doubled after each
 
 
 @dataclass(slots=True)
@@ -90,6 +89,8 @@ class LiveRequest:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_prompt_tokens: int = 0
+    replica: Replica | None = None  # where it runs
+    cost: int = 0  # what it adds to its replica's outstanding tokens
 
 
 class Controller:
@@ -100,28 +101,27 @@ class Controller:
         self.address: str | None = None
         self.metrics_address: str | None = None
         self.has_chat_template = False
+        self.replicas = [
+            Replica(f"{config.name}/{i}", config.engine, config.build_engine, self._dispatch, self._on_replica_failure,
+                    config.health_check_interval_s, config.restart_tries, config.restart_backoff_s,
+                    self._on_replica_state)
+            for i in range(config.num_replicas)
+        ]
         self._started_at = time.time()
         self._live: dict[str, LiveRequest] = {}
         self._idle = asyncio.Event()  # set while no request is live (drain waits on it)
         self._idle.set()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._engine_loop: EngineLoop | None = None
-        self._engine: Engine | None = None
         self._server = None
         self._health = None
         self._load_task: asyncio.Task | None = None
-        self._watch_task: asyncio.Task | None = None
         self._load_error: BaseException | None = None
         self._failure: BaseException | None = None
         self.num_rejected = 0
         self.num_aborted = 0
-        self.num_group_restarts = 0  # TP groups replaced after a failure
-        self.recovering = False  # a failed group is being replaced (health NOT_SERVING meanwhile)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> str:
-        """Serves gRPC at once (health NOT_SERVING) and loads the engine in the background; returns host:port."""
-        self._loop = asyncio.get_running_loop()
+        """Serves gRPC at once (health NOT_SERVING) and loads the replicas in the background; returns host:port."""
         self._server, port, self._health = await start_server(self, self.config.host, self.config.port)
         self.address = host_port(self.config.host, port)
         if self.config.metrics_port is not None:
@@ -131,66 +131,20 @@ class Controller:
         return self.address
 
     async def _load(self) -> None:
-        try:
-            engine = await asyncio.to_thread(self.config.build_engine, self.config.engine)
-        except BaseException as e:
-            log.exception("loading the engine failed")
-            self._load_error = e
-            self.state = State.FAILED
+        """Starts every replica at once; serving needs all of them (a replica that fails to load fails the start)."""
+        results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
+        errors = [e for e in results if isinstance(e, BaseException)]
+        if errors:
+            self._load_error = errors[0]
+            if self.state is State.STARTING:
+                self.state = State.FAILED
             return
         if self.state is not State.STARTING:  # shut down while loading
-            await asyncio.to_thread(engine.shutdown)
             return
-        self._engine = engine
+        engine = self.replicas[0].engine
         self.has_chat_template = has_chat_template(engine.tokenizer)
-        self._engine_loop = EngineLoop(engine, self._on_step_threadsafe, self._on_failure_threadsafe,
-                                       self._restart_policy())
-        self._engine_loop.start()
         self.state = State.SERVING
         await self._set_health(True)
-        if hasattr(engine.executor, "health"):
-            self._watch_task = asyncio.create_task(self._watch_workers())
-
-    def _restart_policy(self) -> RestartPolicy | None:
-        if self.config.restart_executor is None:
-            return None
-        make, engine_config = self.config.restart_executor, self.config.engine
-        return RestartPolicy(
-            make_executor=lambda: make(engine_config),
-            max_tries=self.config.restart_tries,
-            backoff_s=self.config.restart_backoff_s,
-            on_group_lost=lambda error: self._loop.call_soon_threadsafe(self._group_lost, error),
-            on_group_back=lambda: self._loop.call_soon_threadsafe(self._group_back),
-        )
-
-    def _group_lost(self, error: BaseException) -> None:
-        log.error("TP group lost, restarting it: %s", error)
-        self.recovering = True
-        self.num_group_restarts += 1
-        asyncio.ensure_future(self._set_health(False))
-
-    def _group_back(self) -> None:
-        self.recovering = False
-        if self.state is State.SERVING:
-            asyncio.ensure_future(self._set_health(True))
-
-    async def _watch_workers(self) -> None:
-        """Asks every rank for its health now and then (between two steps, on the engine thread); a rank that is
-        not READY or does not answer fails the group, as a failed step would."""
-        loop = self._engine_loop
-        while self.state in (State.SERVING, State.DRAINING):
-            await asyncio.sleep(self.config.health_check_interval_s)
-            try:  # the current executor, unless a new group is being started
-                ranks = await asyncio.wrap_future(loop.submit(lambda e: [] if loop.recovering else e.executor.health()))
-            except Exception:
-                return  # the engine loop stopped or failed: that path reports it
-            bad = [r for r in ranks if not r.ready]
-            if bad and self.state in (State.SERVING, State.DRAINING) and not loop.recovering:
-                error = RuntimeError("; ".join(f"rank {r.rank} is {r.state} {r.error}".strip() for r in bad))
-                if self.config.restart_executor is None:
-                    await self._fail(error)
-                    return
-                loop.group_lost(error)
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
         """True once SERVING; False on timeout; raises RuntimeError when loading failed."""
@@ -214,25 +168,20 @@ class Controller:
             await asyncio.wait_for(self._idle.wait(), grace_s)
         except asyncio.TimeoutError:
             pass
-        cut = list(self._live)
-        for req_id in cut:
-            self._end(req_id, ServerUnavailable(f"the server shut down before request {req_id} finished "
-                                                f"(aborted after a {grace_s:g} s drain)"), outcome="abort")
-            if self._engine_loop is not None:
-                self._engine_loop.submit(lambda engine, r=req_id: engine.abort(r))
+        cut = list(self._live.values())
+        for live in cut:
+            self._end(live.req_id, ServerUnavailable(f"the server shut down before request {live.req_id} finished "
+                                                     f"(aborted after a {grace_s:g} s drain)"), outcome="abort")
+            live.replica.abort(live.req_id)
         return len(cut)
 
     async def shutdown(self, grace_s: float = 30.0) -> int:
-        """Drains, stops the engine loop and the workers, then the servers. Returns drain()'s count."""
+        """Drains, stops the replicas (their engine loops and workers), then the servers. Returns drain()'s count."""
         cut = await self.drain(grace_s)
         self.state = State.STOPPED
-        if self._engine_loop is not None:
-            await asyncio.to_thread(self._engine_loop.stop, 30.0)
-        if self._engine is not None:
-            await asyncio.to_thread(self._engine.shutdown)
-        for task in (self._load_task, self._watch_task):
-            if task is not None and not task.done():
-                task.cancel()
+        await asyncio.gather(*(r.stop(30.0) for r in self.replicas))
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
         if self._server is not None:
             await self._server.stop(1.0)
         self.metrics.close()
@@ -251,12 +200,21 @@ class Controller:
         error = self._failure or self._load_error
         return {"state": self.state.value, "address": self.address, "metrics_address": self.metrics_address,
                 "live_requests": len(self._live), "error": repr(error) if error else None,
-                "recovering": self.recovering, "group_restarts": self.num_group_restarts}
+                "replicas": {r.id: r.state.value for r in self.replicas},
+                "group_restarts": sum(r.num_restarts for r in self.replicas)}
 
     # ---- requests -------------------------------------------------------------------------------------------
+    def _route(self) -> Replica:
+        serving = [r for r in self.replicas if r.serving]
+        if not serving:  # a replica starting a new group queues the request: it runs once the group is back
+            serving = [r for r in self.replicas if r.state is ReplicaState.RECOVERING]
+        if not serving:
+            raise ServerUnavailable("no replica is serving")
+        return min(serving, key=lambda r: r.load.outstanding_tokens)
+
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
-        """Admits a request (Engine.admit, on the engine thread). Raises ValueError for bad input, ServerUnavailable
-        when not serving, ServerOverloaded beyond max_live_requests."""
+        """Admits a request on a replica (Engine.admit, on its engine thread). Raises ValueError for bad input,
+        ServerUnavailable when not serving, ServerOverloaded beyond max_live_requests."""
         try:
             if self.state is not State.SERVING:
                 raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
@@ -266,22 +224,25 @@ class Controller:
             req_id = req_id if req_id is not None else uuid.uuid4().hex
             if req_id in self._live:
                 raise ValueError(f"request id {req_id!r} is already in use")
-            live = LiveRequest(req_id, asyncio.Queue())
+            replica = self._route()
+            live = LiveRequest(req_id, asyncio.Queue(), replica=replica)
             self._live[req_id] = live  # before the engine sees it, so that no delta can miss its queue
             self._idle.clear()
-            future = self._engine_loop.submit(lambda engine: engine.admit(req_id, prompt, params))
             try:
-                live.num_prompt_tokens = await asyncio.wrap_future(future)
+                live.num_prompt_tokens = await replica.admit(req_id, prompt, params)
             except BaseException as e:
                 self._forget(req_id)
                 if isinstance(e, asyncio.CancelledError):  # the client left while we waited: undo the add
-                    self._engine_loop.submit(lambda engine: engine.abort(req_id))
+                    replica.abort(req_id)
                 elif not isinstance(e, ValueError):  # the engine loop died meanwhile
                     raise ServerUnavailable(f"the engine failed: {e!r}") from e
                 raise
         except (ValueError, ServerUnavailable, ServerOverloaded):
             self.note_rejected()
             raise
+        if req_id in self._live:  # not already ended by a replica failure
+            live.cost = live.num_prompt_tokens + (params.max_tokens or 0)
+            replica.note_admitted(live.cost)
         self.metrics.prompt_tokens.inc(live.num_prompt_tokens)
         return live
 
@@ -291,32 +252,34 @@ class Controller:
 
     async def abort(self, req_id: str) -> None:
         """Ends a live request with finish reason ABORT. Raises UnknownRequest when no live request has the id."""
-        if req_id not in self._live or self._engine_loop is None:
+        live = self._live.get(req_id)
+        if live is None:
             raise UnknownRequest(req_id)
-        if not await asyncio.wrap_future(self._engine_loop.submit(lambda engine: engine.abort(req_id))):
+        try:
+            found = await asyncio.wrap_future(live.replica.abort(req_id))
+        except RuntimeError as e:
+            raise ServerUnavailable(str(e)) from e
+        if not found:
             raise UnknownRequest(req_id)
 
     def cancel(self, req_id: str) -> None:
         """The client went away: abort without waiting (the blocks are freed by the engine's next step)."""
-        if req_id in self._live:
+        live = self._live.get(req_id)
+        if live is not None:
             self._end(req_id, None, outcome="abort")
-            self._engine_loop.submit(lambda engine: engine.abort(req_id))
+            live.replica.abort(req_id)
 
     async def server_stats(self) -> tuple[EngineStats | None, dict]:
-        """Fresh engine stats (taken between two steps) and the controller's own counters."""
+        """Fresh engine stats (taken between two steps), summed over the serving replicas, and the controller's
+        own counters."""
         stats = None
-        if self._engine_loop is not None and self.state in (State.SERVING, State.DRAINING):
-            stats = await asyncio.wrap_future(self._engine_loop.submit(lambda engine: engine.stats()))
+        if self.state in (State.SERVING, State.DRAINING):
+            serving = [r for r in self.replicas if r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING)]
+            stats = _sum_stats(await asyncio.gather(*(r.stats() for r in serving))) if serving else None
         return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
                        "uptime_s": time.time() - self._started_at}
 
-    # ---- from the engine thread -----------------------------------------------------------------------------
-    def _on_step_threadsafe(self, report: StepReport) -> None:
-        self._loop.call_soon_threadsafe(self._dispatch, report)
-
-    def _on_failure_threadsafe(self, error: BaseException) -> None:
-        self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._fail(error)))
-
+    # ---- from the replicas (on the event loop) --------------------------------------------------------------
     def _dispatch(self, report: StepReport) -> None:
         self.metrics.step_time.observe(report.step_s)
         self.metrics.observe_stats(report.stats)
@@ -333,13 +296,22 @@ class Controller:
             if delta.finished:
                 self._end(delta.request_id, None, outcome=delta.finish_reason or "stop", num=delta.num_generated)
 
-    async def _fail(self, error: BaseException) -> None:
+    def _on_replica_state(self, replica: Replica) -> None:
+        """A replica's group failed (RECOVERING) or is back (SERVING): health follows whether any replica serves."""
+        if self.state is State.SERVING:
+            asyncio.ensure_future(self._set_health(any(r.serving for r in self.replicas)))
+
+    def _on_replica_failure(self, replica: Replica, error: BaseException) -> None:
+        """A replica failed for good: its live requests end with UNAVAILABLE; the server fails once no replica is
+        serving or recovering."""
         self._failure = error
-        if self.state in (State.SERVING, State.DRAINING):
+        for live in [live for live in self._live.values() if live.replica is replica]:
+            self._end(live.req_id, ServerUnavailable(f"a worker failed: {error}"), outcome="error")
+        alive = any(r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING) for r in self.replicas)
+        if not alive and self.state in (State.SERVING, State.DRAINING):
             self.state = State.FAILED
-        await self._set_health(False)
-        for req_id in list(self._live):
-            self._end(req_id, ServerUnavailable(f"a worker failed: {error}"), outcome="error")
+        if self.state in (State.SERVING, State.FAILED):
+            asyncio.ensure_future(self._set_health(any(r.serving for r in self.replicas)))
 
     def _end(self, req_id: str, error: BaseException | None, outcome: str, num: int = 0) -> None:
         """Forgets a live request; puts `error` into its stream first, if given."""
@@ -350,6 +322,8 @@ class Controller:
             live.queue.put_nowait(error)
         if outcome == "abort":
             self.num_aborted += 1
+        if live.cost:
+            live.replica.note_finished(live.cost)
         base = live.admitted_at
         self.metrics.observe_finished(
             outcome,
@@ -364,3 +338,8 @@ class Controller:
         if not self._live:
             self._idle.set()
 
+
+def _sum_stats(stats: list[EngineStats]) -> EngineStats:
+    total = EngineStats(*(sum(getattr(s, f) for s in stats) for f in EngineStats.__slots__))
+    total.kv_usage = total.num_kv_blocks_used / max(total.num_kv_blocks, 1)
+    return total

@@ -16,6 +16,7 @@ every try failed the loop fails as it does without a policy (on_failure: live re
 
 from __future__ import annotations
 
+import inspect
 import logging
 import queue
 import threading
@@ -52,6 +53,18 @@ class RestartPolicy:
     max_backoff_s: float = 15.0
     on_group_lost: Callable[[BaseException], None] = lambda error: None  # called on the loop thread: hand over
     on_group_back: Callable[[], None] = lambda: None
+    stop_timeout_s: float = 2.0  # for the failed group's shutdown calls: its ranks may be dead or stopped
+
+
+def _stop_quickly(executor: Executor, timeout_s: float) -> None:
+    """Shuts a failed executor (and the group it owns) down, with short timeouts where it takes one."""
+    try:
+        if "timeout_s" in inspect.signature(executor.shutdown).parameters:
+            executor.shutdown(timeout_s=timeout_s)
+        else:
+            executor.shutdown()
+    except Exception:
+        log.exception("stopping the failed TP group")
 
 
 class _GiveUp(Exception):
@@ -150,8 +163,11 @@ class EngineLoop:
         threading.Thread(target=self._replace_group, args=(error,), name="shardserve-group-restart", daemon=True).start()
 
     def _replace_group(self, error: BaseException) -> None:
-        """The restart thread: tries make_executor with backoff; hands the result to the loop thread."""
+        """The restart thread: stops the failed group (its GPUs may be what the new one needs), then tries
+        make_executor with backoff; hands the result to the loop thread. Only this thread touches the old
+        executor now: the loop takes no step while recovering."""
         policy = self._restart
+        _stop_quickly(self.engine.executor, policy.stop_timeout_s)
         wait_s = policy.backoff_s
         for attempt in range(1, policy.max_tries + 1):
             if self._stopped:
@@ -173,13 +189,8 @@ class EngineLoop:
         self._commands.put((lambda engine: self._fail_restart(why), Future()))
 
     def _resume(self, executor: Executor) -> None:
-        old = self.engine.executor
         self.engine.restart(executor)
         self.recovering = False
-        try:
-            old.shutdown()  # closes what is left of its streams and channels; its workers are gone already
-        except Exception:
-            log.exception("closing the failed executor")
         log.warning("the TP group is back: %d live request(s) resume", len(self.engine.scheduler.requests))
         self._restart.on_group_back()
 

@@ -120,7 +120,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     yield pb.GenerateResponse(finished=pb.GenerateResponse.Finished(
                         finish_reason=FINISH_REASONS.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
                         usage=pb.Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated),
-                        replica=self.controller.config.replica,
+                        replica=live.replica.id,
                         stop_reason=d.stop_reason or "",
                     ))
                     return
@@ -147,7 +147,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             has_chat_template=c.has_chat_template,
             tokenizer=cfg.tokenizer or "",
             tensor_parallel_size=cfg.tensor_parallel_size,
-            replicas=1,
+            replicas=c.config.num_replicas,
             dtype=cfg.dtype,
             block_size=cfg.block_size,
         )

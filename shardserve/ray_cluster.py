@@ -1,11 +1,13 @@
-"""Ray orchestration of `shardserve serve`: one TP worker group, the controller actor, and a clean drain on SIGTERM.
+"""Ray orchestration of `shardserve serve`: the controller actor, its TP worker groups, a clean drain on SIGTERM.
 
     cluster = start_cluster(config, host="127.0.0.1", port=50051)   # after ensure_ray(...)
     ...                                                              # clients talk to cluster.address
     cluster.shutdown(drain_timeout_s=30)                             # no actor, placement group or process left
 
 The controller actor runs on the node where `serve` was started (hard node affinity), so --host binds an address
-of this machine; the workers go wherever their placement group fits (STRICT_PACK: all on one node).
+of this machine. It starts each replica's TP group itself (RayGroupFactory, called once per replica start): a
+placement group (STRICT_PACK: all ranks on one node) and one worker actor per rank, owned by the controller actor,
+so they die with it.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from shardserve.cluster.executor import GrpcExecutor
 from shardserve.config import model_facts
-from shardserve.engine_factory import EngineFactory
 from shardserve.proto.config import EngineConfig
 
 
 @dataclass
 class GrpcExecutorFactory:
-    """Builds the GrpcExecutor inside the controller actor (Ray pickles this, never a live connection)."""
+    """Builds a GrpcExecutor over workers someone else started (bench/harness.py); picklable."""
 
     endpoints: list[str]
     init_method: str
@@ -37,15 +39,52 @@ class GrpcExecutorFactory:
         return GrpcExecutor(config, self.endpoints, self.init_method)
 
 
+class GroupExecutor(GrpcExecutor):
+    """A GrpcExecutor over a Ray worker group it owns: its shutdown also stops the group."""
+
+    def __init__(self, config: EngineConfig, group) -> None:
+        self.group = group  # shardserve.launcher.WorkerGroup
+        super().__init__(config, group.endpoints, group.init_method)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        try:
+            super().shutdown(timeout_s)
+        finally:
+            self.group.shutdown(timeout_s)
+
+
+@dataclass
+class RayGroupFactory:
+    """One replica's start, run inside the controller actor (ControllerConfig.build_engine; Ray pickles it): places
+    the TP group's placement group and worker actors (shardserve/launcher.py), then builds the Engine over them
+    (engine_factory.build_engine). Every call starts a fresh group, named "{name}-g<random>"; the engine's shutdown
+    stops the group again."""
+
+    name: str
+    worker_host: str = "127.0.0.1"
+    strategy: str = "STRICT_PACK"
+
+    def __call__(self, config: EngineConfig):
+        from shardserve.engine_factory import build_engine
+        from shardserve.launcher import launch_worker_group
+
+        group = launch_worker_group(config, self.worker_host, self.strategy,
+                                    name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}")
+        try:
+            return build_engine(config, lambda c: GroupExecutor(c, group))
+        except BaseException:
+            group.shutdown()
+            raise
+
+
 @dataclass
 class RunningCluster:
-    """A serving TP group: its controller actor and its workers."""
+    """The serving controller actor (it owns the replicas' worker groups)."""
 
     address: str  # the Generation server, host:port
     metrics_address: str | None
     controller: Any  # the Ray actor handle
-    workers: Any  # shardserve.launcher.WorkerGroup
-    name: str
+    name: str  # every actor and placement group of this cluster is named "{name}-..."
     _stopped: bool = False
 
     def status(self, timeout_s: float = 10.0) -> dict:
@@ -64,14 +103,13 @@ class RunningCluster:
         cut = 0
         try:
             cut = ray.get(self.controller.shutdown.remote(drain_timeout_s), timeout=drain_timeout_s + 60)
-        except Exception as e:  # a dead controller: the workers must still go
+        except Exception as e:  # a dead controller: its workers die with it (Ray: the actors it owns)
             print(f"shardserve: controller shutdown failed: {e!r}", file=sys.stderr)
         finally:
             try:
                 ray.kill(self.controller, no_restart=True)
             except Exception:
                 pass
-            self.workers.shutdown()
         return cut
 
 
@@ -99,27 +137,26 @@ def start_cluster(
     ready_timeout_s: float = 600.0,
     max_live_requests: int = 4096,
 ) -> RunningCluster:
-    """Launches the workers and the controller (Ray must be connected: shardserve.launcher.ensure_ray) and
-    returns once health is SERVING. Everything started is torn down again if any of it fails."""
+    """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
+    shardserve.launcher.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
+    any of it fails."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from shardserve.cluster.controller import Controller, ControllerConfig
-    from shardserve.launcher import launch_worker_group
 
     name = f"shardserve-{uuid.uuid4().hex[:8]}"
     served = served_model(config, _model_name(config, model_name))
-    workers = launch_worker_group(config, worker_host, strategy, name_prefix=name)
     controller = None
     try:
         controller_config = ControllerConfig(
             engine=config,
             model=served,
-            build_engine=EngineFactory(GrpcExecutorFactory(workers.endpoints, workers.init_method)),
+            build_engine=RayGroupFactory(name, worker_host, strategy),
             host=host,
             port=port,
             metrics_port=metrics_port,
-            replica=f"{name}/0",
+            name=name,
             max_live_requests=max_live_requests,
         )
         here = ray.get_runtime_context().get_node_id()
@@ -144,9 +181,8 @@ def start_cluster(
             except Exception:
                 pass
             ray.kill(controller, no_restart=True)
-        workers.shutdown()
         raise
-    return RunningCluster(address, status["metrics_address"], controller, workers, name)
+    return RunningCluster(address, status["metrics_address"], controller, name)
 
 
 class _Interrupted(BaseException):

@@ -47,7 +47,7 @@ def gated(default_model_dir):
         model=ServedModel("smollm2", facts.architecture, facts.vocab_size, facts.eos_token_ids, facts.bos_token_id),
         build_engine=EngineFactory(executor),
         port=0,
-        replica="test-replica",
+        name="test-replica",
     ))
     served.gate = executor.gate
     yield served
@@ -80,7 +80,7 @@ def test_stream_deltas_add_up_to_the_generate_result(address):
                                  ignore_eos=True)
         stream = client.stream("The capital of France is", temperature=0, max_tokens=12, ignore_eos=True)
         deltas = list(stream)
-    assert result.request_id == "r1" and result.replica == "test-replica"
+    assert result.request_id == "r1" and result.replica == "test-replica/0"
     assert result.finish_reason == "length" and result.usage.completion_tokens == 12
     assert "Paris" in result.text
     assert [t for d in deltas for t in d.token_ids] == result.token_ids == stream.result.token_ids

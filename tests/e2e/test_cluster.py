@@ -226,8 +226,10 @@ def _controller_over_one_worker(engine_config, executor_options: dict, **control
 
 
 def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(tiny_llama_dir, e2e_config):
-    """A real worker server that dies under a live request (no Ray needed: the controller in a thread)."""
-    worker, served = _controller_over_one_worker(e2e_config(tiny_llama_dir), {"deadline": StepDeadline(floor_s=60.0)})
+    """A real worker server that dies under a live request (no Ray needed: the controller in a thread), with group
+    restarts off (restart_tries=0; test_faults_local.py has them on)."""
+    worker, served = _controller_over_one_worker(e2e_config(tiny_llama_dir), {"deadline": StepDeadline(floor_s=60.0)},
+                                                 restart_tries=0)
     try:
         assert served.call(served.controller.wait_ready(120))
         with Client(served.address, timeout=60) as client:
@@ -248,7 +250,7 @@ def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(ti
 
 def test_an_idle_server_notices_a_dead_worker_and_stops_serving(tiny_llama_dir, e2e_config):
     worker, served = _controller_over_one_worker(
-        e2e_config(tiny_llama_dir), {"rpc_timeout_s": 2}, health_check_interval_s=0.2
+        e2e_config(tiny_llama_dir), {"rpc_timeout_s": 2}, health_check_interval_s=0.2, restart_tries=0
     )
     try:
         assert served.call(served.controller.wait_ready(120))
@@ -270,7 +272,9 @@ def test_shutdown_drains_cuts_off_long_requests_and_leaves_nothing_behind(cluste
     import psutil
 
     ray = ray_session
-    pids = ray.get([cluster.controller.pid.remote()] + [a.pid.remote() for a in cluster.workers.actors])
+    ours = [a for a in ray._private.state.actors().values() if (a["Name"] or "").startswith(cluster.name)]
+    pids = [a["Pid"] for a in ours]
+    assert len(pids) == 4  # the controller and its 3 ranks
     errors: list = []
 
     def long_request():
@@ -289,7 +293,8 @@ def test_shutdown_drains_cuts_off_long_requests_and_leaves_nothing_behind(cluste
     assert cluster.shutdown(drain_timeout_s=0.5) == 1  # the long request could not finish in time
     thread.join(60)
     assert errors == [grpc.StatusCode.UNAVAILABLE]
-    assert ray.util.placement_group_table(cluster.workers.placement_group)["state"] == "REMOVED"
+    groups = [g for g in ray.util.placement_group_table().values() if g["name"].startswith(cluster.name)]
+    assert groups and all(g["state"] == "REMOVED" for g in groups)
     alive = {a["Name"] for a in ray._private.state.actors().values() if a["State"] != "DEAD"}
     assert not any(name.startswith(cluster.name) for name in alive)
     deadline = time.monotonic() + 30

@@ -1,7 +1,7 @@
 """A worker that dies or stops mid-generation costs no request: the controller (in a thread) drives TP=2 local
 worker processes over real gRPC and gloo; SIGKILL or SIGSTOP one rank with 16 streams running and every stream
 finishes with the tokens of an undisturbed run (greedy and seeded), after a pause while a new group starts.
-No Ray: the group restart is the controller's restart_executor starting new local processes (Ray's is in
+No Ray: each group, the first and every restart, is new local processes started by the replica's factory (Ray's is in
 test_faults_ray.py)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ MAX_TOKENS = 96
 
 
 class LocalGroups:
-    """restart_executor (and the first build): a new TP group of local processes each time; keeps them all."""
+    """The executor factory: a new TP group of local processes each call (the first and each restart); keeps them."""
 
     def __init__(self, deadline_floor_s: float) -> None:
         self.groups: list = []
@@ -45,7 +45,8 @@ class LocalGroups:
             workers.stop(timeout_s=5.0)
 
 
-def _controller(config, groups: LocalGroups, restart_executor):
+def _controller(config, make_executor):
+    """The controller over groups that make_executor starts: the first one, and each restart's."""
     from shardserve.cluster.controller import ControllerConfig, ServedModel
     from shardserve.cluster.engine import Engine
     from tests.e2e._controller_thread import ControllerThread
@@ -53,9 +54,8 @@ def _controller(config, groups: LocalGroups, restart_executor):
     return ControllerThread(ControllerConfig(
         engine=config,
         model=ServedModel("tiny", "LlamaForCausalLM", vocab_size=384, eos_token_ids=[]),
-        build_engine=lambda cfg: Engine(cfg, groups(cfg), vocab_size=384),
+        build_engine=lambda cfg: Engine(cfg, make_executor(cfg), vocab_size=384),
         port=0,
-        restart_executor=restart_executor,
         restart_tries=3,
         restart_backoff_s=0.5,
         health_check_interval_s=0.5,
@@ -65,8 +65,7 @@ def _controller(config, groups: LocalGroups, restart_executor):
 @pytest.fixture
 def served(tiny_llama_dir, e2e_config):
     groups = LocalGroups(deadline_floor_s=2.0)
-    controller = _controller(e2e_config(tiny_llama_dir, tensor_parallel_size=2, max_num_seqs=NUM_STREAMS), groups,
-                             restart_executor=groups)
+    controller = _controller(e2e_config(tiny_llama_dir, tensor_parallel_size=2, max_num_seqs=NUM_STREAMS), groups)
     try:
         assert controller.call(controller.controller.wait_ready(120))
         yield controller, groups
@@ -164,11 +163,13 @@ def test_a_group_that_cannot_come_back_ends_streams_with_unavailable_and_health_
     groups = LocalGroups(deadline_floor_s=2.0)
     tries: list[int] = []
 
-    def no_room(config):
+    def first_group_only(config):
+        if not groups.groups:
+            return groups(config)
         tries.append(1)
         raise RuntimeError("no placement for a new group")
 
-    controller = _controller(e2e_config(tiny_llama_dir, tensor_parallel_size=2), groups, restart_executor=no_room)
+    controller = _controller(e2e_config(tiny_llama_dir, tensor_parallel_size=2), first_group_only)
     try:
         assert controller.call(controller.controller.wait_ready(120))
         with Client(controller.address, timeout=120) as client:
