@@ -75,9 +75,9 @@ def main() -> None:
     cluster = start_cluster(config, host="127.0.0.1", port=0)
     try:
         undisturbed, _ = _streams(cluster.address, args.streams, args.max_tokens)
-        ranks = {a["Name"]: a["Pid"] for a in ray._private.state.actors().values()
-                 if (a["Name"] or "").startswith(cluster.name) and a["Name"].endswith("-rank1") and a["State"] == "ALIVE"}
-        (victim,) = ranks.values()
+        (rank1,) = [a for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["name"].startswith(cluster.name) and a["name"].endswith("-rank1")]
+        victim = ray.get(ray.get_actor(rank1["name"], namespace=rank1["namespace"]).pid.remote(), timeout=60)
         back: list[float] = []
         client = Client(cluster.address, timeout=30)
 

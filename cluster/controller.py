@@ -212,9 +212,11 @@ class Controller:
             raise ServerUnavailable("no replica is serving")
         return min(serving, key=lambda r: r.load.outstanding_tokens)
 
-    async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
+    async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None,
+                          resumed: list[int] | None = None) -> LiveRequest:
         """Admits a request on a replica (Engine.admit, on its engine thread). Raises ValueError for bad input,
-        ServerUnavailable when not serving, ServerOverloaded beyond max_live_requests."""
+        ServerUnavailable when not serving, ServerOverloaded beyond max_live_requests. resumed: the tokens a
+        resumed stream already has (Engine.add_request)."""
         try:
             if self.state is not State.SERVING:
                 raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
@@ -229,7 +231,7 @@ class Controller:
             self._live[req_id] = live  # before the engine sees it, so that no delta can miss its queue
             self._idle.clear()
             try:
-                live.num_prompt_tokens = await replica.admit(req_id, prompt, params)
+                live.num_prompt_tokens = await replica.admit(req_id, prompt, params, resumed or ())
             except BaseException as e:
                 self._forget(req_id)
                 if isinstance(e, asyncio.CancelledError):  # the client left while we waited: undo the add

@@ -171,9 +171,9 @@ class Replica:
             return future
         return self._engine_loop.submit(fn)
 
-    async def admit(self, req_id: str, prompt: Prompt, params: SamplingParams) -> int:
+    async def admit(self, req_id: str, prompt: Prompt, params: SamplingParams, resumed=()) -> int:
         """Engine.admit on the engine thread; returns the prompt's token count (ValueError for bad input)."""
-        return await asyncio.wrap_future(self.submit(lambda engine: engine.admit(req_id, prompt, params)))
+        return await asyncio.wrap_future(self.submit(lambda engine: engine.admit(req_id, prompt, params, resumed)))
 
     def abort(self, req_id: str) -> Future:
         """Engine.abort on the engine thread: a Future of whether the request was live there."""

@@ -11,6 +11,13 @@ GenerateRequest's sampling fields mirror; unset ones take the server's defaults.
 grpc.RpcError with their status code (INVALID_ARGUMENT for bad input, UNAVAILABLE while the server is not serving,
 RESOURCE_EXHAUSTED beyond its live-request limit, NOT_FOUND for an unknown id on abort, DEADLINE_EXCEEDED past
 `timeout`). Importing this module needs only grpcio and protobuf (no torch).
+
+Resuming (`resume=True`, the default for greedy requests and for requests with a seed): when a stream breaks with
+UNAVAILABLE (the server lost the request: a failed worker group that could not come back, a restarted server, a
+drain), the stream sends the request again with the tokens it has received (`resume_token_ids`), retrying for up to
+`resume_timeout_s`, and goes on where it stopped: the caller sees a pause, and the tokens are those of an unbroken
+request (the server draws each token from the seed and its index). Unseeded sampled requests are not resumed (a new
+seed would change the rest), nor is anything else than UNAVAILABLE.
 """
 
 from __future__ import annotations
@@ -27,7 +34,9 @@ from shardserve.proto import generation_pb2_grpc as pb_grpc
 # The sampling keywords: GenerateRequest's fields but the request id and the prompt (whose values the server checks).
 _REQUEST = pb.GenerateRequest.DESCRIPTOR
 _SAMPLING = {fd.name: fd for fd in _REQUEST.fields
-             if fd.name != "request_id" and fd.containing_oneof is not _REQUEST.oneofs_by_name["prompt"]}
+             if fd.name not in ("request_id", "resume_token_ids")
+             and fd.containing_oneof is not _REQUEST.oneofs_by_name["prompt"]}
+RESUME_BACKOFF_S = (0.2, 2.0)  # the first wait between resume tries, and the longest
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
 
 
@@ -143,12 +152,44 @@ class _Collector:
         return None
 
 
-class _StreamState:
-    """What a blocking and an async stream share: the call and what its messages have told so far."""
+def _resumable(sampling: dict, resume: bool | None) -> bool:
+    """resume=None: greedy (temperature 0) or seeded requests, whose tokens do not depend on where they resume."""
+    if resume is not None:
+        return resume
+    return sampling.get("temperature") == 0 or sampling.get("seed") is not None
 
-    def __init__(self, call) -> None:
+
+class _StreamState:
+    """What a blocking and an async stream share: the call and what its messages have told so far. reopen(tokens)
+    starts the request again with the tokens received so far (None: no resuming)."""
+
+    def __init__(self, call, reopen=None, resume_timeout_s: float = 120.0) -> None:
         self._call = call
         self._collector = _Collector()
+        self._reopen = reopen
+        self._resume_timeout_s = resume_timeout_s
+        self._resume_until: float | None = None  # while resuming: when to give up
+        self._resume_wait_s = RESUME_BACKOFF_S[0]
+        self.num_resumes = 0  # how many times the stream was sent again
+
+    def _next_try_s(self, error: grpc.RpcError) -> float | None:
+        """After a broken call: seconds to wait before sending the request again, or None to raise the error."""
+        import time
+
+        if self._reopen is None or error.code() != grpc.StatusCode.UNAVAILABLE or self._collector.result is not None:
+            return None
+        now = time.monotonic()
+        if self._resume_until is None:
+            self._resume_until = now + self._resume_timeout_s
+        if now >= self._resume_until:
+            return None
+        wait_s, self._resume_wait_s = self._resume_wait_s, min(2 * self._resume_wait_s, RESUME_BACKOFF_S[1])
+        return min(wait_s, self._resume_until - now)
+
+    def _resumed(self) -> None:
+        """A message came on a resumed call: the resume worked, the next break starts a new budget."""
+        if self._resume_until is not None:
+            self._resume_until, self._resume_wait_s = None, RESUME_BACKOFF_S[0]
 
     @property
     def request_id(self) -> str:
@@ -168,10 +209,23 @@ class Stream(_StreamState):
     .result is set once the stream has finished."""
 
     def __iter__(self) -> Iterator[StreamDelta]:
-        for msg in self._call:
-            delta = self._collector.feed(msg)
-            if delta is not None:
-                yield delta
+        import time
+
+        while True:
+            try:
+                for msg in self._call:
+                    self._resumed()
+                    delta = self._collector.feed(msg)
+                    if delta is not None:
+                        yield delta
+                return
+            except grpc.RpcError as error:
+                wait_s = self._next_try_s(error)
+                if wait_s is None:
+                    raise
+                time.sleep(wait_s)  # backoff: the server is restarting its group, or itself
+                self.num_resumes += 1
+                self._call = self._reopen(list(self._collector.token_ids))
 
     def wait_started(self) -> str:
         """Reads up to the Started message; returns the request id."""
@@ -185,11 +239,24 @@ class AsyncStream(_StreamState):
     exception, a cancelled task) cancels the call, and the server aborts the request."""
 
     async def __aiter__(self) -> AsyncIterator[StreamDelta]:
+        import asyncio
+
         try:
-            while (msg := await self._call.read()) is not grpc.aio.EOF:  # read(), as wait_started uses it
-                delta = self._collector.feed(msg)
-                if delta is not None:
-                    yield delta
+            while True:
+                try:
+                    while (msg := await self._call.read()) is not grpc.aio.EOF:  # read(), as wait_started uses it
+                        self._resumed()
+                        delta = self._collector.feed(msg)
+                        if delta is not None:
+                            yield delta
+                    return
+                except grpc.RpcError as error:
+                    wait_s = self._next_try_s(error)
+                    if wait_s is None:
+                        raise
+                    await asyncio.sleep(wait_s)  # backoff: the server is restarting its group, or itself
+                    self.num_resumes += 1
+                    self._call = self._reopen(list(self._collector.token_ids))
         finally:
             self._call.cancel()  # a no-op once the stream has finished
 
@@ -197,6 +264,20 @@ class AsyncStream(_StreamState):
         while not self._collector.request_id:
             self._collector.feed(await self._call.read())
         return self._collector.request_id
+
+
+def _reopen_request(request: pb.GenerateRequest, received: list[int]) -> pb.GenerateRequest:
+    """The request sent again: a new id (the old one may still be known to the server), the tokens received."""
+    again = pb.GenerateRequest()
+    again.CopyFrom(request)
+    again.ClearField("request_id")
+    del again.resume_token_ids[:]
+    again.resume_token_ids.extend(received)
+    return again
+
+
+def _reopener(stub, request: pb.GenerateRequest, timeout: float | None):
+    return lambda received: stub.Generate(_reopen_request(request, received), timeout=timeout)
 
 
 class Client:
@@ -211,8 +292,14 @@ class Client:
     def _t(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
-    def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None, **sampling) -> Stream:
-        return Stream(self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout)))
+    def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
+               resume: bool | None = None, resume_timeout_s: float = 120.0, **sampling) -> Stream:
+        """resume: send the request again with the tokens received when the stream breaks with UNAVAILABLE
+        (default: for greedy and seeded requests; see the module docstring)."""
+        request = build_request(prompt, request_id, sampling)
+        return Stream(self._stub.Generate(request, timeout=self._t(timeout)),
+                      _reopener(self._stub, request, self._t(timeout)) if _resumable(sampling, resume) else None,
+                      resume_timeout_s)
 
     def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
                  **sampling) -> GenerationResult:
@@ -278,9 +365,13 @@ class AsyncClient:
         return self.timeout if timeout is None else timeout
 
     def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
-               **sampling) -> AsyncStream:
-        """`async for delta in client.stream(...)`; the AsyncStream's .result is set at the end."""
-        return AsyncStream(self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout)))
+               resume: bool | None = None, resume_timeout_s: float = 120.0, **sampling) -> AsyncStream:
+        """`async for delta in client.stream(...)`; the AsyncStream's .result is set at the end. resume: as
+        Client.stream."""
+        request = build_request(prompt, request_id, sampling)
+        return AsyncStream(self._stub.Generate(request, timeout=self._t(timeout)),
+                           _reopener(self._stub, request, self._t(timeout)) if _resumable(sampling, resume) else None,
+                           resume_timeout_s)
 
     async def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None,
                        **sampling) -> GenerationResult:

@@ -105,3 +105,30 @@ def test_requests_admitted_while_the_group_was_lost_run_after_the_resumed_ones()
     engine.restart(FakeExecutor(64, BS, VOCAB))
     order = [seq.req_id for seq in engine.scheduler.waiting]
     assert order == [*PROMPTS, "late"]  # arrival order: FCFS survives the restart
+
+
+def test_a_resumed_request_generates_the_rest_of_the_unbroken_one_and_streams_only_that():
+    """A client resubmits prompt + the tokens it received (resumed=...): they count as generated, not prompt,
+    and are not streamed again; the rest equals the unbroken request's."""
+    prompt, n = PROMPTS["r3"], 12
+    whole = expected_output(prompt, n, VOCAB)
+    engine = Engine(EngineConfig(model="fake", block_size=BS, max_model_len=256), FakeExecutor(64, BS, VOCAB),
+                    vocab_size=VOCAB)
+    engine.add_request("again", prompt, SamplingParams(temperature=0, max_tokens=n), resumed=whole[:5])
+    streamed = []
+    while engine.has_unfinished():
+        for delta in engine.step():
+            streamed += delta.token_ids
+            final = delta
+    assert streamed == whole[5:]
+    assert final.finish_reason == "length" and final.num_generated == n and final.num_prompt_tokens == len(prompt)
+    new = engine.executor.plans[0].new_requests[0]
+    assert new.token_ids == prompt + whole[:5] and new.num_prompt_tokens == len(prompt)
+
+
+@pytest.mark.parametrize("resumed, why", [([1] * 12, "leave nothing"), ([VOCAB], "resumed token ids")])
+def test_resumed_tokens_that_cannot_be_are_refused(resumed, why):
+    engine = Engine(EngineConfig(model="fake", block_size=BS, max_model_len=256), FakeExecutor(64, BS, VOCAB),
+                    vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=why):
+        engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=12), resumed=resumed)
