@@ -185,6 +185,9 @@ def start_cluster(
     return RunningCluster(address, status["metrics_address"], controller, name)
 
 
+CONTROLLER_RESTARTS = 3  # times `serve` starts a failed or dead controller (and its groups) again, then exits 1
+
+
 class _Interrupted(BaseException):
     """SIGTERM or SIGINT before the server was ready (a BaseException, so that cleanup handlers see it)."""
 
@@ -204,8 +207,10 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
           http_host: str | None = None) -> int:
-    """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails (exits 1). http_port: also
-    the HTTP gateway (shardserve/gateway.py), started once the server is ready, stopped after the drain."""
+    """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails for good (exits 1): a controller
+    actor that died, or whose groups could not be restarted, is started again (with fresh groups) on the same
+    address, up to CONTROLLER_RESTARTS times. http_port: also the HTTP gateway (shardserve/gateway.py), started
+    once the server is ready, stopped after the drain."""
     import ray
 
     from shardserve.launcher import ensure_ray
@@ -250,15 +255,34 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
 
             gateway = GatewayThread(cluster.address, http_host or host, http_port)
             print(f"shardserve gateway ready: http://{gateway.address}/v1", flush=True)
+        restarts = 0
         while not stop.wait(1.0):
             try:
                 status = cluster.status()
-            except Exception as e:  # the controller actor died
+            except ray.exceptions.GetTimeoutError:
+                continue  # busy, not dead: asked again in a second
+            except Exception as e:  # the controller actor died (its worker groups died with it)
                 status = {"state": "failed", "error": repr(e)}
-            if status["state"] == "failed":
+            if status["state"] != "failed":
+                continue
+            if restarts == CONTROLLER_RESTARTS or stop.is_set():
                 print(f"shardserve: the engine failed: {status['error']}", file=sys.stderr, flush=True)
                 code = 1
                 break
+            restarts += 1  # a fresh controller and groups on the same address; resuming clients go on there
+            print(f"shardserve: the engine failed ({status['error']}): starting it again "
+                  f"({restarts}/{CONTROLLER_RESTARTS})", file=sys.stderr, flush=True)
+            cluster.shutdown(drain_timeout_s=0.0)
+            bound_port = int(cluster.address.rsplit(":", 1)[1])
+            try:
+                cluster = start_cluster(config, host=host, port=bound_port, worker_host=worker_host,
+                                        metrics_port=metrics_port, strategy=strategy, model_name=model_name,
+                                        max_live_requests=max_live_requests)
+            except Exception as e:
+                print(f"shardserve: starting the engine again failed: {e!r}", file=sys.stderr, flush=True)
+                code = 1
+                break
+            print(f"shardserve ready again: serving on {cluster.address}", flush=True)
         if received:
             print(f"shardserve: {signal.Signals(received[0]).name}: draining (up to {drain_timeout_s:g} s)",
                   file=sys.stderr, flush=True)
