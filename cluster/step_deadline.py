@@ -18,7 +18,7 @@ it was queued behind that one) to its last rank's answer.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -34,8 +34,12 @@ class StepDeadline:
     min_samples: int = 8
     window: int = 256
     quantile: float = 0.99
-    _seconds: deque = field(default_factory=deque, repr=False)
-    _per_token: deque = field(default_factory=deque, repr=False)
+    _seconds: deque = field(default_factory=deque, init=False, repr=False)
+    _per_token: deque = field(default_factory=deque, init=False, repr=False)
+
+    def fresh(self) -> StepDeadline:
+        """The same settings with no measurements (for a new group)."""
+        return replace(self)
 
     def __post_init__(self) -> None:
         if self.floor_s <= 0 or self.factor < 1 or self.initial_s <= 0:

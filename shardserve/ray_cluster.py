@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardserve.cluster.executor import GrpcExecutor
+from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.config import model_facts
 from shardserve.proto.config import EngineConfig
 
@@ -42,9 +43,9 @@ class GrpcExecutorFactory:
 class GroupExecutor(GrpcExecutor):
     """A GrpcExecutor over a Ray worker group it owns: its shutdown also stops the group."""
 
-    def __init__(self, config: EngineConfig, group) -> None:
+    def __init__(self, config: EngineConfig, group, deadline: StepDeadline | None = None) -> None:
         self.group = group  # shardserve.launcher.WorkerGroup
-        super().__init__(config, group.endpoints, group.init_method)
+        super().__init__(config, group.endpoints, group.init_method, deadline=deadline)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         try:
@@ -63,6 +64,7 @@ class RayGroupFactory:
     name: str
     worker_host: str = "127.0.0.1"
     strategy: str = "STRICT_PACK"
+    step_deadline: StepDeadline | None = None  # the settings; each group measures its own step times
 
     def __call__(self, config: EngineConfig):
         from shardserve.engine_factory import build_engine
@@ -71,7 +73,8 @@ class RayGroupFactory:
         group = launch_worker_group(config, self.worker_host, self.strategy,
                                     name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}")
         try:
-            return build_engine(config, lambda c: GroupExecutor(c, group))
+            deadline = self.step_deadline.fresh() if self.step_deadline is not None else None
+            return build_engine(config, lambda c: GroupExecutor(c, group, deadline))
         except BaseException:
             group.shutdown()
             raise
@@ -136,6 +139,7 @@ def start_cluster(
     model_name: str | None = None,
     ready_timeout_s: float = 600.0,
     max_live_requests: int = 4096,
+    step_deadline: StepDeadline | None = None,
 ) -> RunningCluster:
     """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
     shardserve.launcher.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
@@ -152,7 +156,7 @@ def start_cluster(
         controller_config = ControllerConfig(
             engine=config,
             model=served,
-            build_engine=RayGroupFactory(name, worker_host, strategy),
+            build_engine=RayGroupFactory(name, worker_host, strategy, step_deadline),
             host=host,
             port=port,
             metrics_port=metrics_port,
@@ -206,7 +210,7 @@ def resolve_ray_address(address: str | None) -> str:
 def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
-          http_host: str | None = None) -> int:
+          http_host: str | None = None, step_deadline: StepDeadline | None = None) -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails for good (exits 1): a controller
     actor that died, or whose groups could not be restarted, is started again (with fresh groups) on the same
     address, up to CONTROLLER_RESTARTS times. http_port: also the HTTP gateway (shardserve/gateway.py), started
@@ -243,7 +247,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
     try:
         start = time.perf_counter()
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
-                                strategy=strategy, model_name=model_name, max_live_requests=max_live_requests)
+                                strategy=strategy, model_name=model_name, max_live_requests=max_live_requests, step_deadline=step_deadline)
         for s in previous:
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
@@ -277,7 +281,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
             try:
                 cluster = start_cluster(config, host=host, port=bound_port, worker_host=worker_host,
                                         metrics_port=metrics_port, strategy=strategy, model_name=model_name,
-                                        max_live_requests=max_live_requests)
+                                        max_live_requests=max_live_requests, step_deadline=step_deadline)
             except Exception as e:
                 print(f"shardserve: starting the engine again failed: {e!r}", file=sys.stderr, flush=True)
                 code = 1
