@@ -191,3 +191,15 @@ def test_a_group_that_cannot_come_back_ends_streams_with_unavailable_and_health_
     finally:
         controller.close()
         groups.stop_all()
+
+
+def test_an_idle_server_replaces_a_dead_group_before_any_request_needs_it(served):
+    """No step runs, so only the health probe can notice: health NOT_SERVING, then a new group and SERVING again."""
+    controller, groups = served
+    with Client(controller.address, timeout=30) as client:
+        assert client.health() == "SERVING"
+        os.kill(groups.groups[0].processes[0].pid, signal.SIGKILL)
+        _wait_for(lambda: client.health() == "NOT_SERVING", "health NOT_SERVING with a dead rank", 60)
+        _wait_for(lambda: client.health() == "SERVING", "a new group serving", 180)
+        assert controller.controller.status()["group_restarts"] == 1 and len(groups.groups) == 2
+        assert client.generate([1, 2, 3], max_tokens=8, ignore_eos=True).usage.completion_tokens == 8
