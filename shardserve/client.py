@@ -12,12 +12,13 @@ grpc.RpcError with their status code (INVALID_ARGUMENT for bad input, UNAVAILABL
 RESOURCE_EXHAUSTED beyond its live-request limit, NOT_FOUND for an unknown id on abort, DEADLINE_EXCEEDED past
 `timeout`). Importing this module needs only grpcio and protobuf (no torch).
 
-Resuming (`resume=True`, the default for greedy requests and for requests with a seed): when a stream breaks with
-UNAVAILABLE (the server lost the request: a failed worker group that could not come back, a restarted server, a
-drain), the stream sends the request again with the tokens it has received (`resume_token_ids`), retrying for up to
-`resume_timeout_s`, and goes on where it stopped: the caller sees a pause, and the tokens are those of an unbroken
-request (the server draws each token from the seed and its index). Unseeded sampled requests are not resumed (a new
-seed would change the rest), nor is anything else than UNAVAILABLE.
+Resuming (`resume=True`, the default for greedy requests and for requests with a seed): when an admitted stream
+breaks with UNAVAILABLE (the server lost the request: a failed worker group that could not come back, a restarted
+controller or server, a drain's cut-off), the stream sends the request again with the tokens it has received
+(`resume_token_ids`), retrying for up to `resume_timeout_s`, and goes on where it stopped: the caller sees a pause,
+and the tokens are those of an unbroken request (the server draws each token from the seed and its index). Not
+resumed: unseeded sampled requests (a new seed would change the rest), a request refused before it was admitted
+(a server starting or draining answers UNAVAILABLE at once), any other status.
 """
 
 from __future__ import annotations

@@ -124,6 +124,8 @@ class _StreamState:
 
         if self._reopen is None or error.code() != grpc.StatusCode.UNAVAILABLE or self._collector.result is not None:
             return None
+        if not self._collector.request_id:  # refused before it was admitted (starting, draining): not a break
+            return None
         now = time.monotonic()
         if self._resume_until is None:
             self._resume_until = now + self._resume_timeout_s

@@ -279,7 +279,8 @@ def test_shutdown_drains_cuts_off_long_requests_and_leaves_nothing_behind(cluste
 
     def long_request():
         with Client(cluster.address, timeout=120) as client:
-            stream = client.stream("Write a long essay about", temperature=0, max_tokens=200, ignore_eos=True)
+            stream = client.stream("Write a long essay about", temperature=0, max_tokens=200, ignore_eos=True,
+                                   resume=False)  # the drain's UNAVAILABLE itself, not a resumed stream
             try:
                 for delta in stream:
                     started.set()
