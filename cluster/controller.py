@@ -6,8 +6,9 @@ Threads: the event loop serves gRPC (Generate streams, health, stats) and never 
 thread owns its Engine and runs its steps (which block on the workers), then hands each step's deltas back to the
 event loop, where they go into one asyncio queue per live request. Lifecycle: STARTING (health NOT_SERVING while
 the replicas load) -> SERVING -> DRAINING (SIGTERM: no new requests, in-flight ones may finish) -> STOPPED; a
-replica whose worker fails ends its live streams with UNAVAILABLE and gets nothing new; FAILED (health
-NOT_SERVING) once no replica is serving.
+replica whose worker fails starts a new TP group (RECOVERING: its live requests wait, their streams see a pause;
+cluster/replica.py) and, when that fails restart_tries times, ends its live streams with UNAVAILABLE and gets nothing
+new; health is NOT_SERVING while no replica is SERVING, FAILED once none is serving or recovering.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, Unkno
 from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.prompt_encoder import PromptEncoder, default_max_prompt_bytes
-from shardserve.cluster.replica import Replica
+from shardserve.cluster.replica import Replica, ReplicaState
 from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.transport import host_port
@@ -45,7 +46,8 @@ class Controller:
         self.has_chat_template = False
         self.replicas = [
             Replica(f"{config.name}/{i}", config.engine, config.build_engine, self._dispatch, self._on_replica_failure,
-                    config.health_check_interval_s)
+                    config.health_check_interval_s, config.restart_tries, config.restart_backoff_s,
+                    self._on_replica_state)
             for i in range(config.num_replicas)
         ]
         self._position = {r.id: i for i, r in enumerate(self.replicas)}
@@ -151,7 +153,8 @@ class Controller:
         return {"state": self.state.value, "address": self.address, "metrics_address": self.metrics_address,
                 "live_requests": len(self._live), "error": repr(error) if error else None,
                 "replicas": {r.id: r.state.value for r in self.replicas},
-                "routed": dict(zip(self._position, self.router.num_routed))}
+                "routed": dict(zip(self._position, self.router.num_routed)),
+                "group_restarts": sum(r.num_restarts for r in self.replicas)}
 
     # ---- requests -------------------------------------------------------------------------------------------
     def _route(self, token_ids: list[int]) -> Replica:
@@ -160,12 +163,18 @@ class Controller:
         try:
             return self.replicas[self.router.route(hashes)[0]]
         except LookupError as e:
-            raise ServerUnavailable(str(e)) from None
+            # No replica serves; one starting a new group queues the request: it runs once the group is back.
+            recovering = [r for r in self.replicas if r.state is ReplicaState.RECOVERING]
+            if not recovering:
+                raise ServerUnavailable(str(e)) from None
+            return min(recovering, key=lambda r: r.load.outstanding_tokens)
 
-    async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None) -> LiveRequest:
+    async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None,
+                          resumed: list[int] | None = None) -> LiveRequest:
         """Admits a request: its prompt tokenized on the PromptEncoder's pool (off every engine thread), routed to a
-        replica, then Engine.admit on that replica's engine thread. Raises ValueError for bad input, ServerUnavailable
-        when not serving, ServerOverloaded beyond max_live_requests."""
+        replica, then Engine.add_request on that replica's engine thread. Raises ValueError for bad input,
+        ServerUnavailable when not serving, ServerOverloaded beyond max_live_requests. resumed: the tokens a resumed
+        stream already has (Engine.add_request)."""
         try:
             if self.state is not State.SERVING:
                 raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
@@ -183,10 +192,11 @@ class Controller:
                 if self.state is not State.SERVING:
                     raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
                 live.replica = replica = self._route(token_ids)
-                live.cost = len(token_ids) + params.max_tokens  # counted now: the next request's route sees it
+                max_new = params.max_tokens if params.max_tokens is not None else self.config.engine.max_model_len - len(token_ids)
+                live.cost = len(token_ids) + max(0, max_new)  # counted now: the next request's route sees it
                 replica.note_admitted(live.cost)
                 live.num_prompt_tokens = len(token_ids)
-                await replica.admit(req_id, token_ids, params, text)
+                await replica.admit(req_id, token_ids, params, text, resumed or ())
             except BaseException as e:
                 if self._live.get(req_id) is live and live.cost:
                     live.replica.note_finished(live.cost)
@@ -231,7 +241,7 @@ class Controller:
         own counters."""
         stats = None
         if self.state in (State.SERVING, State.DRAINING):
-            serving = [r for r in self.replicas if r.serving]
+            serving = [r for r in self.replicas if r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING)]
             stats = _sum_stats(await asyncio.gather(*(r.stats() for r in serving))) if serving else None
         return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
                        "uptime_s": time.time() - self._started_at}
@@ -270,15 +280,26 @@ class Controller:
             if delta.finished:
                 self._end(delta.request_id, None, outcome=delta.finish_reason or "stop", num=delta.num_generated)
 
+    def _on_replica_state(self, replica: Replica) -> None:
+        """A replica's group failed (RECOVERING) or is back (SERVING): health follows whether any replica serves.
+        A new group starts with an empty cache, so the router forgets what the lost one held."""
+        if replica.state is ReplicaState.RECOVERING:
+            self.router.forget(self._position[replica.id])
+        if self.state is State.SERVING:
+            asyncio.ensure_future(self._set_health(any(r.serving for r in self.replicas)))
+
     def _on_replica_failure(self, replica: Replica, error: BaseException) -> None:
-        """A replica failed: its live requests end with UNAVAILABLE; the server fails once none is serving."""
+        """A replica failed for good: its live requests end with UNAVAILABLE; the server fails once no replica is
+        serving or recovering."""
         self._failure = error
         self.router.forget(self._position[replica.id])
         for live in [live for live in self._live.values() if live.replica is replica]:
             self._end(live.req_id, ServerUnavailable(f"a worker failed: {error}"), outcome="error")
-        if not any(r.serving for r in self.replicas) and self.state in (State.SERVING, State.DRAINING):
+        alive = any(r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING) for r in self.replicas)
+        if not alive and self.state in (State.SERVING, State.DRAINING):
             self.state = State.FAILED
-            asyncio.ensure_future(self._set_health(False))
+        if self.state in (State.SERVING, State.FAILED):
+            asyncio.ensure_future(self._set_health(any(r.serving for r in self.replicas)))
 
     def _end(self, req_id: str, error: BaseException | None, outcome: str, num: int = 0) -> None:
         """Forgets a live request; puts `error` into its stream first, if given."""

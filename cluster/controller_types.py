@@ -53,6 +53,8 @@ class ControllerConfig:
     health_check_interval_s: float = 5.0  # how often the workers are asked, so an idle server notices a dead rank
     max_live_requests: int = 4096  # admission limit: beyond it Generate answers RESOURCE_EXHAUSTED (read per call)
     security: ApiSecurity = field(default_factory=ApiSecurity)  # the client API's token, TLS and size limits
+    restart_tries: int = 3  # new TP groups tried after a group fails (0: a failed group fails its replica)
+    restart_backoff_s: float = 1.0  # the wait before the second try, doubled after each
 
 
 @dataclass(slots=True)

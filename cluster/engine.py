@@ -9,6 +9,11 @@ flight. The workers append their own sampled tokens (proto/plan.py), so plan N+1
 The costs, handled in the scheduler: a stop is seen one step late (the extra token is discarded, so outputs are
 the same as without overlap), a finished request's blocks are freed once its last plan's result is applied, and
 a request preempted with a token in flight waits at the queue head until that token lands.
+
+Lost workers: when the executor raises WorkerError the TP group is gone (cluster/executor.py). The owner starts a
+new group and calls `restart(executor)`: every live request is recomputed on it from the tokens the controller
+has (as a preemption is; cluster/scheduler.py `restart`), so callers see a pause, and greedy or seeded outputs
+equal an undisturbed run.
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class Engine:
         self.num_computed_tokens = 0
         self.num_generated_tokens = 0
         self.num_finished = 0
+        self.num_restarts = 0  # executors replaced after a failure (restart)
         self.async_scheduling = self._resolve_async_scheduling(config, executor)
         self._in_flight: deque[StepPlan] = deque()  # submitted, results not collected yet (async only)
 
@@ -91,27 +97,46 @@ class Engine:
         return wanted and can
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def admit(self, req_id: str, prompt: Prompt, params: SamplingParams) -> int:
+    def admit(self, req_id: str, prompt: Prompt, params: SamplingParams, resumed: Sequence[int] = ()) -> int:
         """Encodes a prompt given as text, token ids or chat messages and queues the request (add_request).
         Returns the prompt's token count; raises ValueError when the request is malformed or can never fit."""
         text, token_ids = encode_prompt(prompt, self.tokenizer)
-        self.add_request(req_id, token_ids, params, prompt=text)
+        self.add_request(req_id, token_ids, params, prompt=text, resumed=resumed)
         return len(token_ids)
 
     def add_request(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
+        resumed: Sequence[int] = (),
     ) -> None:
-        """Queues a request; raises ValueError (never later in the loop) when it is malformed or can never fit."""
+        """Queues a request; raises ValueError (never later in the loop) when it is malformed or can never fit.
+
+        resumed: the tokens this request generated before (a client resuming a broken stream): they count as
+        generated, not as prompt (the sampler's draw depends on the index of the generated token, penalties and
+        min_tokens on the generated tokens), and are not streamed again. With the same seed the rest is what the
+        unbroken request would have generated."""
         if not isinstance(req_id, str) or not req_id:
             raise ValueError(f"request id must be a non-empty string, got {req_id!r}")
         if req_id in self.scheduler.requests or req_id in self._finished:
             raise ValueError(f"request id {req_id!r} is already in use")
         params = check_request(prompt_token_ids, params, self.limits)  # max_tokens None: filled in
         ids = list(prompt_token_ids)
+        if resumed:
+            bad = [t for t in resumed if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"resumed token ids must be integers in [0, {self.vocab_size}), got {bad[0]!r}")
+            if len(resumed) >= params.max_tokens:
+                raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
         spec = params.to_spec(self.eos_token_ids, self._seeds.getrandbits(63))
         seq = Request(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=prompt)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+        for token in resumed:
+            seq.append_token(token)
+            if seq.detokenizer is not None:
+                seq.detokenizer.add_token(token, check_stop=False)
+        if resumed and seq.detokenizer is not None:
+            seq.detokenizer.take_delta(False)  # the caller has that text already
+        seq.num_emitted_tokens = len(resumed)
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(ids)
 
@@ -124,6 +149,18 @@ class Engine:
         self.scheduler.finish(seq, "abort")
         self._pending_deltas.append(self._on_finished(seq))
         return True
+
+    def restart(self, executor: Executor) -> None:
+        """Continues over a new executor after the old one failed (its cache and plans in flight are lost; it is
+        not shut down here, its owner does that). Live requests keep their tokens and streams and are recomputed."""
+        self.executor = executor
+        self.block_manager = BlockManager(executor.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler.restart(self.block_manager)
+        self.limits = RequestLimits(self.vocab_size, self.config.max_model_len, self.config.block_size,
+                                    self.block_manager.num_blocks)
+        self._in_flight.clear()
+        self.async_scheduling = self._resolve_async_scheduling(self.config, executor)
+        self.num_restarts += 1
 
     def has_unfinished(self) -> bool:
         """True while there is work: live requests, deltas to report, or submitted plans to collect."""

@@ -11,9 +11,11 @@ rank), AllocateKVCache(minimum), then one Step stream per rank. The first rank t
 Per step: the plan is encoded once and written to every rank's stream; every rank answers with its step id (rank 0
 with the sampled tokens). submit() and collect() are separate, so the controller may plan step N+1 while step N
 runs; execute() is submit + collect. The hot path creates no channel and no thread: each stream has one
-long-lived reader thread that moves replies into one queue, where collect() waits with a deadline. Any rank's
-error, a closed stream or the deadline raises WorkerError, and the executor is unusable afterwards (the TP
-group's collectives cannot recover from a lost rank).
+long-lived reader thread that moves replies into one queue, where collect() waits with a deadline that follows the
+measured step times (cluster/step_deadline.py). Any rank's error, a closed stream (a dead process or Ray actor)
+or the deadline (a stopped or wedged rank) raises WorkerError, and the executor is unusable afterwards (the TP
+group's collectives cannot recover from a lost rank: the surviving ranks may be blocked in one for good, so the
+group is torn down and started again by its owner, cluster/engine_loop.py says how the engine resumes).
 
 cluster/ never imports worker/: only grpc and shardserve.proto.
 """
@@ -30,6 +32,7 @@ from typing import Protocol
 
 import grpc
 
+from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.proto import worker_pb2 as pb
 from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.config import EngineConfig
@@ -101,7 +104,7 @@ class GrpcExecutor:
         endpoints: list[str],
         init_method: str,
         *,
-        step_timeout_s: float = 300.0,
+        deadline: StepDeadline | None = None,
         startup_timeout_s: float = 600.0,
         rpc_timeout_s: float = 10.0,
         stop_workers: Callable[[float], None] | None = None,
@@ -118,11 +121,13 @@ class GrpcExecutor:
             raise ValueError(f"{len(endpoints)} endpoints for tensor_parallel_size {config.tensor_parallel_size}")
         self.config = config
         self.endpoints = list(endpoints)
-        self.step_timeout_s = step_timeout_s
+        self.deadline = deadline if deadline is not None else StepDeadline()
         self.rpc_timeout_s = rpc_timeout_s
         self._stop_workers = stop_workers
         self._broken: str | None = None
-        self._in_flight: deque[int] = deque()  # step ids submitted and not yet collected, oldest first
+        # (step id, submitted at, batched tokens) of the plans submitted and not yet collected, oldest first
+        self._in_flight: deque[tuple[int, float, int]] = deque()
+        self._last_done = 0.0  # when the last collected step's last answer arrived
         self._early: list[deque] = [deque() for _ in endpoints]  # replies to later steps that arrived first
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: list[_StepStream] = []
@@ -179,7 +184,7 @@ class GrpcExecutor:
         msg = step_plan_to_proto(plan)  # encoded once, shared by every stream
         for stream in self._streams:
             stream.requests.put(msg)
-        self._in_flight.append(plan.step_id)
+        self._in_flight.append((plan.step_id, time.monotonic(), plan.num_batched_tokens))
 
     def collect(self) -> StepResult:
         """Waits for every rank's reply to the oldest submitted step; returns rank 0's result."""
@@ -187,20 +192,25 @@ class GrpcExecutor:
             raise WorkerError(f"the executor failed earlier: {self._broken}")
         if not self._in_flight:
             raise RuntimeError("collect() without a submitted step")
-        step_id = self._in_flight[0]
-        deadline = time.monotonic() + self.step_timeout_s
+        step_id, submitted_at, num_tokens = self._in_flight[0]
+        started = max(submitted_at, self._last_done)  # queued behind the previous step until it was done
+        allowed_s = self.deadline.seconds_for(num_tokens)
+        deadline = started + allowed_s
         while any(not early for early in self._early):
             try:
                 rank, reply = self._replies.get(timeout=max(deadline - time.monotonic(), 1e-3))
             except queue.Empty:
                 missing = [r for r, early in enumerate(self._early) if not early]
-                self._fail(f"step {step_id}: ranks {missing} did not answer within {self.step_timeout_s:.0f} s")
+                self._fail(f"step {step_id}: ranks {missing} did not answer within {allowed_s:.1f} s (the step "
+                           "deadline, from recent step times): stopped or hung")
             if isinstance(reply, Exception):
                 self._fail(f"step {step_id}: {reply}")
             if reply.error:  # the worker's error names its rank and the step (worker/step_loop.py)
                 self._fail(reply.error)
             self._early[rank].append(reply)
         self._in_flight.popleft()
+        self._last_done = time.monotonic()
+        self.deadline.observe(self._last_done - started, num_tokens)
         replies = [early.popleft() for early in self._early]
         for rank, reply in enumerate(replies):
             if reply.step_id != step_id:

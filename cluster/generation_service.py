@@ -99,7 +99,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.controller.note_rejected()
             await context.abort(*status_of(e))
         try:
-            live = await self.controller.add_request(prompt, params, req_id)
+            live = await self.controller.add_request(prompt, params, req_id, resumed=list(request.resume_token_ids))
         except (ValueError, ServerUnavailable, ServerOverloaded) as e:  # counted as rejected by the controller
             await context.abort(*status_of(e))
         finished = False

@@ -13,6 +13,11 @@ state, its health and its load.
 `shardserve serve` it places the group's placement group and worker actors itself (shardserve/ray_cluster.py:
 RayGroupFactory), so starting again means a fresh group; the engine's shutdown takes the group down with it.
 
+A lost group (a rank died, hung past the step deadline or failed a step) is replaced when restart_tries > 0: the
+replica turns RECOVERING (on_state tells the controller: health), the engine loop starts a fresh group through
+build_engine (only its executor is kept) with up to restart_tries tries and backoff, and the engine resumes every
+live request on it (cluster/engine_loop.py, Engine.restart): streams see a pause. FAILED when every try failed.
+
 Threads: the controller's event loop calls every method here; the engine thread calls on_step (a StepReport) and
 reports failures, both handed over to the event loop: on_step(replica, report) and on_failure(replica, error) run
 there.
@@ -28,7 +33,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from shardserve.cluster.engine import Engine, EngineStats
-from shardserve.cluster.engine_loop import EngineLoop, StepReport
+from shardserve.cluster.engine_loop import EngineLoop, RestartPolicy, StepReport
+from shardserve.cluster.executor import WorkerError
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
 
@@ -39,6 +45,7 @@ class ReplicaState(enum.Enum):
     STOPPED = "stopped"  # not started, or stopped
     STARTING = "starting"  # the group is being placed and loaded
     SERVING = "serving"
+    RECOVERING = "recovering"  # its group failed; a new one is starting, live requests wait for it
     FAILED = "failed"  # loading failed, a step failed or a rank stopped answering health checks
 
 
@@ -61,6 +68,9 @@ class Replica:
         on_step: Callable[[Replica, StepReport], None],
         on_failure: Callable[[Replica, BaseException], None],
         health_check_interval_s: float = 5.0,
+        restart_tries: int = 3,  # new groups tried after a failure (0: a failure fails the replica)
+        restart_backoff_s: float = 1.0,
+        on_state: Callable[[Replica], None] = lambda replica: None,  # RECOVERING and back (on the event loop)
     ) -> None:
         self.id = replica_id
         self.engine_config = engine_config
@@ -72,6 +82,10 @@ class Replica:
         self._on_step = on_step
         self._on_failure = on_failure
         self._health_interval_s = health_check_interval_s
+        self._restart_tries = restart_tries
+        self._restart_backoff_s = restart_backoff_s
+        self._on_state = on_state
+        self.num_restarts = 0  # groups replaced after a failure
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_loop: EngineLoop | None = None
         self._watch_task: asyncio.Task | None = None
@@ -103,11 +117,36 @@ class Replica:
             return
         self.engine = engine
         self.load.num_kv_blocks = self.load.num_free_blocks = engine.block_manager.num_blocks
-        self._engine_loop = EngineLoop(engine, self._step_threadsafe, self._failure_threadsafe)
+        self._engine_loop = EngineLoop(engine, self._step_threadsafe, self._failure_threadsafe, self._restart_policy())
         self._engine_loop.start()
         self.state = ReplicaState.SERVING
         if hasattr(engine.executor, "health"):
-            self._watch_task = asyncio.create_task(self._watch_workers(engine.executor))
+            self._watch_task = asyncio.create_task(self._watch_workers())
+
+    def _restart_policy(self) -> RestartPolicy | None:
+        if self._restart_tries < 1:
+            return None
+        build, config, loop = self._build, self.engine_config, self._loop
+        return RestartPolicy(
+            make_executor=lambda: build(config).executor,  # a fresh group; the rest of that Engine is dropped
+            max_tries=self._restart_tries,
+            backoff_s=self._restart_backoff_s,
+            on_group_lost=lambda error: loop.call_soon_threadsafe(self._group_lost, error),
+            on_group_back=lambda: loop.call_soon_threadsafe(self._group_back),
+        )
+
+    def _group_lost(self, error: BaseException) -> None:
+        if self.state is ReplicaState.SERVING:
+            log.error("replica %s: its TP group failed, starting a new one: %s", self.id, error)
+            self.state, self.error = ReplicaState.RECOVERING, error
+            self.num_restarts += 1
+            self._on_state(self)
+
+    def _group_back(self) -> None:
+        if self.state is ReplicaState.RECOVERING:
+            log.warning("replica %s: a new TP group serves", self.id)
+            self.state = ReplicaState.SERVING
+            self._on_state(self)
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stops the engine loop after its current step, then shuts the engine (its workers) down. Idempotent."""
@@ -123,7 +162,7 @@ class Replica:
 
     def fail(self, error: BaseException) -> None:
         """Marks the replica FAILED (it gets nothing new) and tells the controller; the engine stays until stop()."""
-        if self.state is not ReplicaState.SERVING:
+        if self.state not in (ReplicaState.SERVING, ReplicaState.RECOVERING):
             return
         self.state, self.error = ReplicaState.FAILED, error
         self._on_failure(self, error)
@@ -137,11 +176,13 @@ class Replica:
             return future
         return self._engine_loop.submit(fn)
 
-    async def admit(self, req_id: str, token_ids: list[int], params: SamplingParams, text: str | None = None) -> None:
+    async def admit(self, req_id: str, token_ids: list[int], params: SamplingParams, text: str | None = None,
+                    resumed=()) -> None:
         """Engine.add_request on the engine thread (ValueError for a request that is malformed or can never fit).
-        The prompt is already tokenized: the router needs its token ids (cluster/router.py)."""
-        await asyncio.wrap_future(
-            self.submit(lambda engine: engine.add_request(req_id, token_ids, params, prompt=text)))
+        The prompt is already tokenized: the router needs its token ids (cluster/router.py). resumed: the tokens a
+        resuming client already has (Engine.add_request)."""
+        await asyncio.wrap_future(self.submit(
+            lambda engine: engine.add_request(req_id, token_ids, params, prompt=text, resumed=resumed)))
 
     def abort(self, req_id: str) -> Future:
         """Engine.abort on the engine thread: a Future of whether the request was live there."""
@@ -159,19 +200,24 @@ class Replica:
         return await asyncio.wrap_future(self.submit(lambda engine: engine.stats()))
 
     # ---- health ---------------------------------------------------------------------------------------------
-    async def _watch_workers(self, executor) -> None:
-        """Asks every rank for its health now and then (between two steps, on the engine thread); a rank that is
-        not READY or does not answer fails the replica, as a failed step would."""
-        while self.state is ReplicaState.SERVING:
+    async def _watch_workers(self) -> None:
+        """Asks every rank of the current group for its health now and then (between two steps, on the engine
+        thread); a rank that is not READY or does not answer fails the group, as a failed step would."""
+        engine_loop = self._engine_loop
+        while self.state in (ReplicaState.SERVING, ReplicaState.RECOVERING):
             await asyncio.sleep(self._health_interval_s)
             try:
-                ranks = await asyncio.wrap_future(self.submit(lambda engine: executor.health()))
+                ranks = await asyncio.wrap_future(
+                    self.submit(lambda engine: [] if engine_loop.recovering else engine.executor.health()))
             except Exception:
                 return  # the engine loop stopped or failed: that path reports it
             bad = [r for r in ranks if not r.ready]
-            if bad:
-                self.fail(RuntimeError("; ".join(f"rank {r.rank} is {r.state} {r.error}".strip() for r in bad)))
-                return
+            if bad and self.state is ReplicaState.SERVING:
+                error = WorkerError("; ".join(f"rank {r.rank} is {r.state} {r.error}".strip() for r in bad))
+                if self._restart_tries < 1:
+                    self.fail(error)
+                    return
+                engine_loop.group_lost(error)
 
     # ---- from the engine thread -----------------------------------------------------------------------------
     def _step_threadsafe(self, report: StepReport) -> None:

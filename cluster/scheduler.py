@@ -20,6 +20,12 @@ registers blocks in the prefix cache only once the plan that computed them has r
   them; that is safe because every executor runs plans in submission order (one stream per rank), so the later
   plan's writes land last, and a block enters the prefix cache only after the plan that filled it was applied.
   The request's token from that plan still lands (it waits at the queue head until then, see `schedule`).
+
+Lost workers (`restart`): when the TP group fails, its KV cache and every plan in flight are gone. Every live
+request goes back to waiting as a preempted one does, with only the tokens whose values the controller has
+(prompt + generated so far; a token sampled by a plan whose result never came is dropped, and sampled again by the
+new group: the sampler's draw depends only on (seed, token index), so it is the same token). The new group has
+a new, empty cache and its step ids start at 1 again.
 """
 
 from __future__ import annotations
@@ -85,6 +91,28 @@ class Scheduler:
     def num_plans_in_flight(self) -> int:
         """Plans made whose results update() has not applied yet."""
         return len(self._in_flight)
+
+    def restart(self, block_manager: BlockManager) -> None:
+        """The workers were replaced (their cache and the plans in flight are lost): every live request waits
+        again, in arrival order, to be sent in full to the new workers, whose cache `block_manager` describes."""
+        self.block_manager = block_manager
+        for seq in self.requests.values():
+            seq.block_ids = []  # the old cache is gone: nothing to free
+            seq.num_registered_blocks = 0
+            seq.num_computed_tokens = 0
+            seq.num_pending_tokens = 0  # sampled by a plan whose result never came: dropped, sampled again
+            seq.known_to_workers = False
+            seq.last_step_id = 0
+            seq.epoch += 1
+            if seq.status is RequestStatus.RUNNING:
+                seq.status = RequestStatus.PREEMPTED
+        self.waiting = deque(sorted(self.requests.values(), key=lambda s: s.arrival))
+        self.running = []
+        self.step_id = 0
+        self.last_applied_step_id = 0
+        self._in_flight.clear()
+        self._free_after.clear()  # finished requests' blocks: in the old cache
+        self._finished_ids, self._preempted_ids = [], []
 
     # ---- planning ------------------------------------------------------------------------------------------
     def _preempt(self, seq: Request) -> None:

@@ -16,65 +16,41 @@ torch).
 A server started with --auth-token-file wants `token=...`; one with TLS wants `tls_root_cert=` (the CA that signed
 its certificate; `tls=True` alone trusts the system's roots), and with mutual TLS also `tls_client_cert=` and
 `tls_client_key=` (PEM file paths or bytes).
+
+Resuming (`resume=True`, the default for greedy requests and for requests with a seed): when an admitted stream
+breaks with UNAVAILABLE (the server lost the request: a failed worker group that could not come back, a restarted
+controller or server, a drain's cut-off), the stream sends the request again with the tokens it has received
+(`resume_token_ids`), retrying for up to `resume_timeout_s`, and goes on where it stopped: the caller sees a pause,
+and the tokens are those of an unbroken request (the server draws each token from the seed and its index). Not
+resumed: unseeded sampled requests (a new seed would change the rest), a request refused before it was admitted
+(a server starting or draining answers UNAVAILABLE at once), any other status.
 """
 
 from __future__ import annotations
-
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardserve.client_connection import Connection
+from shardserve.client_stream import (  # noqa: F401 (the result types are part of this module's API)
+    AsyncStream,
+    GenerationResult,
+    Stream,
+    StreamDelta,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    _reopener,
+    _resumable,
+)
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
 
 # The sampling keywords: GenerateRequest's fields but the request id and the prompt (whose values the server checks).
 _REQUEST = pb.GenerateRequest.DESCRIPTOR
 _SAMPLING = {fd.name: fd for fd in _REQUEST.fields
-             if fd.name != "request_id" and fd.containing_oneof is not _REQUEST.oneofs_by_name["prompt"]}
-_FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
-
-
-@dataclass
-class TopLogprob:
-    token_id: int
-    logprob: float
-    text: str
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    text: str
-    top: list[TopLogprob] = field(default_factory=list)  # best first
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-
-
-@dataclass
-class StreamDelta:
-    text: str  # may be "" while a multi-byte character is incomplete
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class GenerationResult:
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None  # "stop", "length" or "abort"
-    usage: Usage
-    logprobs: list[TokenLogprob] | None
-    replica: str  # the engine replica that served it
-    stop_reason: str | None = None  # with "stop": the stop string or user stop token id that matched (None: EOS)
+             if fd.name not in ("request_id", "resume_token_ids")
+             and fd.containing_oneof is not _REQUEST.oneofs_by_name["prompt"]}
 
 
 def build_request(prompt, request_id: str | None, sampling: dict) -> pb.GenerateRequest:
@@ -105,115 +81,6 @@ def build_request(prompt, request_id: str | None, sampling: dict) -> pb.Generate
     return msg
 
 
-def _logprobs(delta: pb.GenerateResponse.Delta) -> list[TokenLogprob]:
-    return [
-        TokenLogprob(lp.token_id, lp.logprob, lp.text, [TopLogprob(t.token_id, t.logprob, t.text) for t in lp.top_logprobs])
-        for lp in delta.logprobs
-    ]
-
-
-class _Collector:
-    """Folds a Generate stream's messages into deltas and, at the end, a GenerationResult."""
-
-    def __init__(self) -> None:
-        self.request_id = ""
-        self.prompt_tokens = 0
-        self.text: list[str] = []
-        self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = None
-        self.result: GenerationResult | None = None
-
-    def feed(self, msg: pb.GenerateResponse) -> StreamDelta | None:
-        kind = msg.WhichOneof("kind")
-        if kind == "started":
-            self.request_id, self.prompt_tokens = msg.started.request_id, msg.started.prompt_token_count
-        elif kind == "delta":
-            lps = _logprobs(msg.delta) if msg.delta.logprobs else None
-            if lps is not None:
-                self.logprobs = (self.logprobs or []) + lps
-            self.text.append(msg.delta.text)
-            self.token_ids += msg.delta.token_ids
-            return StreamDelta(msg.delta.text, list(msg.delta.token_ids), lps)
-        elif kind == "finished":
-            f = msg.finished
-            self.result = GenerationResult(
-                request_id=self.request_id,
-                text="".join(self.text),
-                token_ids=self.token_ids,
-                finish_reason=_FINISH.get(f.finish_reason),
-                usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens),
-                logprobs=self.logprobs,
-                replica=f.replica,
-                stop_reason=f.stop_reason or None,
-            )
-        return None
-
-
-class _StreamState:
-    """What a blocking and an async stream share: the call and what its messages have told so far."""
-
-    def __init__(self, call) -> None:
-        self._call = call
-        self._collector = _Collector()
-
-    @property
-    def request_id(self) -> str:
-        return self._collector.request_id
-
-    @property
-    def result(self) -> GenerationResult | None:
-        return self._collector.result
-
-    def cancel(self) -> None:
-        """Ends the stream; the server aborts the request and frees its cache blocks."""
-        self._call.cancel()
-
-
-class Stream(_StreamState):
-    """Iterates a request's deltas. request_id is known after the first delta (or call .wait_started());
-    .result is set once the stream has finished."""
-
-    def __iter__(self) -> Iterator[StreamDelta]:
-        for msg in self._call:
-            delta = self._collector.feed(msg)
-            if delta is not None:
-                yield delta
-
-    def wait_started(self) -> str:
-        """Reads up to the Started message; returns the request id."""
-        while not self._collector.request_id:
-            self._collector.feed(next(self._call))
-        return self._collector.request_id
-
-
-class AsyncStream(_StreamState):
-    """Async-iterates a request's deltas; the same attributes as Stream. Leaving the loop early (break, an
-    exception, a cancelled task) cancels the call, and the server aborts the request."""
-
-    async def __aiter__(self) -> AsyncIterator[StreamDelta]:
-        try:
-            while (msg := await self._call.read()) is not grpc.aio.EOF:  # read(), as wait_started uses it
-                delta = self._collector.feed(msg)
-                if delta is not None:
-                    yield delta
-        finally:
-            self._call.cancel()  # a no-op once the stream has finished
-
-    async def wait_started(self) -> str:
-        while not self._collector.request_id:
-            self._collector.feed(await self._call.read())
-        return self._collector.request_id
-
-    async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
-        """The stream's GenerateResponse messages as they arrive (Started, Deltas, Finished), for a caller that
-        encodes them itself (the HTTP gateway): the deltas and .result are then left to it."""
-        try:
-            while (msg := await self._call.read()) is not grpc.aio.EOF:
-                yield msg
-        finally:
-            self._call.cancel()
-
-
 class Client:
     def __init__(self, address: str = "127.0.0.1:50051", timeout: float | None = None, *, token: str | None = None,
                  tls: bool = False, tls_root_cert: str | bytes | None = None,
@@ -230,11 +97,15 @@ class Client:
         return self.timeout if timeout is None else timeout
 
     def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,
-               **sampling) -> Stream:
+               resume: bool | None = None, resume_timeout_s: float = 120.0, **sampling) -> Stream:
         """metadata (every call takes it): gRPC call metadata, (key, value) pairs, e.g. (("authorization", "Bearer
-        ..."),)."""
-        return Stream(self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout),
-                                          metadata=metadata))
+        ..."),). resume: send the request again with the tokens received when the stream breaks with UNAVAILABLE
+        (default: for greedy and seeded requests; see the module docstring)."""
+        request = build_request(prompt, request_id, sampling)
+        t = self._t(timeout)
+        return Stream(self._stub.Generate(request, timeout=t, metadata=metadata),
+                      _reopener(self._stub, request, t, metadata) if _resumable(sampling, resume) else None,
+                      resume_timeout_s)
 
     def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,
                  **sampling) -> GenerationResult:
@@ -303,10 +174,14 @@ class AsyncClient:
         return self.timeout if timeout is None else timeout
 
     def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,
-               **sampling) -> AsyncStream:
-        """`async for delta in client.stream(...)`; the AsyncStream's .result is set at the end."""
-        return AsyncStream(self._stub.Generate(build_request(prompt, request_id, sampling), timeout=self._t(timeout),
-                                               metadata=metadata))
+               resume: bool | None = None, resume_timeout_s: float = 120.0, **sampling) -> AsyncStream:
+        """`async for delta in client.stream(...)`; the AsyncStream's .result is set at the end. metadata, resume:
+        as Client.stream."""
+        request = build_request(prompt, request_id, sampling)
+        t = self._t(timeout)
+        return AsyncStream(self._stub.Generate(request, timeout=t, metadata=metadata),
+                           _reopener(self._stub, request, t, metadata) if _resumable(sampling, resume) else None,
+                           resume_timeout_s)
 
     async def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,
                        **sampling) -> GenerationResult:

@@ -42,6 +42,10 @@ def add_cluster_parsers(sub) -> None:
     serve.add_argument("--http-port", type=int, default=None,
                        help="also serve the OpenAI-compatible HTTP gateway on this port (0 = any free port)")
     serve.add_argument("--http-host", default=None, help="the gateway's bind address (default: --host)")
+    serve.add_argument("--step-timeout-floor", type=float, default=10.0,
+                       help="seconds a step may always take before its TP group counts as hung and is restarted")
+    serve.add_argument("--step-timeout-factor", type=float, default=10.0,
+                       help="beyond the floor, a step may take this many times the recent 99th-percentile step time")
     serve.add_argument("--http-workers", type=int, default=1,
                        help="gateway processes on the HTTP port: a thread of this one, plus N-1 (`gateway --workers`)")
     api = serve.add_argument_group("client API security (docs/security.md)")
@@ -128,6 +132,7 @@ def _check_port_free(host: str, port: int | None, flag: str) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from shardserve.cluster.step_deadline import StepDeadline
     from shardserve.config import build_engine_config
     from shardserve.ray_cluster import serve
 
@@ -152,7 +157,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  drain_timeout_s=args.drain_timeout,
                  strategy=strategy, model_name=args.served_model_name,
                  max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host,
-                 http_workers=args.http_workers, security=security)
+                 http_workers=args.http_workers, security=security,
+                 step_deadline=StepDeadline(floor_s=args.step_timeout_floor, factor=args.step_timeout_factor))
 
 
 def cmd_client(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardserve.cluster.executor import GrpcExecutor
+from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.config import model_facts
 from shardserve.proto.config import EngineConfig
 
@@ -43,9 +44,9 @@ class GrpcExecutorFactory:
 class GroupExecutor(GrpcExecutor):
     """A GrpcExecutor over a Ray worker group it owns: its shutdown also stops the group."""
 
-    def __init__(self, config: EngineConfig, group) -> None:
+    def __init__(self, config: EngineConfig, group, deadline: StepDeadline | None = None) -> None:
         self.group = group  # shardserve.launcher.WorkerGroup
-        super().__init__(config, group.endpoints, group.init_method, secret=group.secret)
+        super().__init__(config, group.endpoints, group.init_method, secret=group.secret, deadline=deadline)
 
     @property
     def node_ids(self) -> list[str]:
@@ -69,6 +70,7 @@ class RayGroupFactory:
     name: str
     worker_host: str = "127.0.0.1"
     strategy: str = "STRICT_PACK"
+    step_deadline: StepDeadline | None = None  # the settings; each group measures its own step times
 
     def __call__(self, config: EngineConfig):
         from shardserve.engine_factory import build_engine
@@ -77,7 +79,8 @@ class RayGroupFactory:
         group = launch_worker_group(config, self.worker_host, self.strategy,
                                     name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}")
         try:
-            return build_engine(config, lambda c: GroupExecutor(c, group))
+            deadline = self.step_deadline.fresh() if self.step_deadline is not None else None
+            return build_engine(config, lambda c: GroupExecutor(c, group, deadline))
         except BaseException:
             group.shutdown()
             raise
@@ -145,6 +148,7 @@ def start_cluster(
     replicas: int | str = 1,
     routing: str = "cache-aware",
     security=None,
+    step_deadline: StepDeadline | None = None,
 ) -> RunningCluster:
     """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
     shardserve.launcher.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
@@ -163,7 +167,7 @@ def start_cluster(
         controller_config = ControllerConfig(
             engine=config,
             model=served,
-            build_engine=RayGroupFactory(name, worker_host, strategy),
+            build_engine=RayGroupFactory(name, worker_host, strategy, step_deadline),
             host=host,
             port=port,
             metrics_port=metrics_port,
@@ -213,6 +217,9 @@ def auto_replicas(config: EngineConfig) -> int:
     return max(1, sum(1 for node in ray.nodes() if node["Alive"]))
 
 
+CONTROLLER_RESTARTS = 3  # times `serve` starts a failed or dead controller (and its groups) again, then exits 1
+
+
 class _Interrupted(BaseException):
     """SIGTERM or SIGINT before the server was ready (a BaseException, so that cleanup handlers see it)."""
 
@@ -221,6 +228,8 @@ def resolve_ray_address(address: str | None) -> str:
     """None: join the cluster this node belongs to when there is one (RAY_ADDRESS or `ray start`), else local."""
     if address:
         return address
+    if os.environ.get("RAY_ADDRESS") == "local":
+        return "local"
     if os.environ.get("RAY_ADDRESS") or os.path.exists("/tmp/ray/ray_current_cluster"):
         return "auto"
     return "local"
@@ -230,9 +239,11 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
           http_host: str | None = None, http_workers: int = 1, replicas: int | str = 1,
-          routing: str = "cache-aware", security=None) -> int:
-    """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails (exits 1). http_port: also
-    the HTTP gateway (shardserve/gateway.py), started once the server is ready, stopped after the drain."""
+          routing: str = "cache-aware", security=None, step_deadline: StepDeadline | None = None) -> int:
+    """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails for good (exits 1): a controller
+    actor that died, or whose groups could not be restarted, is started again (with fresh groups) on the same
+    address, up to CONTROLLER_RESTARTS times. http_port: also the HTTP gateway (shardserve/gateway.py), started
+    once the server is ready, stopped after the drain."""
     import ray
 
     from shardserve.launcher import ensure_ray
@@ -241,6 +252,12 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
     if address == "local" and (host.startswith("127.") or host == "localhost"):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a loopback server: Ray on loopback too
     started_ray = not ray.is_initialized()
+    ray_host = None
+    if address == "local" and started_ray:  # Ray in a session of its own: a signal to our group leaves it up
+        from shardserve.local_ray import LocalRay
+
+        ray_host = LocalRay.start(num_cpus=max(8, os.cpu_count() or 1))
+        address = ray_host.address
     ensure_ray(address)
     stop = threading.Event()
     received: list[int] = []
@@ -260,7 +277,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         start = time.perf_counter()
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
                                 strategy=strategy, model_name=model_name, max_live_requests=max_live_requests,
-                                replicas=replicas, routing=routing, security=security)
+                                replicas=replicas, routing=routing, security=security,
+                                step_deadline=step_deadline)
         for s in previous:
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
@@ -273,15 +291,35 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
 
             gateway = GatewayThread(cluster.address, http_host or host, http_port, workers=http_workers)
             print(f"shardserve gateway ready: http://{gateway.address}/v1", flush=True)
+        restarts = 0
         while not stop.wait(1.0):
             try:
                 status = cluster.status()
-            except Exception as e:  # the controller actor died
+            except ray.exceptions.GetTimeoutError:
+                continue  # busy, not dead: asked again in a second
+            except Exception as e:  # the controller actor died (its worker groups died with it)
                 status = {"state": "failed", "error": repr(e)}
-            if status["state"] == "failed":
+            if status["state"] != "failed":
+                continue
+            if restarts == CONTROLLER_RESTARTS or stop.is_set():
                 print(f"shardserve: the engine failed: {status['error']}", file=sys.stderr, flush=True)
                 code = 1
                 break
+            restarts += 1  # a fresh controller and groups on the same address; resuming clients go on there
+            print(f"shardserve: the engine failed ({status['error']}): starting it again "
+                  f"({restarts}/{CONTROLLER_RESTARTS})", file=sys.stderr, flush=True)
+            cluster.shutdown(drain_timeout_s=0.0)
+            bound_port = int(cluster.address.rsplit(":", 1)[1])
+            try:
+                cluster = start_cluster(config, host=host, port=bound_port, worker_host=worker_host,
+                                        metrics_port=metrics_port, strategy=strategy, model_name=model_name,
+                                        max_live_requests=max_live_requests, replicas=replicas, routing=routing,
+                                        security=security, step_deadline=step_deadline)
+            except Exception as e:
+                print(f"shardserve: starting the engine again failed: {e!r}", file=sys.stderr, flush=True)
+                code = 1
+                break
+            print(f"shardserve ready again: serving on {cluster.address}", flush=True)
         if received:
             print(f"shardserve: {signal.Signals(received[0]).name}: draining (up to {drain_timeout_s:g} s)",
                   file=sys.stderr, flush=True)
@@ -297,6 +335,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
             gateway.stop()
         if started_ray:
             ray.shutdown()
+        if ray_host is not None:
+            ray_host.stop()
         for s, handler in previous.items():
             signal.signal(s, handler)
     return code

@@ -8,12 +8,16 @@ next = (last * 7 + 3) % vocab, and stores per slot which (token, position) its K
 - computing a position whose earlier positions' KV is missing or wrong (bad prefix hit, freed block reused
   while still needed, a block table that lost an appended block);
 - positions beyond the request's known tokens.
+
+fail_at_step makes it fail on demand, as a lost TP group does: that plan and every later call raise WorkerError
+(after the plan ran, when fail_after_running: its tokens were sampled but never reported).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shardserve.cluster.executor import WorkerError
 from shardserve.proto.plan import NewRequest, StepPlan, StepResult, TokenLogprobs
 
 
@@ -60,8 +64,21 @@ class FakeExecutor:
     dropped_preempted: list[str] = field(default_factory=list)
     shut_down: bool = False
     script: dict[str, list[int]] = field(default_factory=dict)  # req id -> the tokens it "samples", in order
+    fail_at_step: int | None = None  # this step and every later call raise WorkerError
+    fail_after_running: bool = False  # the failing step runs first (its sampled tokens are lost with the group)
+    failed: bool = False
 
     def execute(self, plan: StepPlan) -> StepResult:
+        if self.failed:
+            raise WorkerError("the fake TP group failed earlier")
+        if plan.step_id == self.fail_at_step:
+            if self.fail_after_running:
+                self._execute(plan)
+            self.failed = True
+            raise WorkerError(f"the fake TP group failed in step {plan.step_id}")
+        return self._execute(plan)
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         expected_step = self.plans[-1].step_id + 1 if self.plans else 1
         assert plan.step_id == expected_step, f"step id {plan.step_id}, expected {expected_step}"
         self.plans.append(plan)

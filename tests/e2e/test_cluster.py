@@ -14,6 +14,7 @@ import grpc
 import pytest
 
 from shardserve.client import AsyncClient, Client
+from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.config import build_engine_config
 
 NUM_TOKENS = 16
@@ -226,8 +227,10 @@ def _controller_over_one_worker(engine_config, executor_options: dict, **control
 
 
 def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(tiny_llama_dir, e2e_config):
-    """A real worker server that dies under a live request (no Ray needed: the controller in a thread)."""
-    worker, served = _controller_over_one_worker(e2e_config(tiny_llama_dir), {"step_timeout_s": 60})
+    """A real worker server that dies under a live request (no Ray needed: the controller in a thread), with group
+    restarts off (restart_tries=0; test_faults_local.py has them on)."""
+    worker, served = _controller_over_one_worker(e2e_config(tiny_llama_dir), {"deadline": StepDeadline(floor_s=60.0)},
+                                                 restart_tries=0)
     try:
         assert served.call(served.controller.wait_ready(120))
         with Client(served.address, timeout=60) as client:
@@ -248,7 +251,7 @@ def test_a_worker_failure_ends_live_streams_with_unavailable_and_flips_health(ti
 
 def test_an_idle_server_notices_a_dead_worker_and_stops_serving(tiny_llama_dir, e2e_config):
     worker, served = _controller_over_one_worker(
-        e2e_config(tiny_llama_dir), {"rpc_timeout_s": 2}, health_check_interval_s=0.2
+        e2e_config(tiny_llama_dir), {"rpc_timeout_s": 2}, health_check_interval_s=0.2, restart_tries=0
     )
     try:
         assert served.call(served.controller.wait_ready(120))
@@ -277,7 +280,8 @@ def test_shutdown_drains_cuts_off_long_requests_and_leaves_nothing_behind(cluste
 
     def long_request():
         with Client(cluster.address, timeout=120) as client:
-            stream = client.stream("Write a long essay about", temperature=0, max_tokens=200, ignore_eos=True)
+            stream = client.stream("Write a long essay about", temperature=0, max_tokens=200, ignore_eos=True,
+                                   resume=False)  # the drain's UNAVAILABLE itself, not a resumed stream
             try:
                 for delta in stream:
                     started.set()

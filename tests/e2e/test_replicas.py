@@ -37,10 +37,11 @@ def served(tiny_llama_dir, e2e_config):
     lock = threading.Lock()
 
     def build(config):
-        worker, endpoint = serve_worker("127.0.0.1", 0)
+        worker, endpoint = serve_worker("127.0.0.1", 0, secret="test-secret")
         with lock:
             workers[endpoint] = worker
-        return Engine(config, GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", rpc_timeout_s=2),
+        return Engine(config, GrpcExecutor(config, [endpoint], "tcp://127.0.0.1:0", rpc_timeout_s=2,
+                                            secret="test-secret"),
                       vocab_size=VOCAB)
 
     thread = ControllerThread(ControllerConfig(

@@ -10,6 +10,7 @@ import pytest
 from shardserve.cluster.engine import Engine
 from shardserve.cluster.executor import GrpcExecutor, WorkerError
 from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.launcher import launch_worker_group
 from shardserve.proto import worker_pb2 as pb
 from shardserve.proto import worker_pb2_grpc as pb_grpc
@@ -42,7 +43,8 @@ def tp2(ray_session, tiny_llama_dir, e2e_config):
     config = e2e_config(tiny_llama_dir, tensor_parallel_size=2)
     group = launch_worker_group(config, name_prefix="test-workers-tp2")
     try:
-        executor = GrpcExecutor(config, group.endpoints, group.init_method, step_timeout_s=60.0, secret=group.secret)
+        executor = GrpcExecutor(config, group.endpoints, group.init_method, deadline=StepDeadline(floor_s=60.0),
+                                secret=group.secret)
     except BaseException:
         group.shutdown()
         raise
@@ -91,7 +93,7 @@ def test_stale_or_out_of_order_step_is_refused_and_not_applied(tp2):
 def local_worker(tiny_llama_dir, e2e_config):
     """A TP=1 Worker server in this process (no Ray) and its GrpcExecutor: for the executor's error paths."""
     server, address = serve_worker("127.0.0.1", 0, secret="test-secret")
-    executor = GrpcExecutor(e2e_config(tiny_llama_dir), [address], "tcp://127.0.0.1:0", step_timeout_s=60.0,
+    executor = GrpcExecutor(e2e_config(tiny_llama_dir), [address], "tcp://127.0.0.1:0", deadline=StepDeadline(floor_s=60.0),
                             secret="test-secret")
     yield executor
     executor.shutdown()

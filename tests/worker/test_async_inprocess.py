@@ -12,6 +12,7 @@ import pytest
 
 from shardserve.cluster.engine import Engine
 from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.llm import create_executor
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan
@@ -158,7 +159,7 @@ def test_overlapped_engine_over_grpc_equals_one_step_at_a_time(model_dir):
     server, address = serve_worker("127.0.0.1", 0, secret="test-secret")
     try:
         cfg = config(model_dir, True)
-        outputs, engine = run_engine(cfg, GrpcExecutor(cfg, [address], "tcp://127.0.0.1:0", step_timeout_s=60.0,
+        outputs, engine = run_engine(cfg, GrpcExecutor(cfg, [address], "tcp://127.0.0.1:0", deadline=StepDeadline(floor_s=60.0),
                                                  secret="test-secret"))
     finally:
         server.stop(grace=None)

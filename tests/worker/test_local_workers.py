@@ -3,9 +3,13 @@ dies surfaces as WorkerError (never a hang) and every rank is ended."""
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
 from shardserve.cluster.executor import GrpcExecutor, WorkerError
+from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.llm import create_executor
 from shardserve.proto.plan import SamplingSpec, StepPlan
 from shardserve.worker.inprocess import InProcessExecutor
@@ -49,12 +53,12 @@ def test_tp2_matches_tp1_greedy_and_seeded(model_dir, tp2):
     assert tp2.num_kv_blocks == 64
 
 
-def _local_tp2(model_dir):
+def _local_tp2(model_dir, **executor_options):
     """create_executor's wiring, with the processes' handle kept for the test."""
     config = engine_config(model_dir, tensor_parallel_size=2)
     workers = start_local_workers(config)
     return GrpcExecutor(config, workers.endpoints, workers.init_method, stop_workers=workers.stop,
-                        secret=workers.secret), workers
+                        secret=workers.secret, **executor_options), workers
 
 
 def test_a_rank_error_in_a_step_surfaces_with_its_traceback(model_dir):
@@ -76,3 +80,22 @@ def test_a_rank_that_dies_surfaces_as_worker_error_and_every_rank_is_ended(model
     assert not any(proc.is_alive() for proc in workers.processes)
     executor.shutdown()
 
+
+
+def test_a_stopped_rank_raises_worker_error_at_the_step_deadline_and_every_rank_is_ended(model_dir):
+    """SIGSTOP: no error and no closed stream, only silence; the step deadline (from measured step times, here a
+    1 s floor) turns it into WorkerError instead of a wait for torch's or gRPC's timeouts."""
+    executor, workers = _local_tp2(model_dir, deadline=StepDeadline(floor_s=1.0, initial_s=1.0))
+    stopped = workers.processes[1].pid
+    try:
+        assert executor.execute(StepPlan(1)).step_id == 1
+        os.kill(stopped, signal.SIGSTOP)
+        with pytest.raises(WorkerError, match=r"ranks \[(0, )?1\] did not answer within 1.0 s"):
+            executor.execute(StepPlan(2))
+        for proc in workers.processes:  # the executor stopped its workers: a stopped one is killed
+            proc.join(timeout=30)
+        assert not any(proc.is_alive() for proc in workers.processes)
+    finally:
+        if workers.processes[1].is_alive():
+            os.kill(stopped, signal.SIGCONT)
+        executor.shutdown()

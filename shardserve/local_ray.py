@@ -1,0 +1,127 @@
+"""The local Ray of `shardserve serve`, in a session of its own, so that a signal to serve's process group leaves
+it running until serve has drained.
+
+`ray.init()` called by serve would start Ray's processes (GCS, raylet, the worker processes that host the
+controller and worker actors) as serve's children, in serve's process group. A signal to the whole group (systemd's
+default KillMode, `kill -- -PGID`, Ctrl-C in a terminal) would then kill the controller and the workers at the same
+moment as it asks serve to drain: nothing would be left to drain and serve would wait for a GCS that is gone.
+
+So serve starts a small host process in a new session (its own process group): it runs `ray.init()` there, prints
+the GCS address and keeps Ray until its stdin closes (serve closed it, or serve died) or it is sent SIGTERM, then
+shuts Ray down. serve connects to that address like to any cluster. `LocalRay.stop` closes the pipe, waits for the
+host, then ends whatever is left in the host's session (only processes the host started are in it).
+
+    ray_host = LocalRay.start(num_cpus=8)     # then ray.init(address=ray_host.address)
+    ...
+    ray.shutdown(); ray_host.stop()
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+
+@dataclass
+class LocalRay:
+    address: str  # the GCS address, "127.0.0.1:port"
+    process: subprocess.Popen  # the host: leader of its own session and process group
+
+    @classmethod
+    def start(cls, num_cpus: int, timeout_s: float = 120.0) -> LocalRay:
+        """Starts the host and waits for its GCS address; raises RuntimeError when it fails or is too slow."""
+        os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only, for the host and for this process
+        env = dict(os.environ)
+        env.pop("RAY_ADDRESS", None)  # the host starts a new Ray; it must not look for another
+        proc = subprocess.Popen([sys.executable, "-m", "shardserve.local_ray", str(num_cpus)], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
+        host = cls("", proc)
+        deadline = time.monotonic() + timeout_s
+        line = ""
+        while not line.endswith("\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or proc.poll() is not None:
+                host.stop(timeout_s=5.0)
+                raise RuntimeError(f"the local Ray did not start within {timeout_s:g} s (exit code {proc.returncode})")
+            if select.select([proc.stdout], [], [], min(left, 0.5))[0]:
+                line += proc.stdout.readline() or ""
+        host.address, _, auth_mode = line.strip().partition(" ")
+        if auth_mode and os.environ.get("RAY_AUTH_MODE") != auth_mode:
+            _use_auth_mode(auth_mode)
+        return host
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """Asks the host to shut Ray down (closes its stdin), waits up to timeout_s for it, then ends what is left
+        of its process group (SIGTERM, then SIGKILL, 5 s each)."""
+        if self.process.stdin is not None and not self.process.stdin.closed:
+            self.process.stdin.close()
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        sid = self.process.pid  # the host's session: every process it started (Ray's workers have groups of their own)
+        for sig in (signal.SIGTERM, signal.SIGKILL):  # whatever the host's shutdown left
+            left = session_members(sid)
+            for pid in left:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+            until = time.monotonic() + 5.0
+            while left and (left := session_members(sid)) and time.monotonic() < until:
+                time.sleep(0.05)
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(5.0)
+
+
+def _use_auth_mode(mode: str) -> None:
+    """This process connects next with the host's authentication mode (the token itself is read from ~/.ray, where
+    the host's ray.init put it); Ray reads the mode into its config once, so the config is read again."""
+    os.environ["RAY_AUTH_MODE"] = mode
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
+def session_members(sid: int) -> list[int]:
+    """Live (not zombie) processes of session sid, from /proc."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
+        if int(fields[3]) == sid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+def _host(num_cpus: int) -> None:
+    """The host process: Ray up, its address out, then wait for stdin's end (or SIGTERM) and shut Ray down."""
+    import ray
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # only serve decides when Ray goes
+    # "local": a new Ray, never one found through /tmp/ray/ray_current_cluster (someone's `ray start`)
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning",
+             log_to_driver=False)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # after ray.init, which sets its own
+    try:
+        # Ray's token authentication (on by default for a new local Ray): the one connecting must turn it on too
+        print(ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE", ""), flush=True)
+        sys.stdin.read()
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    _host(int(sys.argv[1]))
