@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, dot_precision
+from shardserve.kernels.kv_fp8 import dequantize_fp8
+
+from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
 
 
 # The block table's row stride is the step's widest table: left unspecialised, or each new value that is (not) a
@@ -23,20 +25,22 @@ from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inpu
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cp, stride_ch, stride_bt,
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr,
 ):
     """Grid (num_seqs * num_kv_heads, NUM_SPLITS). Program (s * num_kv_heads + h, j) attends the query heads
     h*GROUP .. h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles).
     A sequence's KV heads are launched next to each other, so they read the same cache blocks (each head is a
     256-byte slice of every token's row) at about the same time. (Measured on an H200 against the order
-    (sequence, head) as separate grid axes: the same within noise; kept as the one order.)"""
+    (sequence, head) as separate grid axes: the same within noise; kept as the one order.)
+    FP8: the cache holds float8 e4m3; the program's KV head's K scale folds into the softmax scale, its V scale
+    into the output."""
     seq = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
     split = tl.program_id(1)
@@ -57,6 +61,8 @@ def _decode_kernel(
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    if FP8:
+        scale_log2e = scale_log2e * tl.load(k_scale_ptr + kv_head)
     for tile_start in range(start, end, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         valid = pos < end
@@ -65,6 +71,9 @@ def _decode_kernel(
         kv_mask = valid[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:  # e4m3 -> bf16/fp32 is exact
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
         s = tl.where(valid[None, :], s, NEG_BIG)
         m_new = tl.maximum(m, tl.max(s, 1))
@@ -76,6 +85,8 @@ def _decode_kernel(
 
     has_keys = l > 0.0
     result = acc / tl.where(has_keys, l, 1.0)[:, None]
+    if FP8:
+        result = result * tl.load(v_scale_ptr + kv_head)
     out_mask = head_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -132,9 +143,12 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] float32: an FP8 cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
+    fp8 = check_scales(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
@@ -147,6 +161,7 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        k_scale if fp8 else q, v_scale if fp8 else q,  # unused without FP8
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -154,7 +169,7 @@ def paged_decode_attention(
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n or (64 if block_d <= 128 else 32), DOT_PRECISION=dot_precision(q.dtype),
-        NUM_KV_HEADS=num_kv_heads, num_warps=num_warps, num_stages=num_stages,
+        NUM_KV_HEADS=num_kv_heads, FP8=fp8, num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -166,9 +181,12 @@ def paged_decode_attention(
 
 def paged_decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch reference: per sequence, gather its context from the blocks and attend in float32."""
+    """The torch reference: per sequence, gather its context from the blocks and attend in float32 (an FP8 cache
+    dequantized with its scales first)."""
+    if k_scale is not None:
+        k_cache, v_cache = dequantize_fp8(k_cache, k_scale, torch.float32), dequantize_fp8(v_cache, v_scale, torch.float32)
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
