@@ -45,8 +45,11 @@ def prompt_ids(llm, num_prompts: int, seed: int = 0) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
     if tokenizer is not None:
         return [tokenizer.encode(p) for p in (PROMPTS * (1 + num_prompts // len(PROMPTS)))[:num_prompts]]
+    from shardserve.config import read_model_facts
+
+    high = min(read_model_facts(llm.config.model).vocab_size, 30000)
     rng = random.Random(seed)
-    return [[rng.randrange(100, 30000) for _ in range(rng.randint(16, 64))] for _ in range(num_prompts)]
+    return [[rng.randrange(high // 10, high) for _ in range(rng.randint(16, 64))] for _ in range(num_prompts)]
 
 
 @torch.inference_mode()
