@@ -4,7 +4,7 @@ device's measured copy rate.
 Per (cache dtype, batch, context): a random paged cache on the model's per-rank attention shape (TP=1), each
 sequence's blocks scattered over a cache twice the needed size (a random permutation: what preemption and prefix
 hits leave), one query token per sequence. Timed: the split-K decode kernel (its default launch settings and
-choose_num_splits, as the backend runs it) and the varlen prefill kernel on the same decodes (the path a mixed
+choose_num_splits, as the backend runs it; for FP8 each of its FP8_DECODE_VARIANTS) and the varlen prefill kernel on the same decodes (the path a mixed
 batch's decodes take). Bytes: the K and V the batch's contexts hold (every one is read once); the queries, outputs
 and block tables are under 1% of it and not counted. The copy rate counts read + written bytes, as the roofline does.
 """
@@ -57,7 +57,7 @@ def attention_rates(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s:
                     cache_dtypes: tuple[str, ...] = ("bfloat16", "fp8"), repeats: int = 20) -> list[dict]:
     from transformers import AutoConfig
 
-    from shardserve.kernels.paged_decode import choose_num_splits, paged_decode_attention
+    from shardserve.kernels.paged_decode import FP8_DECODE_VARIANTS, choose_num_splits, paged_decode_attention
     from shardserve.kernels.prefill import paged_prefill_attention
     from shardserve.models import resolve_model
 
@@ -70,9 +70,14 @@ def attention_rates(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s:
         for batch, context in shapes:
             c = _case(heads, kv_heads, dim, batch, context, cache_dtype, device)
             splits = choose_num_splits(batch, kv_heads, context)
+            variants = FP8_DECODE_VARIANTS if cache_dtype == "fp8" else ("widen",)
             kernels = {
-                "decode": lambda: paged_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"],
-                                                         dim**-0.5, splits, **c["scales"]),
+                "decode" + (f"[{v}]" if cache_dtype == "fp8" else ""): (
+                    lambda v=v: paged_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"],
+                                                       dim**-0.5, splits, **c["scales"], fp8_variant=v))
+                for v in variants
+            }
+            kernels |= {
                 "prefill_kernel_on_decodes": lambda: paged_prefill_attention(
                     c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"], c["tables"], dim**-0.5,
                     **c["scales"]),
@@ -81,9 +86,9 @@ def attention_rates(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s:
                 ms = _events_ms(fn, repeats)
                 rate = c["kv_bytes"] / (ms / 1e3)
                 rows.append(dict(kernel=kernel, kv_cache_dtype=cache_dtype, batch=batch, context=context,
-                                 splits=splits if kernel == "decode" else None, ms=ms, kv_bytes=c["kv_bytes"],
+                                 splits=splits if kernel.startswith("decode") else None, ms=ms, kv_bytes=c["kv_bytes"],
                                  bytes_per_s=rate, fraction_of_copy_rate=rate / copy_bytes_per_s))
-                print(f"attention {kernel:26s} {cache_dtype:8s} batch {batch:4d} x {context:5d}: {ms:.3f} ms, "
+                print(f"attention {kernel:28s} {cache_dtype:8s} batch {batch:4d} x {context:5d}: {ms:.3f} ms, "
                       f"{rate / 1e12:.2f} TB/s ({rate / copy_bytes_per_s:.0%} of copy)", flush=True)
             del c
     return rows

@@ -52,8 +52,9 @@ def _store_kv_kernel(
         if FP8:
             k_scale = tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
             v_scale = tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
-            k = _round_to_e4m3(tl.clamp(k.to(tl.float32) / k_scale[:, None], -FP8_LIMIT, FP8_LIMIT))
-            v = _round_to_e4m3(tl.clamp(v.to(tl.float32) / v_scale[:, None], -FP8_LIMIT, FP8_LIMIT))
+            # div_rn: IEEE division, as torch divides (Triton's "/" on float32 is an approximate division)
+            k = _round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
+            v = _round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
         # k_cache and v_cache share one shape and stride (asserted by the wrapper)
         dst = block * stride_cache_block + offset * stride_cache_pos + heads * stride_cache_head + dims
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

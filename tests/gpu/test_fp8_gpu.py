@@ -17,7 +17,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _paged_batch import make_batch  # noqa: E402
 
 from shardserve.kernels.kv_fp8 import FP8_DTYPE, quantize_fp8, scales_from_amax  # noqa: E402
-from shardserve.kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
+from shardserve.kernels.paged_decode import (  # noqa: E402
+    FP8_DECODE_VARIANTS, paged_decode_attention, paged_decode_attention_ref)
 from shardserve.kernels.prefill import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from shardserve.kernels.store_kv import store_kv  # noqa: E402
 from shardserve.kernels.torch_backend import store_kv as store_kv_ref  # noqa: E402
@@ -52,14 +53,15 @@ def test_store_kv_fp8_on_the_gpu_equals_the_torch_quantization():
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.parametrize("variant", FP8_DECODE_VARIANTS)
 @pytest.mark.parametrize("model", list(HEADS))
 @pytest.mark.parametrize("num_splits", [1, 8])
-def test_decode_fp8_batch_64_mixed_contexts(model, num_splits):
+def test_decode_fp8_batch_64_mixed_contexts(model, num_splits, variant):
     heads, kv_heads, dim = HEADS[model]
     seq_lens = [int(x) for x in torch.randint(1, 2048, (64,), generator=torch.Generator().manual_seed(0))]
     q, _, _, kc, vc, meta, ks, vs = fp8_batch([1] * 64, seq_lens, heads, kv_heads, dim)
     out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, dim**-0.5, num_splits,
-                                 k_scale=ks, v_scale=vs)
+                                 k_scale=ks, v_scale=vs, fp8_variant=variant)
     ref = paged_decode_attention_ref(q.float(), kc, vc, meta.block_tables, meta.seq_lens, dim**-0.5, ks, vs)
     torch.testing.assert_close(out.float(), ref, atol=0.5, rtol=2e-2)  # V up to ~100: atol scaled with it
 

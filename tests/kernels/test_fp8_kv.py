@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8, scales_from_amax
-from shardserve.kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
+from shardserve.kernels.paged_decode import FP8_DECODE_VARIANTS, paged_decode_attention, paged_decode_attention_ref
 from shardserve.kernels.prefill import paged_prefill_attention, paged_prefill_attention_ref
 from shardserve.kernels.store_kv import store_kv
 from shardserve.kernels.torch_backend import TorchAttentionBackend
@@ -63,13 +63,14 @@ def test_store_kv_fp8_matches_the_torch_reference_byte_for_byte():
     assert not caches[0].view(torch.uint8).view(-1, heads, dim)[[1, 2, 4]].any()  # slots nobody wrote stay zero
 
 
+@pytest.mark.parametrize("variant", FP8_DECODE_VARIANTS)
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_decode_reads_the_fp8_cache_with_each_heads_scales(dtype, num_splits):
+def test_decode_reads_the_fp8_cache_with_each_heads_scales(dtype, num_splits, variant):
     q, _, _, k8, v8, meta, ks, vs = fp8_batch([1, 1, 1], [1, 17, 150], num_heads=8, num_kv_heads=4, head_dim=32,
                                               dtype=dtype, seed=1)
     out = paged_decode_attention(q, k8, v8, meta.block_tables, meta.seq_lens, SCALE, num_splits,
-                                 k_scale=ks, v_scale=vs)
+                                 k_scale=ks, v_scale=vs, fp8_variant=variant)
     ref = paged_decode_attention_ref(q, k8, v8, meta.block_tables, meta.seq_lens, SCALE, ks, vs)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(out.float(), ref.float(), atol=tol * 300, rtol=tol)
