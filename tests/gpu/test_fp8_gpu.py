@@ -49,8 +49,12 @@ def test_store_kv_fp8_on_the_gpu_equals_the_torch_quantization():
     caches = [torch.zeros(512, 16, 8, 128, device="cuda", dtype=FP8_DTYPE) for _ in range(4)]
     store_kv(k, v, caches[0], caches[1], slots, ks, vs)
     store_kv_ref(k, v, caches[2], caches[3], slots, ks, vs)
-    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
-        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    for (got, want), new, scale in (((caches[0], caches[2]), k, ks), ((caches[1], caches[3]), v, vs)):
+        differ = got.view(torch.uint8) != want.view(torch.uint8)
+        where = differ.view(-1, 8, 128).nonzero()[:3].tolist()
+        examples = [(float(new[(slots == s).nonzero()[0, 0], h, d]) / float(scale[h]), float(got.view(-1, 8, 128)[s, h, d]),
+                     float(want.view(-1, 8, 128)[s, h, d])) for s, h, d in where]
+        assert not differ.any(), f"{int(differ.sum())} bytes differ; (x / scale, triton, torch): {examples}"
 
 
 @pytest.mark.parametrize("variant", FP8_DECODE_VARIANTS)
