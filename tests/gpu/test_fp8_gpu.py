@@ -39,6 +39,12 @@ def fp8_batch(query_lens, seq_lens, heads, kv_heads, dim, seed=0):
     return q, k, v, quantize_fp8(kc, ks), quantize_fp8(vc, vs), meta, ks, vs
 
 
+def same_fp8_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where two e4m3 tensors hold different values. Not bytes: a value that rounds to zero is stored as +0 by the
+    Triton kernel on an H200 and as -0 by torch (seen in the GPU run of f6e6921, the only difference there)."""
+    return a.float() != b.float()
+
+
 def test_store_kv_fp8_on_the_gpu_equals_the_torch_quantization():
     k = torch.randn(4096, 8, 128, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, 8, device="cuda")[:, None].bfloat16()
     v = torch.randn_like(k)
@@ -50,11 +56,11 @@ def test_store_kv_fp8_on_the_gpu_equals_the_torch_quantization():
     store_kv(k, v, caches[0], caches[1], slots, ks, vs)
     store_kv_ref(k, v, caches[2], caches[3], slots, ks, vs)
     for (got, want), new, scale in (((caches[0], caches[2]), k, ks), ((caches[1], caches[3]), v, vs)):
-        differ = got.view(torch.uint8) != want.view(torch.uint8)
+        differ = same_fp8_values(got, want)
         where = differ.view(-1, 8, 128).nonzero()[:3].tolist()
         examples = [(float(new[(slots == s).nonzero()[0, 0], h, d]) / float(scale[h]), float(got.view(-1, 8, 128)[s, h, d]),
                      float(want.view(-1, 8, 128)[s, h, d])) for s, h, d in where]
-        assert not differ.any(), f"{int(differ.sum())} bytes differ; (x / scale, triton, torch): {examples}"
+        assert not differ.any(), f"{int(differ.sum())} values differ; (x / scale, triton, torch): {examples}"
 
 
 @pytest.mark.parametrize("variant", FP8_DECODE_VARIANTS)
@@ -88,7 +94,7 @@ def test_backend_fp8_store_then_attend_decode_and_mixed():
         kr, vr = kc.clone(), vc.clone()
         store_kv_ref(k, v, kr, vr, meta.slot_mapping, ks, vs)
         out = backend.forward(q, k, v, kc, vc, meta, 128**-0.5, ks, vs)
-        assert torch.equal(kc.view(torch.uint8), kr.view(torch.uint8))
+        assert not same_fp8_values(kc, kr).any() and not same_fp8_values(vc, vr).any()
         ref = paged_prefill_attention_ref(q.float(), kr, vr, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                           128**-0.5, ks, vs)
         torch.testing.assert_close(out.float(), ref, atol=0.5, rtol=2e-2)
