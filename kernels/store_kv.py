@@ -52,7 +52,7 @@ def _store_kv_kernel(
         if FP8:
             k_scale = tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
             v_scale = tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
-            # div_rn: IEEE division, as torch divides (Triton's "/" on float32 is an approximate division)
+            # div_rn: IEEE division, as torch divides (Triton's "/" on float32 may be an approximate division)
             k = _round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
             v = _round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
         # k_cache and v_cache share one shape and stride (asserted by the wrapper)
