@@ -79,7 +79,7 @@ def run_cache(engine_kwargs: dict, kv_cache_dtype: str, prompts, max_tokens: int
         tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         forced = reference if reference is not None else tokens
         runner = llm.executor.runner
-        logprobs = [teacher_forced_logprobs(runner, p + t, len(p) + 1) for p, t in zip(prompts, forced)]
+        logprobs = [teacher_forced_logprobs(runner, p + t, len(p)) for p, t in zip(prompts, forced)]
         resolved = runner.config.kv_cache_dtype
     finally:
         llm.shutdown()

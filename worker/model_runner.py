@@ -66,6 +66,10 @@ class ModelRunner:
         self.block_size = config.block_size
         self.hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         self.attn_backend = get_backend(config.attention_backend, self.device.type)
+        if self.kv_dtype == FP8_DTYPE and self.attn_backend.name == "flash-attn":  # it has no FP8 cache here
+            if config.attention_backend != "auto":
+                raise ValueError("kv_cache_dtype fp8 needs the triton or torch attention backend, not flash-attn")
+            self.attn_backend = get_backend("triton", self.device.type)
         self.model = build_model(self.hf_config, self.dtype, self.device, self.attn_backend)
         with torch.inference_mode():
             if config.load_format == "dummy":
