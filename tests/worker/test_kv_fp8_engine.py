@@ -77,3 +77,21 @@ def test_fp8_outputs_are_the_same_with_chunks_preemption_and_prefix_hits(tiny_mo
         finally:
             llm.shutdown()
     assert outputs["plain"] == outputs["squeezed"]
+
+
+def test_fp8_at_tp2_gives_tp1s_tokens(tiny_model):
+    """Each rank calibrates and holds the scales of its own KV heads: the split changes nothing but summation order,
+    so the first difference from TP=1, if any, must be a near-tie in TP=1's own logprobs."""
+    folder = tiny_model("llama", tie_word_embeddings=True, num_heads=4, num_kv_heads=2)
+    prompts = [[(31 * i + 7 * j) % 300 + 5 for j in range(5 + 9 * i)] for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+    runs = {}
+    for tp in (1, 2):
+        with LLM(model=folder, tensor_parallel_size=tp, kv_cache_dtype="fp8", max_model_len=256, num_kv_blocks=40) as llm:
+            runs[tp] = llm.generate(prompts, params, use_tqdm=False)
+    for one, two in zip(runs[1], runs[2]):
+        for pos, (a, b) in enumerate(zip(one.token_ids, two.token_ids)):
+            if a != b:
+                lp = one.logprobs[pos]
+                assert b in lp.top_ids and abs(lp.logprob - lp.top_logprobs[lp.top_ids.index(b)]) < 1e-3, (pos, a, b)
+                break
