@@ -61,8 +61,18 @@ def add_bench_parser(sub) -> None:
     probe.add_argument("--prefill-seq-len", type=int, default=1024)
     probe.add_argument("--sweep-attention", default="", metavar="BxC,...",
                        help="also time the decode kernel's launch settings at these batch x context shapes")
+    probe.add_argument("--attention-rates", default="", metavar="BxC,...",
+                       help="also each attention kernel's bytes/s (bf16 and FP8 caches, scattered blocks) at these "
+                       "batch x context shapes")
     probe.add_argument("--json-out", default=None)
     probe.set_defaults(func=_run("shardserve.bench.probe"))
+
+    quality = kinds.add_parser("kv-quality", help="the FP8 KV cache against the model-dtype cache: greedy agreement, KL")
+    add_engine_args(quality)
+    quality.add_argument("--num-prompts", type=int, default=16)
+    quality.add_argument("--max-tokens", type=int, default=64)
+    quality.add_argument("--json-out", default=None)
+    quality.set_defaults(func=_run("shardserve.bench.kv_quality"))
 
     from shardserve.bench.serve import add_serve_parser
 

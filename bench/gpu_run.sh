@@ -187,6 +187,25 @@ start_step latency_llama8b_tp1 90 30 1 $(bench latency_llama8b_tp1 latency --mod
   --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT $PROF_LAT)
 finish_step offline_qwen3; finish_step latency_llama8b_tp1
 
+# (b2) offline Qwen3-0.6B with the FP8 KV cache [GPU 0]  ||  (b3) its attention kernels' bytes/s, bf16 and FP8, and
+# where an FP8 step's time goes [GPU 1]
+start_step offline_qwen3_fp8 120 40 0 $(bench offline_qwen3_fp8 offline --model $SMALL $DEV --kv-cache-dtype fp8 \
+  --num-prompts $N_SMALL --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF)
+ATT_RATES="32x256,32x4096,64x1024,64x4096,256x800"; [ "$SMOKE" = 1 ] && ATT_RATES=""
+start_step probe_qwen3_fp8 $PROBE_LIMIT 60 1 $PY -m shardserve.cli bench probe --model $SMALL \
+  ${DEV/--num-kv-blocks 256/} --kv-cache-dtype fp8 --batch-sizes 64,256 $PROBE_LENS --prefill-tokens 0 \
+  ${ATT_RATES:+--attention-rates $ATT_RATES} --json-out "$OUT/probe_qwen3_fp8.json"
+finish_step offline_qwen3_fp8; finish_step probe_qwen3_fp8
+
+# (b4) what the FP8 cache does to outputs (random weights here: greedy agreement and KL vs the bf16 cache) [GPU 0]
+# ||  (b5) offline Llama-3-8B with the FP8 KV cache [GPU 1]
+N_KVQ=32; KVQ_TOK=128; [ "$SMOKE" = 1 ] && N_KVQ=3 && KVQ_TOK=8
+start_step kv_quality_qwen3 120 40 0 $(bench kv_quality_qwen3 kv-quality --model $SMALL $DEV \
+  --num-prompts $N_KVQ --max-tokens $KVQ_TOK --max-model-len $MML_OFF)
+start_step offline_llama8b_fp8 120 45 1 $(bench offline_llama8b_fp8 offline --model $BIG $DEV --kv-cache-dtype fp8 \
+  --num-prompts $N_BIG --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF)
+finish_step kv_quality_qwen3; finish_step offline_llama8b_fp8
+
 # (d) latency Llama-3-8B TP=2 [both GPUs]
 start_step latency_llama8b_tp2 90 35 all $(bench latency_llama8b_tp2 latency --model $BIG $DEV --tp 2 \
   --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT)
@@ -225,7 +244,7 @@ if ! wanted gpu_tests; then
 elif (( GPU_TESTS_LIMIT < 30 )); then
   RC[gpu_tests]=skipped; DT[gpu_tests]=0; say "gpu_tests: skipped (${GPU_TESTS_LIMIT}s of the budget left)"
 else
-  (( GPU_TESTS_LIMIT > 120 )) && GPU_TESTS_LIMIT=120
+  (( GPU_TESTS_LIMIT > ${GPU_TESTS_MAX_S:-120} )) && GPU_TESTS_LIMIT=${GPU_TESTS_MAX_S:-120}
   STARTED[gpu_tests]=$(date +%s)
   say "gpu_tests: start (limit ${GPU_TESTS_LIMIT}s)"
   if command -v make > /dev/null; then

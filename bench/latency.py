@@ -20,8 +20,6 @@ SKIPPED_DECODE_STEPS = 3  # first decode steps: allocator and caches settling
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    from transformers import AutoConfig
-
     from shardserve.bench.roofline import ModelShape, measure_rates, weight_read_bound_ms
     from shardserve.config import build_engine_config, read_model_facts
 
@@ -59,9 +57,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     record.notes.update(cuda_graphs=graphs, decode_steps_timed=len(decode), enforce_eager=config.enforce_eager,
                         mean_ms=sum(decode) / len(decode))
     if rates is not None:
-        dtype_bytes = 4 if config.dtype == "float32" else 2
-        shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(config.model), config.tensor_parallel_size,
-                                          dtype_bytes)
+        shape = ModelShape.of_engine(config)
         bound = weight_read_bound_ms(shape, rates)
         record.notes.update(weight_read_bound_ms=bound, weight_bytes_per_rank=shape.decode_weight_bytes,
                             rates=rates.__dict__, bound_fraction=bound / ms_per_step)

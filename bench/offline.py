@@ -14,14 +14,11 @@ from shardserve.bench.workload import Workload, parse_range, random_workload
 
 def ceiling(config, workload: Workload, rates) -> dict | None:
     """The workload's ceiling (bench/roofline.py) for this model and TP; printed with its arithmetic."""
-    from transformers import AutoConfig
-
     from shardserve.bench.roofline import ModelShape, workload_ceiling
 
     if rates is None:
         return None
-    dtype_bytes = 4 if config.dtype == "float32" else 2
-    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(config.model), config.tensor_parallel_size, dtype_bytes)
+    shape = ModelShape.of_engine(config)  # the KV bytes per token follow kv_cache_dtype
     result = workload_ceiling(shape, rates, [len(p) for p in workload.prompts], workload.output_lens)
     print("ceiling arithmetic:\n  " + "\n  ".join(result["arithmetic"]))
     return result

@@ -204,7 +204,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     vocab = read_model_facts(config.model).vocab_size
     runner = ModelRunner(config)
     runner.allocate_kv_cache(config.num_kv_blocks)
-    report = {"model": args.model, "config": {"max_num_seqs": config.max_num_seqs, "dtype": config.dtype},
+    report = {"model": args.model, "config": {"max_num_seqs": config.max_num_seqs, "dtype": config.dtype,
+                                              "kv_cache_dtype": config.kv_cache_dtype},
               "decode": [], "prefill": None}
     for batch in batches:
         result = probe_decode(runner, batch, args.context_len, args.temperature, vocab, args.repeats)
@@ -229,6 +230,14 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
             report["attention_sweep"].append({"batch": batch, "context": context, "chosen_splits": chosen,
                                               "default": default, "best": best, "all": rows})
             print(f"decode attention {batch}x{context}: default {default} | best {best}", flush=True)
+    if args.attention_rates:  # BATCHxCONTEXT,...: each attention kernel's bytes/s, bf16 and FP8 caches
+        from shardserve.bench.attention_rates import attention_rates
+        from shardserve.bench.roofline import measure_rates
+
+        rates = measure_rates("cuda", matmul_n=1024)
+        shapes = [tuple(int(x) for x in spec.split("x")) for spec in args.attention_rates.split(",")]
+        report["attention_rates"] = {"copy_bytes_per_s": rates.copy_bytes_per_s,
+                                     "rows": attention_rates(args.model, shapes, rates.copy_bytes_per_s)}
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)

@@ -99,13 +99,24 @@ class ModelShape:
     vocab_rows: int  # LM head rows per rank
     dtype_bytes: int
     tp: int
+    kv_dtype_bytes: int | None = None  # bytes per cached K/V element (1 for an FP8 cache); None: dtype_bytes
 
     @classmethod
-    def from_hf_config(cls, cfg: Any, tp: int = 1, dtype_bytes: int = 2) -> "ModelShape":
+    def from_hf_config(cls, cfg: Any, tp: int = 1, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None) -> "ModelShape":
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         kv = cfg.num_key_value_heads
         return cls(cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads // tp, max(1, kv // tp), head_dim,
-                   cfg.intermediate_size // tp, cdiv(cfg.vocab_size, tp), dtype_bytes, tp)
+                   cfg.intermediate_size // tp, cdiv(cfg.vocab_size, tp), dtype_bytes, tp, kv_dtype_bytes)
+
+    @classmethod
+    def of_engine(cls, config: Any) -> "ModelShape":
+        """The shape of a resolved EngineConfig's model at its TP size, dtype and KV-cache dtype."""
+        from transformers import AutoConfig
+
+        sizes = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
+        kv = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else config.dtype
+        return cls.from_hf_config(AutoConfig.from_pretrained(config.model), config.tensor_parallel_size,
+                                  sizes[config.dtype], sizes[kv])
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -127,8 +138,9 @@ class ModelShape:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """K and V of one token, every layer, on one rank."""
-        return 2 * self.num_layers * self.kv_heads * self.head_dim * self.dtype_bytes
+        """K and V of one token, every layer, on one rank (an FP8 cache's per-head scales are a few bytes per layer,
+        read once per program: not counted)."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * (self.kv_dtype_bytes or self.dtype_bytes)
 
     def attention_flops(self, query_tokens: float, key_reads: float) -> float:
         """QK^T and PV: 2 FLOPs per multiply-add, 2 products per (query head, key) pair, per layer."""
@@ -170,7 +182,8 @@ def workload_ceiling(shape: ModelShape, rates: DeviceRates, input_lens: list[int
     lines = [
         rates.describe(),
         f"per rank (tp={shape.tp}): weights read per decode step {shape.decode_weight_bytes / 1e9:.3f} GB "
-        f"-> {weight_s * 1e3:.3f} ms; KV per token {shape.kv_bytes_per_token / 1024:.1f} KiB",
+        f"-> {weight_s * 1e3:.3f} ms; KV per token {shape.kv_bytes_per_token / 1024:.1f} KiB "
+        f"({shape.kv_dtype_bytes or shape.dtype_bytes} bytes per element)",
         f"prefill: {inputs.sum():.0f} prompt tokens, {prefill_flops / 1e12:.1f} TFLOP -> {prefill_s:.3f} s",
         f"decode: {steps} steps (batch {len(outputs)} -> 1), memory {decode_memory_s:.3f} s, compute "
         f"{decode_compute_s:.3f} s, sum of per-step max {decode_s:.3f} s",

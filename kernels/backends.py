@@ -8,6 +8,8 @@ a prefill (whole, a chunk, or the rest after a prefix-cache hit) has query_len >
 Cache layout per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim];
 token position p of a sequence lives in block block_tables[i][p // block_size] at offset p % block_size,
 i.e. slot = block * block_size + offset in the flattened [num_blocks * block_size] view. Slot -1 is skipped.
+An FP8 cache (float8 e4m3, kv_fp8.py) comes with k_scale and v_scale, [num_kv_heads] float32 each: store_kv
+quantizes with them, attend dequantizes with them; a cache in the model's dtype has none.
 """
 
 from __future__ import annotations
@@ -53,14 +55,17 @@ class AttentionBackend:
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        k_scale: torch.Tensor | None = None,  # [num_kv_heads] float32: an FP8 cache's scales
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
-        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta, scale)
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 slot_mapping: torch.Tensor) -> None:
+                 slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> None:
         raise NotImplementedError
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError

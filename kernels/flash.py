@@ -24,7 +24,9 @@ class FlashAttentionBackend(AttentionBackend):
     store_kv = staticmethod(store_kv)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if k_scale is not None:
+            raise ValueError("the flash-attn backend has no FP8 KV cache here: use --attention-backend triton")
         block_size = k_cache.shape[1]
         if block_size % 256:
             raise ValueError(f"flash-attn's paged attention needs a block size that is a multiple of 256, got {block_size}")

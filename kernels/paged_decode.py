@@ -10,12 +10,15 @@ for any context length (what CUDA-graph replay needs); it only changes how the w
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, dot_precision
+from shardserve.kernels.kv_fp8 import dequantize_fp8
+
+from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
 
 
 # The block table's row stride is the step's widest table: left unspecialised, or each new value that is (not) a
@@ -23,20 +26,23 @@ from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inpu
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
-    out_ptr, part_out_ptr, part_lse_ptr,
+    out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cp, stride_ch, stride_bt,
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
 ):
     """Grid (num_seqs * num_kv_heads, NUM_SPLITS). Program (s * num_kv_heads + h, j) attends the query heads
     h*GROUP .. h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles).
     A sequence's KV heads are launched next to each other, so they read the same cache blocks (each head is a
     256-byte slice of every token's row) at about the same time. (Measured on an H200 against the order
-    (sequence, head) as separate grid axes: the same within noise; kept as the one order.)"""
+    (sequence, head) as separate grid axes: the same within noise; kept as the one order.)
+    FP8: the cache holds float8 e4m3; the program's KV head's K scale folds into the softmax scale, its V scale
+    into the output. FP8_DOT (see FP8_DECODE_VARIANTS) says how the e4m3 tiles meet the tensor cores; DOT_FP16:
+    16-bit operands become fp16 (e4m3 -> fp16 is one native conversion; q is clamped to fp16's range)."""
     seq = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
     split = tl.program_id(1)
@@ -57,25 +63,39 @@ def _decode_kernel(
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
-        s = tl.where(valid[None, :], s, NEG_BIG)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m = m_new
+    if FP8:
+        scale_log2e = scale_log2e * tl.load(k_scale_ptr + kv_head)
+    if FP8_DOT == 2:  # (FP8_DOT and DOT_FP16 are 0 without FP8)
+        m, l, acc = _fp8_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb,
+                                         stride_cp, stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D,
+                                         BLOCK_N, DOT_PRECISION, DOT_FP16)
+    else:
+        if DOT_FP16:
+            q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+        for tile_start in range(start, end, BLOCK_N):
+            pos = tile_start + tl.arange(0, BLOCK_N)
+            valid = pos < end
+            block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+            kv_off = block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch
+            kv_mask = valid[:, None] & dim_ok[None, :]
+            k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            if FP8:  # e4m3 -> bf16/fp16/fp32 is exact
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2
+            s = tl.where(valid[None, :], s, NEG_BIG)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            l = l * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m = m_new
 
     has_keys = l > 0.0
     result = acc / tl.where(has_keys, l, 1.0)[:, None]
+    if FP8:
+        result = result * tl.load(v_scale_ptr + kv_head)
     out_mask = head_ok[:, None] & dim_ok[None, :]
     if NUM_SPLITS == 1:
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
@@ -86,6 +106,42 @@ def _decode_kernel(
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], result, mask=out_mask)
         lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), NEG_BIG)
         tl.store(part_lse_ptr + row, lse, mask=head_ok)
+
+
+@triton.jit
+def _fp8_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp, stride_ch,
+                         block_size, scale_log2e, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                         DOT_FP16: tl.constexpr):
+    """The decode loop with the widened e4m3 tiles as the first operand of both products (s^T = k q^T,
+    acc^T = v^T p^T), the operand a tensor-core product may take from registers: the converted tile need not go
+    back through shared memory. Returns (m, l, acc) as the plain loop does."""
+    d = tl.arange(0, BLOCK_D)
+    dim_ok = d < HEAD_DIM
+    if DOT_FP16:
+        q_t = tl.trans(tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16))  # [BLOCK_D, BLOCK_G]
+    else:
+        q_t = tl.trans(q)
+    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        valid = pos < end
+        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_t.dtype)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_t.dtype)
+        s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_N, BLOCK_G]
+        s_t = tl.where(valid[:, None], s_t, NEG_BIG)
+        m_new = tl.maximum(m, tl.max(s_t, 0))
+        p_t = tl.exp2(s_t - m_new[None, :])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p_t, 0)
+        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(q_t.dtype), input_precision=DOT_PRECISION)
+        m = m_new
+    return m, l, tl.trans(acc_t)
 
 
 @triton.jit
@@ -110,6 +166,21 @@ def _merge_splits_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
+# How the decode kernel multiplies an FP8 cache's tiles (SHARDSERVE_FP8_DECODE selects one; measured on an H200 in
+# docs/performance.md): "widen" converts each e4m3 tile to the query's dtype and runs the bf16 kernel's products;
+# "fp16" converts to fp16 instead (one native conversion; q clamped to fp16's range); "transposed" also puts the
+# converted tiles first in both products (s^T = k q^T, acc^T = v^T p^T). fp16 measured fastest (offline Qwen3-0.6B
+# 21.6k out tok/s against 19.5k and 18.4k), so it is the default.
+FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed")
+
+
+def fp8_decode_variant() -> str:
+    variant = os.environ.get("SHARDSERVE_FP8_DECODE", "fp16")
+    if variant not in FP8_DECODE_VARIANTS:
+        raise ValueError(f"SHARDSERVE_FP8_DECODE must be one of {', '.join(FP8_DECODE_VARIANTS)}; got {variant!r}")
+    return variant
+
+
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_programs: int = 528,
                       min_tokens_per_split: int = 64, max_splits: int = 16) -> int:
     """Enough programs for ~4 per SM of an H200 (132 SMs), never a split shorter than one 64-key tile.
@@ -132,9 +203,14 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] float32: an FP8 cache's scales
+    v_scale: torch.Tensor | None = None,
+    fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: SHARDSERVE_FP8_DECODE, default "fp16"
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
+    fp8 = check_scales(k_cache, k_scale, v_scale)
+    variant = FP8_DECODE_VARIANTS.index(fp8_variant or fp8_decode_variant()) if fp8 else 0
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
@@ -147,6 +223,7 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        k_scale if fp8 else q, v_scale if fp8 else q,  # unused without FP8
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
@@ -154,7 +231,8 @@ def paged_decode_attention(
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n or (64 if block_d <= 128 else 32), DOT_PRECISION=dot_precision(q.dtype),
-        NUM_KV_HEADS=num_kv_heads, num_warps=num_warps, num_stages=num_stages,
+        NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and q.dtype != torch.float32,
+        num_warps=num_warps, num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
@@ -166,9 +244,12 @@ def paged_decode_attention(
 
 def paged_decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    seq_lens: torch.Tensor, scale: float,
+    seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch reference: per sequence, gather its context from the blocks and attend in float32."""
+    """The torch reference: per sequence, gather its context from the blocks and attend in float32 (an FP8 cache
+    dequantized with its scales first)."""
+    if k_scale is not None:
+        k_cache, v_cache = dequantize_fp8(k_cache, k_scale, torch.float32), dequantize_fp8(v_cache, v_scale, torch.float32)
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, dot_precision
+from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
+from shardserve.kernels.kv_fp8 import dequantize_fp8
 
 
 @triton.jit
@@ -41,7 +42,7 @@ def _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
 def _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
                     kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
                     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
+                    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax step over keys tile_start .. tile_start + BLOCK_N - 1. Without CAUSAL every row sees
     every key of the tile (keys before the query tile's first position), so loads and scores go unmasked."""
     pos = tile_start + tl.arange(0, BLOCK_N)
@@ -59,6 +60,9 @@ def _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_
     else:
         k = tl.load(k_cache_ptr + kv_off)
         v = tl.load(v_cache_ptr + kv_off)
+    if FP8:  # e4m3 -> bf16/fp32 is exact; the scales are folded in by the caller
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
     if CAUSAL:
         s = tl.where(pos[None, :] <= q_pos[:, None], s, NEG_BIG)
@@ -74,16 +78,17 @@ def _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_
 @triton.jit(do_not_specialize=["num_seqs", "stride_bt"])
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     num_seqs, scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cp, stride_ch, stride_bt,
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
-    """Grid (T // BLOCK_Q + B, num_kv_heads). Program (t, h): query tile t (of some sequence) x KV head h."""
+    """Grid (T // BLOCK_Q + B, num_kv_heads). Program (t, h): query tile t (of some sequence) x KV head h.
+    FP8: the KV head's K scale folds into the softmax scale, its V scale into the output."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
@@ -108,6 +113,8 @@ def _prefill_kernel(
         l = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+        if FP8:
+            scale_log2e = scale_log2e * tl.load(k_scale_ptr + kv_head)
         first_q_pos = context_start + local_tile * BLOCK_Q
         last_q_pos = context_start + tl.minimum((local_tile + 1) * BLOCK_Q, q_len) - 1
         # keys before the tile's first query are seen by every row: no causal mask needed there
@@ -115,13 +122,15 @@ def _prefill_kernel(
         for tile_start in range(0, unmasked_end, BLOCK_N):
             m, l, acc = _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
                                         kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION)
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION, FP8)
         for tile_start in range(unmasked_end, last_q_pos + 1, BLOCK_N):
             m, l, acc = _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
                                         kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
-                                        HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION)
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION, FP8)
 
         result = acc / tl.where(l > 0.0, l, 1.0)[:, None]
+        if FP8:
+            result = result * tl.load(v_scale_ptr + kv_head)
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
@@ -139,9 +148,12 @@ def paged_prefill_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] float32: an FP8 cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, num_heads, head_dim]
     tokens, num_heads, head_dim = q.shape
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
+    fp8 = check_scales(k_cache, k_scale, v_scale)
     num_seqs = seq_lens.shape[0]
     if out is None:
         out = torch.empty_like(q)
@@ -153,13 +165,14 @@ def paged_prefill_attention(
     grid = (tokens // block_q + num_seqs, num_kv_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
+        k_scale if fp8 else q, v_scale if fp8 else q,  # unused without FP8
         num_seqs, scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n or (64 if block_d <= 128 else 32),
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -167,8 +180,12 @@ def paged_prefill_attention(
 def paged_prefill_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, block_tables: torch.Tensor, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The torch reference: per sequence, gather its context and attend in float32 with the offset causal mask."""
+    """The torch reference: per sequence, gather its context and attend in float32 with the offset causal mask
+    (an FP8 cache dequantized with its scales first)."""
+    if k_scale is not None:
+        k_cache, v_cache = dequantize_fp8(k_cache, k_scale, torch.float32), dequantize_fp8(v_cache, v_scale, torch.float32)
     num_heads, head_dim = q.shape[1:]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads

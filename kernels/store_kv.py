@@ -1,4 +1,5 @@
-"""Triton kernel: write the step's new K/V into the paged cache at their slots (slot -1 = skip).
+"""Triton kernel: write the step's new K/V into the paged cache at their slots (slot -1 = skip), quantizing them to
+float8 e4m3 with a scale per KV head where the cache is FP8 (kv_fp8.py).
 
 Cache layout per layer: [num_blocks, block_size, num_kv_heads, head_dim]; slot = block * block_size + offset.
 Its torch reference is the torch backend's store_kv (torch_backend.py).
@@ -10,15 +11,31 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.kv_fp8 import FP8_MAX, is_fp8
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32) clamped to +-448 -> the nearest e4m3 value (ties to even), still float32. The conversion to fp8
+    is then exact: Triton's interpreter rounds fp32 -> fp8 wrongly when the mantissa carries (7.8 -> 4.0), and on
+    the GPU an exact value converts the same. Adding 2^(e+20) to |x| in [2^e, 2^(e+1)) leaves float32 a step of
+    2^(e-3), e4m3's step at that exponent (2^-9 below 2^-6, e4m3's subnormals)."""
+    a = tl.abs(x)
+    bits = a.to(tl.int32, bitcast=True) & 0x7F800000
+    bits = tl.maximum(bits, (127 - 6) << 23)
+    big = (bits + (20 << 23)).to(tl.float32, bitcast=True)
+    r = (a + big) - big
+    return tl.where(x < 0, -r, r)
+
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cache_block, stride_cache_pos, stride_cache_head,
     block_size,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr,
 ):
     """Program t copies token t's K and V ([num_kv_heads, head_dim] each) to its slot. Grid: (T,)."""
     token = tl.program_id(0)
@@ -26,11 +43,18 @@ def _store_kv_kernel(
     if slot >= 0:
         block = slot // block_size
         offset = slot % block_size
-        heads = tl.arange(0, BLOCK_H)[:, None]
+        h = tl.arange(0, BLOCK_H)
+        heads = h[:, None]
         dims = tl.arange(0, BLOCK_D)[None, :]
         mask = (heads < NUM_KV_HEADS) & (dims < HEAD_DIM)
         k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
+        if FP8:
+            k_scale = tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
+            v_scale = tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
+            # div_rn: IEEE division, as torch divides (Triton's "/" on float32 may be an approximate division)
+            k = _round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
+            v = _round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
         # k_cache and v_cache share one shape and stride (asserted by the wrapper)
         dst = block * stride_cache_block + offset * stride_cache_pos + heads * stride_cache_head + dims
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -43,6 +67,8 @@ def store_kv(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int: slot of each token, -1 = skip
+    k_scale: torch.Tensor | None = None,  # [num_kv_heads] float32: an FP8 cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Writes k/v into the caches in place at slot_mapping; tokens with slot -1 are not stored."""
     tokens, num_kv_heads, head_dim = k.shape
@@ -52,12 +78,16 @@ def store_kv(
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1:
         raise ValueError("store_kv needs head_dim contiguous in k, v and the caches")
+    fp8 = is_fp8(k_cache)
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("an FP8 cache needs k_scale and v_scale")
     _store_kv_kernel[(tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
+        k_scale if fp8 else k, v_scale if fp8 else v,  # unused without FP8
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         k_cache.shape[1],
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=fp8, FP8_LIMIT=FP8_MAX,
     )
-

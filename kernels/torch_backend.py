@@ -13,18 +13,25 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
+from shardserve.kernels.kv_fp8 import dequantize_fp8, is_fp8, quantize_fp8
 
 
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Writes k/v [T, kv_heads, head_dim] into the flattened caches at slot_mapping [T]; slot -1 is skipped.
-    Also the reference the Triton store_kv (store_kv.py) is tested against."""
+    """Writes k/v [T, kv_heads, head_dim] into the flattened caches at slot_mapping [T]; slot -1 is skipped; an
+    FP8 cache gets them quantized with its scales. Also the reference the Triton store_kv (store_kv.py) is tested
+    against."""
     num_kv_heads, head_dim = k_cache.shape[-2:]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, k[keep].to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, v[keep].to(v_cache.dtype))
+    for new, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if is_fp8(cache):  # index_copy_ has no float8 kernel on CPU: the bytes are copied as uint8
+            cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
+                0, slots, quantize_fp8(new[keep], scale).view(torch.uint8))
+        else:
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, new[keep].to(cache.dtype))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -41,25 +48,28 @@ class TorchAttentionBackend(AttentionBackend):
     store_kv = staticmethod(store_kv)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.empty_like(q)
+        scales = (k_scale, v_scale) if is_fp8(k_cache) else None
         query_lens = meta.query_lens_cpu
         starts = [0]
         for n in query_lens:
             starts.append(starts[-1] + n)
         decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
         if decode_seqs:
-            self._decode(q, out, k_cache, v_cache, meta, scale, decode_seqs, starts)
+            self._decode(q, out, k_cache, v_cache, meta, scale, decode_seqs, starts, scales)
         for i, n in enumerate(query_lens):
             if n > 1:
-                self._prefill_one(q, out, k_cache, v_cache, meta, scale, i, starts[i], n)
+                self._prefill_one(q, out, k_cache, v_cache, meta, scale, i, starts[i], n, scales)
         return out
 
-    def _prefill_one(self, q, out, k_cache, v_cache, meta, scale, seq: int, start: int, q_len: int) -> None:
+    def _prefill_one(self, q, out, k_cache, v_cache, meta, scale, seq: int, start: int, q_len: int, scales) -> None:
         context = meta.seq_lens_cpu[seq]
         table = meta.block_tables[seq]
         keys = gather_context(k_cache, table, context)  # [L, kv_heads, D]
         values = gather_context(v_cache, table, context)
+        if scales is not None:
+            keys, values = dequantize_fp8(keys, scales[0], q.dtype), dequantize_fp8(values, scales[1], q.dtype)
         query = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, D]
         keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
         values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
@@ -72,18 +82,19 @@ class TorchAttentionBackend(AttentionBackend):
             result = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = result.squeeze(0).transpose(0, 1)
 
-    def _decode(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
+    def _decode(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int], scales) -> None:
         """One query per sequence: sequences of similar length are attended together (padding at most ~2x)."""
         by_length = sorted(seqs, key=lambda i: meta.seq_lens_cpu[i], reverse=True)
         group: list[int] = []
         for i in by_length:
             if group and meta.seq_lens_cpu[i] * 2 < meta.seq_lens_cpu[group[0]]:
-                self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts)
+                self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts, scales)
                 group = []
             group.append(i)
-        self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts)
+        self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts, scales)
 
-    def _decode_group(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
+    def _decode_group(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int],
+                      scales) -> None:
         """Gathers the group's blocks (padded to its longest sequence), masks past each seq_len, one SDPA call."""
         device = q.device
         batch = len(seqs)
@@ -96,15 +107,16 @@ class TorchAttentionBackend(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[-2:]
         num_heads = q.shape[1]
 
-        def gather(cache: torch.Tensor) -> torch.Tensor:  # [B, kv_heads, max_len, head_dim]
+        def gather(cache: torch.Tensor, head_scale: torch.Tensor | None) -> torch.Tensor:  # [B, kv_heads, max_len, D]
             blocks = cache.index_select(0, tables).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
-            return blocks[:, :max_len].transpose(1, 2).to(q.dtype)
+            blocks = blocks[:, :max_len].transpose(1, 2)
+            return blocks.to(q.dtype) if head_scale is None else dequantize_fp8(blocks, head_scale, q.dtype, 1)
 
         lens = torch.tensor(lens_cpu, device=device)
         visible = torch.arange(max_len, device=device).unsqueeze(0) < lens.unsqueeze(1)  # [B, max_len]
         # the query heads sharing a KV head become that head's "query rows": [B, kv_heads, group, head_dim]
         query = q.index_select(0, token_idx).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         result = F.scaled_dot_product_attention(
-            query, gather(k_cache), gather(v_cache), attn_mask=visible[:, None, None, :], scale=scale
+            query, gather(k_cache, scales and scales[0]), gather(v_cache, scales and scales[1]), attn_mask=visible[:, None, None, :], scale=scale
         )
         out.index_copy_(0, token_idx, result.reshape(batch, num_heads, head_dim))

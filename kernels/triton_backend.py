@@ -24,12 +24,14 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_num_splits = decode_num_splits
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor:
+               scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         if meta.is_decode_only and q.shape[0] == meta.num_seqs:
             splits = self.decode_num_splits
             if splits is None:
                 splits = choose_num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len)
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits)
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
+                                          k_scale=k_scale, v_scale=v_scale)
         return paged_prefill_attention(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            k_scale=k_scale, v_scale=v_scale,
         )

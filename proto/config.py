@@ -19,6 +19,7 @@ from typing import Any
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")  # "auto": safetensors from the model folder; "dummy": random weights
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
+KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 with a scale per layer and KV head
 
 
 def _setting(default: Any = MISSING, *, help: str, user: bool = True, flags: tuple[str, ...] = (),
@@ -55,6 +56,10 @@ class EngineConfig:
     enable_prefix_caching: bool = _setting(
         True, flags=("--enable-prefix-caching",), off_flags=("--no-prefix-caching",),
         help="prefix caching: reuse the KV blocks of prompt prefixes seen before")
+    kv_cache_dtype: str = _setting(
+        "auto", choices=KV_CACHE_DTYPES,
+        help="auto: K/V cached in the model's dtype; fp8: float8 e4m3 with a scale per layer and KV head (the "
+        "checkpoint's where it has them, else calibrated at start-up): twice the blocks, half the bytes read")
     num_kv_blocks: int | None = _setting(None, help="fixes the KV cache's size in blocks (else measured)")
     kv_cache_memory_gb: float | None = _setting(
         None, help="sizes the KV cache in GiB (CPU default: 1 GiB; CUDA: from --gpu-memory-utilization)")

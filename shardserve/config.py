@@ -156,6 +156,8 @@ def build_engine_config(**settings) -> EngineConfig:
         dtype=resolve_dtype(s["dtype"], device),
         max_model_len=max_model_len,
     )
+    if s["kv_cache_dtype"] == "auto":  # the cache in the model's dtype, named so that records state it
+        s["kv_cache_dtype"] = s["dtype"]
     if s["max_num_seqs"] is None:
         s["max_num_seqs"] = known["max_num_seqs"].default
     if s["max_num_batched_tokens"] is None:

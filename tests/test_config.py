@@ -37,20 +37,20 @@ def test_the_flag_spellings_and_defaults_users_know_still_work():
     assert defaults == dict(
         model=None, tensor_parallel_size=1, device="auto", dtype="auto", load_format="auto", block_size=16,
         max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None, enable_prefix_caching=True,
-        num_kv_blocks=None, kv_cache_memory_gb=None, gpu_memory_utilization=0.9, attention_backend="auto",
-        enforce_eager=False, async_scheduling=None, seed=0,
+        kv_cache_dtype="auto", num_kv_blocks=None, kv_cache_memory_gb=None, gpu_memory_utilization=0.9,
+        attention_backend="auto", enforce_eager=False, async_scheduling=None, seed=0,
     )
     given = engine_kwargs(parse(
         "--model", "m", "--tp", "2", "--device", "cpu", "--dtype", "bf16", "--load-format", "dummy",
         "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "32",
         "--num-kv-blocks", "40", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.8",
         "--attention-backend", "torch", "--enforce-eager", "--no-prefix-caching", "--no-async-scheduling",
-        "--weight-seed", "7",
+        "--weight-seed", "7", "--kv-cache-dtype", "fp8",
     ))
     assert given == dict(
         model="m", tensor_parallel_size=2, device="cpu", dtype="bf16", load_format="dummy", block_size=32,
         max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, enable_prefix_caching=False,
-        num_kv_blocks=40, kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, attention_backend="torch",
+        kv_cache_dtype="fp8", num_kv_blocks=40, kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, attention_backend="torch",
         enforce_eager=True, async_scheduling=False, seed=7,
     )
     assert engine_kwargs(parse("--tensor-parallel-size", "4", "--async-scheduling"))["tensor_parallel_size"] == 4
@@ -71,6 +71,10 @@ def test_user_values_are_resolved_in_build_engine_config():
     assert config.max_model_len == 4096  # the model's 40960, capped on CPU
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 2048)
     assert build_engine_config(model=BUILTIN, device="cpu", dtype="bf16").dtype == "bfloat16"
+    assert config.kv_cache_dtype == "float32"  # "auto": the model's dtype, named
+    assert build_engine_config(model=BUILTIN, device="cpu", kv_cache_dtype="fp8").kv_cache_dtype == "fp8"
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        build_engine_config(model=BUILTIN, device="cpu", kv_cache_dtype="int4")
     auto = build_engine_config(model=BUILTIN)
     assert auto.device in ("cpu", "cuda") and auto.dtype == ("bfloat16" if auto.device == "cuda" else "float32")
 

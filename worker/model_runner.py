@@ -17,9 +17,10 @@ import time
 import torch
 
 from shardserve.kernels.backend_choice import get_backend
+from shardserve.kernels.kv_fp8 import FP8_DTYPE
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, cdiv
-from shardserve.worker import cuda_graphs, kv_cache
+from shardserve.worker import cuda_graphs, kv_cache, kv_scales
 from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from shardserve.worker.sampler import SamplingRow, sample, sample_tokens
@@ -31,6 +32,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def torch_dtype(name: str) -> torch.dtype:
     """The torch dtype of a resolved EngineConfig.dtype (shardserve/config.py resolves "auto" and aliases)."""
     return _DTYPES[name]
+
+
+def kv_cache_torch_dtype(config: EngineConfig) -> torch.dtype:
+    """The KV cache's element type: float8 e4m3 for "fp8", else the model's ("auto" or a dtype name)."""
+    if config.kv_cache_dtype == "fp8":
+        return FP8_DTYPE
+    return torch_dtype(config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype)
 
 
 def torch_device(name: str, rank: int) -> torch.device:
@@ -54,15 +62,24 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.dtype = torch_dtype(config.dtype)
+        self.kv_dtype = kv_cache_torch_dtype(config)
         self.block_size = config.block_size
         self.hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
         self.attn_backend = get_backend(config.attention_backend, self.device.type)
+        if self.kv_dtype == FP8_DTYPE and self.attn_backend.name == "flash-attn":  # it has no FP8 cache here
+            if config.attention_backend != "auto":
+                raise ValueError("kv_cache_dtype fp8 needs the triton or torch attention backend, not flash-attn")
+            self.attn_backend = get_backend("triton", self.device.type)
         self.model = build_model(self.hf_config, self.dtype, self.device, self.attn_backend)
         with torch.inference_mode():
             if config.load_format == "dummy":
                 init_dummy_weights(self.model, config.seed)
             else:
                 load_weights(self.model, config.model)
+        if self.kv_dtype == FP8_DTYPE:  # the scales, before any graph captures where they live
+            if config.load_format != "dummy":
+                kv_scales.load_checkpoint_scales(self.model, config.model)
+            kv_scales.calibrate_scales(self.model, self.block_size, self.dtype, self.device)
         if self.device.type == "cuda":  # before any graph capture: the decode graphs record whichever path is on
             from shardserve.worker.distributed import enable_one_shot_all_reduce
 
@@ -84,16 +101,16 @@ class ModelRunner:
     # ------------------------------------------------------------------------------------------ cache
 
     def profile_num_blocks(self) -> int:
-        blocks = kv_cache.profile_num_blocks(self.config, self.model, self.dtype, self.device, self._profile_forward)
+        blocks = kv_cache.profile_num_blocks(self.config, self.model, self.kv_dtype, self.device, self._profile_forward)
         blocks, self._graph_reserve = cuda_graphs.leave_room_for_graphs(
-            blocks, self.model, self.attn_backend, self.config, self.device, self.dtype
+            blocks, self.model, self.attn_backend, self.config, self.device, self.kv_dtype
         )
         return blocks
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.decode_graphs = None  # graphs over an earlier cache go first
         self.kv_caches = []  # drop an earlier cache before allocating the new one
-        self.kv_caches = kv_cache.allocate_kv_cache(self.model, num_blocks, self.block_size, self.dtype, self.device)
+        self.kv_caches = kv_cache.allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device)
         self.num_blocks = num_blocks
         if cuda_graphs.graphs_unsupported_reason(self.config, self.device, self.attn_backend) is None:
             self.decode_graphs = cuda_graphs.capture_decode_graphs(
@@ -107,7 +124,7 @@ class ModelRunner:
         total = self.config.max_num_batched_tokens
         seq_len = min(total, self.config.max_model_len)
         blocks = list(range(cdiv(seq_len, self.block_size)))
-        scratch = kv_cache.allocate_kv_cache(self.model, len(blocks), self.block_size, self.dtype, self.device)
+        scratch = kv_cache.allocate_kv_cache(self.model, len(blocks), self.block_size, self.kv_dtype, self.device)
         spec = SamplingSpec(temperature=1.0, top_p=0.9)
         lens = [min(seq_len, total - start) for start in range(0, total, seq_len)]
         new = [NewRequest(str(i), [0] * n, n, 0, blocks, spec) for i, n in enumerate(lens)]

@@ -90,7 +90,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
                 runner = self.runner
                 num_blocks = runner.profile_num_blocks()
-                block_bytes = bytes_per_block(runner.model, runner.block_size, runner.dtype)
+                block_bytes = bytes_per_block(runner.model, runner.block_size, runner.kv_dtype)
             except Exception:
                 self._fail_call(context, "ProfileMemory")
             return pb.ProfileMemoryResponse(num_blocks=num_blocks, block_bytes=block_bytes)

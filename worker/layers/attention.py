@@ -1,4 +1,9 @@
-"""The attention layer: reshapes flat q/k/v into heads and hands them, with this layer's paged cache, to the backend."""
+"""The attention layer: reshapes flat q/k/v into heads and hands them, with this layer's paged cache, to the backend.
+
+With an FP8 cache the layer owns its scales (k_scale, v_scale: one float32 per KV head of this rank), set once at
+start-up from the checkpoint or by calibration (worker/kv_scales.py), then fixed: the decode CUDA graphs read them
+where they are.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,11 @@ class Attention(nn.Module):
         self.head_dim = head_dim
         self.scale = scale
         self.backend = backend
+        self.register_buffer("k_scale", torch.ones(num_kv_heads, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(num_kv_heads, dtype=torch.float32), persistent=False)
+        self.scales_from_checkpoint = False
+        # Calibration (worker/kv_scales.py): while set, [2, num_kv_heads] running max |k|, |v| of what is stored.
+        self.observed_amax: torch.Tensor | None = None
 
     def forward(
         self,
@@ -29,13 +39,21 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         tokens = q.shape[0]
         k_cache, v_cache = kv_cache
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
+        if self.observed_amax is not None and tokens:
+            seen = torch.stack([k.detach().abs().amax(dim=(0, 2)), v.detach().abs().amax(dim=(0, 2))]).float()
+            torch.maximum(self.observed_amax, seen, out=self.observed_amax)
+        scaled = k_cache.element_size() == 1  # an FP8 cache
         out = self.backend.forward(
             q.reshape(tokens, self.num_heads, self.head_dim),
-            k.reshape(tokens, self.num_kv_heads, self.head_dim),
-            v.reshape(tokens, self.num_kv_heads, self.head_dim),
+            k,
+            v,
             k_cache,
             v_cache,
             meta,
             self.scale,
+            self.k_scale if scaled else None,
+            self.v_scale if scaled else None,
         )
         return out.reshape(tokens, self.num_heads * self.head_dim)

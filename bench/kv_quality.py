@@ -1,0 +1,130 @@
+"""`shardserve bench kv-quality`: what the FP8 KV cache does to a model's outputs, against the cache in the model's
+dtype, on a fixed prompt set.
+
+- Greedy agreement, free-running: each prompt generates --max-tokens greedy tokens with each cache; reported are
+  the share of prompts whose tokens are all equal and the mean share of tokens before the first difference.
+- Next-token divergence, teacher-forced: prompt + the reference's greedy tokens go through one forward with each
+  cache (the prefill path stores then attends over the cache, so every position sees quantized keys and values
+  exactly as a decode step would); at each generated position KL(p_reference || p_fp8) over the full vocabulary,
+  in float64. Mean, p99 and max over positions, and the top-1 agreement at those positions.
+
+With a tokenizer the prompts are PROMPTS (English, code, chat-like, numbers); with dummy weights, random token ids.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import random
+
+import torch
+
+from shardserve.bench.record import BenchRecord
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a land far away, there lived",
+    "The three laws of thermodynamics state that",
+    "Q: What is 17 times 23?\nA:",
+    "import numpy as np\n\ndef normalize(x):\n",
+    "Write a short poem about the sea.\n",
+    "The mitochondria is the powerhouse of the cell because",
+    "List of prime numbers: 2, 3, 5, 7, 11,",
+    "In 1969, the Apollo 11 mission",
+    "User: How do I reverse a list in Python?\nAssistant:",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox",
+    "SELECT name, COUNT(*) FROM orders GROUP BY",
+    "Photosynthesis converts sunlight into",
+    "A recipe for pancakes: first, mix",
+    "The difference between TCP and UDP is that",
+]
+
+
+def prompt_ids(llm, num_prompts: int, seed: int = 0) -> list[list[int]]:
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is not None:
+        return [tokenizer.encode(p) for p in (PROMPTS * (1 + num_prompts // len(PROMPTS)))[:num_prompts]]
+    from shardserve.config import read_model_facts
+
+    high = min(read_model_facts(llm.config.model).vocab_size, 30000)
+    rng = random.Random(seed)
+    return [[rng.randrange(high // 10, high) for _ in range(rng.randint(16, 64))] for _ in range(num_prompts)]
+
+
+@torch.inference_mode()
+def teacher_forced_logprobs(runner, sequence: list[int], first: int) -> torch.Tensor:
+    """log-softmax (float64, on the CPU) of the next-token distribution at positions first-1 .. len-2 of sequence,
+    from one forward over the runner's cache (the engine is idle: its blocks are free)."""
+    from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, cdiv
+    from shardserve.worker.input_batch import InputBatch
+
+    blocks = list(range(cdiv(len(sequence), runner.block_size)))
+    plan = StepPlan(1, new_requests=[NewRequest("kl", sequence, len(sequence), 0, blocks, SamplingSpec())],
+                    req_ids=["kl"], num_tokens=[len(sequence)])
+    input_ids, positions, meta = InputBatch(runner.block_size).prepare(plan).to_device(runner.device)
+    hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
+    logits = runner.model.compute_logits(hidden[first - 1 : len(sequence) - 1])
+    return torch.log_softmax(logits.double(), -1).cpu()
+
+
+def run_cache(engine_kwargs: dict, kv_cache_dtype: str, prompts, max_tokens: int, reference=None, num_prompts=16):
+    """Greedy tokens of every prompt, and the teacher-forced log-probs over (prompt + reference tokens)."""
+    from shardserve import LLM, SamplingParams
+
+    llm = LLM(**engine_kwargs, kv_cache_dtype=kv_cache_dtype)
+    try:
+        prompts = prompts if prompts is not None else prompt_ids(llm, num_prompts)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        forced = reference if reference is not None else tokens
+        runner = llm.executor.runner
+        logprobs = [teacher_forced_logprobs(runner, p + t, len(p)) for p, t in zip(prompts, forced)]
+        resolved = runner.config.kv_cache_dtype
+    finally:
+        llm.shutdown()
+        del llm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return prompts, tokens, logprobs, resolved
+
+
+def compare(ref_tokens, fp8_tokens, ref_logprobs, fp8_logprobs) -> dict:
+    prefix = []
+    for a, b in zip(ref_tokens, fp8_tokens):
+        same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        prefix.append(same / len(a))
+    kl = torch.cat([(r.exp() * (r - f)).sum(-1) for r, f in zip(ref_logprobs, fp8_logprobs)])
+    top1 = torch.cat([r.argmax(-1) == f.argmax(-1) for r, f in zip(ref_logprobs, fp8_logprobs)])
+    ordered = kl.sort().values
+    return dict(
+        prompts=len(ref_tokens), positions=int(kl.numel()),
+        greedy_all_equal=sum(p == 1.0 for p in prefix) / len(prefix),
+        greedy_mean_prefix_share=sum(prefix) / len(prefix),
+        kl_mean=float(kl.mean()), kl_p99=float(ordered[int(0.99 * (len(ordered) - 1))]), kl_max=float(kl.max()),
+        teacher_forced_top1_agreement=float(top1.double().mean()),
+    )
+
+
+def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
+    from shardserve.config import build_engine_config
+
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "kv_cache_dtype"}
+    engine_kwargs.setdefault("max_num_seqs", args.num_prompts)
+    prompts, ref_tokens, ref_lp, ref_name = run_cache(engine_kwargs, "auto", None, args.max_tokens,
+                                                      num_prompts=args.num_prompts)
+    _, fp8_tokens, fp8_lp, _ = run_cache(engine_kwargs, "fp8", prompts, args.max_tokens, reference=ref_tokens)
+    result = compare(ref_tokens, fp8_tokens, ref_lp, fp8_lp)
+    print(f"fp8 vs {ref_name} cache over {result['prompts']} prompts x {args.max_tokens} greedy tokens: "
+          f"all tokens equal on {result['greedy_all_equal']:.0%} of prompts, mean share before the first difference "
+          f"{result['greedy_mean_prefix_share']:.1%}; teacher-forced over {result['positions']} positions: mean KL "
+          f"{result['kl_mean']:.2e} nats (p99 {result['kl_p99']:.2e}, max {result['kl_max']:.2e}), top-1 agreement "
+          f"{result['teacher_forced_top1_agreement']:.2%}", flush=True)
+    config = build_engine_config(**engine_kwargs, kv_cache_dtype="fp8")
+    record = BenchRecord.for_engine("kv_quality", args.model, config,
+                                    workload=dict(num_prompts=args.num_prompts, output_len=args.max_tokens,
+                                                  temperature=0.0, reference_kv_cache_dtype=ref_name))
+    record.notes.update(result)
+    record.write(args.json_out)
+    return 0
