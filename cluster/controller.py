@@ -71,7 +71,6 @@ class ControllerConfig:
 @dataclass(slots=True)
 class StreamItem:
     delta: RequestDelta
-    logprob_texts: dict[int, str]
 
 
 @dataclass
@@ -290,7 +289,7 @@ class Controller:
             if delta.token_ids:
                 live.first_token_at = live.first_token_at or now
                 live.last_token_at = now
-            live.queue.put_nowait(StreamItem(delta, report.logprob_texts))
+            live.queue.put_nowait(StreamItem(delta))
             if delta.finished:
                 self._end(delta.request_id, None, outcome=delta.finish_reason or "stop", num=delta.num_generated)
 

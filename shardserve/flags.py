@@ -77,11 +77,11 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per SamplingParams field (but those excluded), with SamplingParams' defaults except the CLI's own
+    """One flag per SamplingParams field (but those excluded, and the API-only ones: n, best_of), with SamplingParams' defaults except the CLI's own
     (CLI_SAMPLING_DEFAULTS)."""
     hints = typing.get_type_hints(SamplingParams)
     for f in fields(SamplingParams):
-        if f.name not in exclude:
+        if f.name not in exclude and f.metadata.get("cli", True):
             default = CLI_SAMPLING_DEFAULTS.get(f.name, None if f.default is MISSING else f.default)
             _add_flag(parser, f, hints[f.name], default)
 

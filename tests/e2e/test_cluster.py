@@ -74,9 +74,9 @@ def reference(cluster_and_reference):
 def assert_greedy_matches(ours: list[int], ref, tie_tol: float = 1e-3) -> None:
     """Identical to the reference, or the first difference is a near-tie in the reference's own logprobs; a
     shorter `ours` (an aborted request) is compared as a prefix."""
-    for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
+    for i, (a, b) in enumerate(zip(ours, ref.outputs[0].token_ids)):
         if a != b:
-            top = dict(zip(ref.logprobs[i].top_ids, ref.logprobs[i].top_logprobs))
+            top = {t: lp.logprob for t, lp in ref.outputs[0].logprobs[i].items()}
             assert a in top and top[b] - top[a] <= tie_tol, (
                 f"position {i}: we chose {a}, the reference {b} with top-5 {top}: not a near-tie"
             )
