@@ -28,7 +28,8 @@ def add_cluster_parsers(sub) -> None:
     serve.add_argument("--drain-timeout", type=float, default=30.0,
                        help="seconds in-flight requests may take to finish after SIGTERM")
     serve.add_argument("--placement-strategy", default="STRICT_PACK",
-                       choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"])
+                       choices=["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"],
+                       help="how a TP group's ranks are placed on Ray nodes (STRICT_PACK: all on one node)")
     serve.add_argument("--served-model-name", default=None, help="the name GetModelInfo reports")
     serve.add_argument("--http-port", type=int, default=None,
                        help="also serve the OpenAI-compatible HTTP gateway on this port (0 = any free port)")
@@ -37,7 +38,7 @@ def add_cluster_parsers(sub) -> None:
 
     client = sub.add_parser("client", help="send prompts to a running `shardserve serve`")
     client.add_argument("prompt", nargs="?", help="one prompt; its text is printed as it arrives")
-    client.add_argument("--address", default="127.0.0.1:50051")
+    client.add_argument("--address", default="127.0.0.1:50051", help="the server's gRPC address, HOST:PORT")
     client.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     client.add_argument("--file", help="a JSON-lines file of prompts: {\"prompt\": ...} or {\"messages\": [...]} "
                         "or {\"token_ids\": [...]}, optionally with sampling fields")
