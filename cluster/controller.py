@@ -87,7 +87,7 @@ class Controller:
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self.state = State.STARTING
-        self.metrics = ControllerMetrics()
+        self.metrics = ControllerMetrics(config.model.name)
         self.address: str | None = None
         self.metrics_address: str | None = None
         self.has_chat_template = False
@@ -282,7 +282,7 @@ class Controller:
         self.metrics.observe_stats(report.stats)
         now = time.perf_counter()
         for delta in report.deltas:
-            self.metrics.generation_tokens.inc(len(delta.token_ids))
+            self.metrics.observe_delta(delta)
             live = self._live.get(delta.request_id)
             if live is None:  # cancelled by its client, or cut off by a drain
                 continue

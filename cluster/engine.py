@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -170,6 +171,10 @@ class Engine:
     def _count(self, plan: StepPlan) -> None:
         self.num_steps += 1
         self.num_computed_tokens += plan.num_batched_tokens
+        for new in plan.new_requests:
+            seq = self.scheduler.requests.get(new.req_id)
+            if seq is not None and seq.first_scheduled_at is None:
+                seq.first_scheduled_at = time.perf_counter()
 
     def _apply(self, plan: StepPlan, result: StepResult, deltas: list[RequestDelta]) -> None:
         """Applies a result: appends the tokens, runs the stop checks, adds a delta per request that got a token."""
@@ -237,6 +242,8 @@ class Engine:
             token_ids=seq.output_token_ids[start:],
             logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs if start == 0 else None,
+            queue_time_s=(seq.first_scheduled_at - seq.arrived_at
+                          if start == 0 and seq.first_scheduled_at is not None else None),
             finished=final,
             finish_reason=seq.finish_reason if final else None,
             stop_reason=seq.stop_reason if final else None,

@@ -8,6 +8,7 @@ blocks once) and when a preempted request is resent to the workers in full.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,8 @@ class Request:
     arrival: int = 0  # FCFS order; preemption picks the highest
     prompt: str | None = None
     stop_token_set: frozenset[int] = frozenset()  # spec.stop_token_ids, for O(1) checks each step
+    arrived_at: float = field(default_factory=time.perf_counter)  # admission (perf_counter seconds)
+    first_scheduled_at: float | None = None  # the first plan that computed it (queue time = this - arrived_at)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + generated (tokens whose value is known)

@@ -47,6 +47,7 @@ def gated(default_model_dir):
         model=ServedModel("smollm2", facts.architecture, facts.vocab_size, facts.eos_token_ids, facts.bos_token_id),
         build_engine=EngineFactory(executor),
         port=0,
+        metrics_port=0,
         replica="test-replica",
     ))
     served.gate = executor.gate
@@ -219,3 +220,38 @@ def test_finished_reports_the_stop_string_or_stop_token_that_matched(address):
     assert by_string.finish_reason == "stop" and by_string.stop_reason == word
     assert by_token.finish_reason == "stop" and by_token.stop_reason == str(free.token_ids[1])  # a string on the wire
     assert by_length.finish_reason == "length" and by_length.stop_reason is None
+
+
+def test_metrics_have_vllms_names_types_and_the_model_name_label(gated, address):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with Client(address, timeout=120) as client:
+        for _ in range(2):  # the second one finds the first one's prompt blocks in the prefix cache
+            client.generate("The capital of France is a city that " * 4, temperature=0, max_tokens=3)
+    metrics_address = gated.controller.metrics_address
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    expected = {
+        "shardserve:requests": "counter", "shardserve:prompt_tokens": "counter",
+        "shardserve:generation_tokens": "counter", "shardserve:prefix_cache_queries": "counter",
+        "shardserve:prefix_cache_hits": "counter", "shardserve:num_requests_waiting": "gauge",
+        "shardserve:num_requests_running": "gauge", "shardserve:kv_cache_usage_perc": "gauge",
+        "shardserve:kv_cache_blocks": "gauge", "shardserve:kv_cache_blocks_used": "gauge",
+        "shardserve:kv_cache_blocks_cached": "gauge", "shardserve:engine_step_seconds": "histogram",
+        "shardserve:e2e_request_latency_seconds": "histogram", "shardserve:request_queue_time_seconds": "histogram",
+        "shardserve:time_to_first_token_seconds": "histogram", "shardserve:time_per_output_token_seconds": "histogram",
+    }
+    assert {name: families[name].type for name in expected if name in families} == expected
+    samples = [s for f in families.values() for s in f.samples]
+    assert not [s.name for s in samples if s.name.endswith("_created")]
+    assert not [f.name for f in families.values() if f.type == "gauge" and f.name.endswith("_total")]
+    assert all(s.labels.get("model_name") == "smollm2" for s in samples)  # as ServedModel names it
+    value = {(s.name, s.labels.get("outcome")): s.value for s in samples}
+    assert value[("shardserve:requests_total", "length")] >= 2
+    assert value[("shardserve:prefix_cache_hits_total", None)] > 0
+    assert value[("shardserve:prefix_cache_queries_total", None)] > value[("shardserve:prefix_cache_hits_total", None)]
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "time_to_first_token_seconds"):
+        assert value[(f"shardserve:{name}_count", None)] >= 2, name
+    assert 0 <= value[("shardserve:kv_cache_usage_perc", None)] <= 1
