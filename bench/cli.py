@@ -13,9 +13,10 @@ def add_bench_parser(sub) -> None:
 
     offline = kinds.add_parser("offline", help="throughput of a batch of random prompts")
     add_engine_args(offline)
-    offline.add_argument("--num-prompts", type=int, default=256, help="how many random prompts")
-    offline.add_argument("--input-len", default="100-1024", help="N or LOW-HIGH (uniform)")
-    offline.add_argument("--output-len", default="100-1024", help="N or LOW-HIGH (uniform)")
+    offline.add_argument("--num-prompts", default="auto",
+                         help="how many random prompts (auto: 256 on CUDA, 16 on CPU)")
+    offline.add_argument("--input-len", default="auto", help="N or LOW-HIGH (uniform; auto: 100-1024 on CUDA, 32-128 on CPU)")
+    offline.add_argument("--output-len", default="auto", help="N or LOW-HIGH (uniform; auto: 100-1024 on CUDA, 32-128 on CPU)")
     offline.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of every request")
     offline.add_argument("--compare", choices=["hf"], default=None, help="also run transformers on a sample")
     offline.add_argument("--hf-prompts", type=int, default=64, help="how many prompts transformers runs")
