@@ -152,7 +152,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             vocab_size=model.vocab_size,
             eos_token_ids=model.eos_token_ids,
             has_chat_template=c.has_chat_template,
-            tokenizer=cfg.tokenizer or "",
+            tokenizer=model.name if cfg.tokenizer else "",  # the model's own; never a server path
             tensor_parallel_size=cfg.tensor_parallel_size,
             replicas=1,
             dtype=cfg.dtype,

@@ -74,10 +74,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _check_port_free("0.0.0.0", args.metrics_port, "--metrics-port")
     if args.http_port:
         _check_port_free(args.http_host or args.host, args.http_port, "--http-port")
+    from shardserve.models import display_name
+
     config = build_engine_config(**engine_kwargs(args))
     return serve(config, ray_address=args.ray_address, host=args.host, port=args.port,
                  worker_host=args.worker_host, metrics_port=args.metrics_port, drain_timeout_s=args.drain_timeout,
-                 strategy=args.placement_strategy, model_name=args.served_model_name,
+                 strategy=args.placement_strategy, model_name=args.served_model_name or display_name(args.model),
                  max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host)
 
 

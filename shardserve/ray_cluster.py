@@ -76,7 +76,10 @@ class RunningCluster:
 
 
 def _model_name(config: EngineConfig, requested: str | None) -> str:
-    return requested or os.path.basename(config.model.rstrip("/"))
+    """--served-model-name, else the model's name without its server path (shardserve/models.py: display_name)."""
+    from shardserve.models import display_name
+
+    return requested or display_name(config.model.rstrip("/"))
 
 
 def served_model(config: EngineConfig, name: str):
