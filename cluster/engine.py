@@ -25,7 +25,7 @@ from shardserve.cluster.admission import Prompt, RequestLimits, check_request, e
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.detokenizer import IncrementalDetokenizer
 from shardserve.cluster.executor import Executor
-from shardserve.cluster.outputs import CompletionOutput, RequestDelta, RequestOutput, position_logprobs
+from shardserve.cluster.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenTexts, position_logprobs
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
 from shardserve.cluster.request import Request
@@ -81,7 +81,7 @@ class Engine:
         self.num_finished = 0
         self.async_scheduling = self._resolve_async_scheduling(config, executor)
         self._in_flight: deque[StepPlan] = deque()  # submitted, results not collected yet (async only)
-        self._token_texts: dict[int, str] = {}  # token id -> the token alone, decoded (logprobs' decoded_token)
+        self._token_text = TokenTexts(tokenizer)  # logprobs' decoded_token
 
     @staticmethod
     def _resolve_async_scheduling(config: EngineConfig, executor: Executor) -> bool:
@@ -203,16 +203,6 @@ class Engine:
                 if position < len(seq.prompt_logprobs) and seq.prompt_logprobs[position] is None:
                     token = seq.prompt_token_ids[position]
                     seq.prompt_logprobs[position] = position_logprobs(token, lp, self._token_text)
-
-    def _token_text(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            if len(self._token_texts) < 65536:  # a bounded cache: vocabularies are ~50k-250k
-                self._token_texts[token_id] = text
-        return text
 
     def _check_stop(self, seq: Request) -> str | None:
         token = seq.output_token_ids[-1]

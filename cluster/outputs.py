@@ -20,6 +20,24 @@ class Logprob:
 PositionLogprobs = dict[int, Logprob]
 
 
+class TokenTexts:
+    """Token id -> the token alone, decoded (Logprob.decoded_token), cached; None without a tokenizer."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            if len(self._texts) < 65536:  # a bounded cache: vocabularies are ~50k-250k
+                self._texts[token_id] = text
+        return text
+
+
 def position_logprobs(token_id: int, lp: TokenLogprobs, decode: Callable[[int], str | None]) -> PositionLogprobs:
     """The wire's TokenLogprobs of `token_id` as vLLM's dict."""
     entries = {token_id: Logprob(lp.logprob, lp.rank, decode(token_id))}
