@@ -48,6 +48,8 @@ def _add_flag(parser: argparse.ArgumentParser, f: Field, hint, default, flags=No
     if default is not None and not isinstance(default, bool):
         help += " (default: %(default)s)"
     kwargs = dict(dest=dest or _dest(f, base), default=default, help=help)
+    if dest and base is not bool:
+        kwargs["metavar"] = f.name.upper()  # --request-seed SEED, not SAMPLING_SEED
     if base is bool:
         if optional or (default and not flags[0].startswith("--no-")):
             kwargs["action"] = argparse.BooleanOptionalAction  # --x / --no-x (vLLM's --[no-]enable-prefix-caching)
