@@ -7,6 +7,7 @@ around the worker's step.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -161,8 +162,10 @@ def _graphs_summary(executor: Any) -> str | None:
             f"{graphs.memory_bytes / 2**20:.0f} MiB, captured in {graphs.capture_s:.1f} s")
 
 
-def run_workload(bench: BenchEngine, workload: Workload, temperature: float, seed: int = 0) -> EngineRun:
-    """Adds every prompt (ignore_eos, fixed max_tokens), steps the engine until all finish, times each step."""
+def run_workload(bench: BenchEngine, workload: Workload, temperature: float, seed: int = 0,
+                 progress: str | None = None) -> EngineRun:
+    """Adds every prompt (ignore_eos, fixed max_tokens), steps the engine until all finish, times each step.
+    progress: a label for a tqdm bar on stderr over the output tokens (its rate and ETA), None for none."""
     from shardserve.cluster.sampling_params import SamplingParams
 
     engine = bench.engine
@@ -174,6 +177,11 @@ def run_workload(bench: BenchEngine, workload: Workload, temperature: float, see
         ids.append(req_id)
     run = EngineRun(0.0, 0, workload.num_prompt_tokens)
     timings = bench.executor.timings
+    bar = None
+    if progress is not None:
+        from tqdm import tqdm
+
+        bar = tqdm(total=workload.num_output_tokens, desc=progress, unit="tok", file=sys.stderr, dynamic_ncols=True)
     start = time.perf_counter()
     while engine.has_unfinished():
         before = len(timings)
@@ -181,8 +189,13 @@ def run_workload(bench: BenchEngine, workload: Workload, temperature: float, see
         deltas = engine.step()
         run.step_ms.append((time.perf_counter() - t0) * 1e3)
         run.steps.append(timings[-1] if len(timings) > before else None)
-        run.output_tokens += sum(len(d.token_ids) for d in deltas)
+        new_tokens = sum(len(d.token_ids) for d in deltas)
+        run.output_tokens += new_tokens
+        if bar is not None:
+            bar.update(new_tokens)
     run.elapsed_s = time.perf_counter() - start
+    if bar is not None:
+        bar.close()
     for req_id in ids:
         engine.pop_output(req_id)
     return run

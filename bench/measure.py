@@ -30,15 +30,16 @@ def free_device_memory() -> None:
 
 
 def run_engine(config, workload: Workload, temperature: float, seed: int, vocab: int, executor: str = "local",
-               sample: Workload | None = None, profile_path: str | None = None,
+               sample: Workload | None = None, profile_path: str | None = None, progress: str | None = None,
                ) -> tuple[EngineRun, EngineRun | None, str | None, float]:
     """Runs the workload (and the transformers sample, when given) on one engine; returns the runs, what the
-    runner captured as CUDA graphs, and this process's peak memory."""
+    runner captured as CUDA graphs, and this process's peak memory. progress: a label for a progress bar (stderr)
+    over the timed run's output tokens."""
     bench = open_engine(config, executor)
     try:
         warm_up(bench, vocab)
         with profiled(profile_path, config.device):
-            run = run_workload(bench, workload, temperature, seed)
+            run = run_workload(bench, workload, temperature, seed, progress=progress)
         sample_run = None
         if sample is not None:
             same = sample.prompts == workload.prompts and sample.output_lens == workload.output_lens

@@ -5,6 +5,7 @@ transformers (--compare hf) and through the Ray + gRPC cluster (--cluster)."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from shardserve.bench.harness import EngineRun, phase_split
 from shardserve.bench.measure import control_plane_share, run_engine
@@ -24,11 +25,28 @@ def ceiling(config, workload: Workload, rates) -> dict | None:
     return result
 
 
+# The workload when not given: nano-vllm's on a GPU; on a CPU one that ends in about a minute with the default model.
+DEFAULTS = {"cuda": dict(num_prompts="256", input_len="100-1024", output_len="100-1024"),
+            "cpu": dict(num_prompts="16", input_len="32-128", output_len="32-128")}
+
+
+def resolve_workload_args(args: argparse.Namespace, device: str) -> None:
+    """Fills the "auto" workload flags for the device the engine runs on."""
+    for name, value in DEFAULTS["cuda" if device == "cuda" else "cpu"].items():
+        if getattr(args, name) == "auto":
+            setattr(args, name, value)
+    try:
+        args.num_prompts = int(args.num_prompts)
+    except ValueError:
+        raise ValueError(f"--num-prompts must be an integer or auto, got {args.num_prompts!r}") from None
+
+
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.bench.roofline import measure_rates
     from shardserve.config import build_engine_config, read_model_facts
 
     config = build_engine_config(**engine_kwargs)
+    resolve_workload_args(args, config.device)
     vocab = read_model_facts(config.model).vocab_size
     # The rates first: the engine takes most of the device memory once it runs.
     rates = None if args.no_roofline else measure_rates(config.device)
@@ -43,7 +61,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
           f"{workload.num_output_tokens} output tokens; device {config.device}, dtype {config.dtype}, "
           f"tp {config.tensor_parallel_size}", flush=True)
     run, sample_run, graphs, peak = run_engine(config, workload, args.temperature, args.seed, vocab, sample=sample,
-                                               profile_path=args.profile)
+                                               profile_path=args.profile, progress="shardserve")
     tok_s = run.output_tokens_per_s
     print(f"shardserve: {run.output_tokens} tokens in {run.elapsed_s:.2f} s = {tok_s:.1f} output tok/s "
           f"(CUDA graphs: {graphs or 'see the worker logs'})", flush=True)
@@ -73,12 +91,16 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         print(f"fraction of the ceiling: {tok_s:.0f} / {bound['ceiling_output_tokens_per_s']:.0f} = "
               f"{record.notes['fraction_of_ceiling']:.1%}", flush=True)
     record.write(args.json_out)  # kept if a comparison below fails or hangs
+    if args.json_out:
+        print(f"record: {os.path.abspath(args.json_out)}", flush=True)
     if args.cluster:
         _compare_cluster(args, config, workload, vocab, tok_s, record)
         record.write(args.json_out)
     if sample_run is not None:
         _compare_hf(args, config, sample, sample_run, record)
         record.write(args.json_out)
+    if args.json_out and (args.cluster or sample_run is not None):
+        print(f"record (with the comparisons): {os.path.abspath(args.json_out)}", flush=True)
     return 0
 
 

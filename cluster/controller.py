@@ -40,7 +40,7 @@ class Controller:
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self.state = State.STARTING
-        self.metrics = ControllerMetrics()
+        self.metrics = ControllerMetrics(config.model.name)
         self.address: str | None = None
         self.metrics_address: str | None = None
         self.has_chat_template = False
@@ -266,17 +266,17 @@ class Controller:
         if report.block_events:
             self.router.apply_events(self._position[replica.id], report.block_events)
         self.metrics.step_time.observe(report.step_s)
-        self.metrics.observe_stats(report.stats)
+        self.metrics.observe_stats(report.stats, replica.id)
         now = time.perf_counter()
         for delta in report.deltas:
-            self.metrics.generation_tokens.inc(len(delta.token_ids))
+            self.metrics.observe_delta(delta)
             live = self._live.get(delta.request_id)
             if live is None:  # cancelled by its client, or cut off by a drain
                 continue
             if delta.token_ids:
                 live.first_token_at = live.first_token_at or now
                 live.last_token_at = now
-            live.queue.put_nowait(StreamItem(delta, report.logprob_texts))
+            live.queue.put_nowait(StreamItem(delta))
             if delta.finished:
                 self._end(delta.request_id, None, outcome=delta.finish_reason or "stop", num=delta.num_generated)
 

@@ -60,7 +60,6 @@ class ControllerConfig:
 @dataclass(slots=True)
 class StreamItem:
     delta: RequestDelta
-    logprob_texts: dict[int, str]
 
 
 @dataclass

@@ -8,7 +8,8 @@ completes. The window starts a few prompt tokens back so that tokenizers which d
 decoding a sequence's first token (SentencePiece) still produce the right first characters.
 
 Stop strings are searched only in the newly decoded area (plus the longest stop string's length before it). The
-text is truncated before the first match, so a stop string never appears in the output; while streaming, the last
+text is truncated before the first match, so a stop string never appears in the output (unless include_stop_str
+keeps it, as vLLM's include_stop_str_in_output); while streaming, the last
 len(longest stop) - 1 characters are held back because they might still turn into a stop string.
 """
 
@@ -27,9 +28,11 @@ class IncrementalDetokenizer:
         prompt_token_ids: list[int],
         stop: list[str] | None = None,
         skip_special_tokens: bool = True,
+        include_stop_str: bool = False,
     ) -> None:
         self.tokenizer = tokenizer  # anything with decode(ids, skip_special_tokens=...): transformers or tokenizers
         self.skip_special_tokens = skip_special_tokens
+        self.include_stop_str = include_stop_str  # keep a matched stop string at the end of the text
         self.stop = list(stop or [])
         self.hold_back = max((len(s) for s in self.stop), default=1) - 1
         self._ids = list(prompt_token_ids[-PROMPT_CONTEXT_TOKENS:])
@@ -44,8 +47,8 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int, check_stop: bool = True) -> bool:
         """Decodes one generated token. Returns True when the text now contains a stop string (then `text`
-        ends right before it and later tokens must not be added). check_stop=False (min_tokens not reached
-        yet) only decodes."""
+        ends right before it, or right after it with include_stop_str, and later tokens must not be added).
+        check_stop=False (min_tokens not reached yet) only decodes."""
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])
@@ -76,7 +79,7 @@ class IncrementalDetokenizer:
                 best, self.stopped_by = idx, s
         if best == -1:
             return False
-        self.text = self.text[:best]
+        self.text = self.text[: best + (len(self.stopped_by) if self.include_stop_str else 0)]
         return True
 
     def take_delta(self, final: bool) -> str:

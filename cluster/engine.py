@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ from shardserve.cluster.admission import Prompt, RequestLimits, check_request, e
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.detokenizer import IncrementalDetokenizer
 from shardserve.cluster.executor import Executor
-from shardserve.cluster.outputs import RequestDelta, RequestOutput
+from shardserve.cluster.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenTexts, position_logprobs
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
 from shardserve.cluster.request import Request
@@ -86,6 +87,7 @@ class Engine:
         self.num_restarts = 0  # executors replaced after a failure (restart)
         self.async_scheduling = self._resolve_async_scheduling(config, executor)
         self._in_flight: deque[StepPlan] = deque()  # submitted, results not collected yet (async only)
+        self._token_text = TokenTexts(tokenizer)  # logprobs' decoded_token
 
     @staticmethod
     def _resolve_async_scheduling(config: EngineConfig, executor: Executor) -> bool:
@@ -129,7 +131,9 @@ class Engine:
         spec = params.to_spec(self.eos_token_ids, self._seeds.getrandbits(63))
         seq = Request(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=prompt)
         if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.stop)
+            seq.detokenizer = IncrementalDetokenizer(
+                self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+            )
         for token in resumed:
             seq.append_token(token)
             if seq.detokenizer is not None:
@@ -204,17 +208,38 @@ class Engine:
     def _count(self, plan: StepPlan) -> None:
         self.num_steps += 1
         self.num_computed_tokens += plan.num_batched_tokens
+        for new in plan.new_requests:
+            seq = self.scheduler.requests.get(new.req_id)
+            if seq is not None and seq.first_scheduled_at is None:
+                seq.first_scheduled_at = time.perf_counter()
 
     def _apply(self, plan: StepPlan, result: StepResult, deltas: list[RequestDelta]) -> None:
         """Applies a result: appends the tokens, runs the stop checks, adds a delta per request that got a token."""
+        if result.prompt_logprobs:
+            self._apply_prompt_logprobs(result)
         for seq in self.scheduler.update(plan, result):
             self.num_generated_tokens += 1
+            if seq.logprobs is not None and seq.logprobs[-1] is not None:
+                lp = seq.logprobs[-1]
+                seq.cumulative_logprob += lp.logprob
+                seq.logprobs[-1] = position_logprobs(seq.output_token_ids[-1], lp, self._token_text)
             reason = self._check_stop(seq)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 deltas.append(self._on_finished(seq))
             else:
                 deltas.append(self._delta(seq, final=False))
+
+    def _apply_prompt_logprobs(self, result: StepResult) -> None:
+        """Fills the prompt positions a result scored (once each: a recomputed request reports them again)."""
+        for entry in result.prompt_logprobs:
+            seq = self.scheduler.requests.get(entry.req_id)
+            if seq is None or seq.prompt_logprobs is None:
+                continue
+            for position, lp in enumerate(entry.logprobs, start=entry.start):
+                if position < len(seq.prompt_logprobs) and seq.prompt_logprobs[position] is None:
+                    token = seq.prompt_token_ids[position]
+                    seq.prompt_logprobs[position] = position_logprobs(token, lp, self._token_text)
 
     def _check_stop(self, seq: Request) -> str | None:
         token = seq.output_token_ids[-1]
@@ -223,8 +248,10 @@ class Engine:
         # The workers mask stop ids for the first min_tokens tokens; the check here mirrors that.
         if token in seq.stop_token_set and n > min_tokens:
             if token in seq.params.stop_token_ids:  # a user stop token is reported; EOS is not (as vLLM)
-                seq.stop_reason = str(token)
-            return "stop"  # the stop token stays in token_ids; its text is never added
+                seq.stop_reason = token
+            if seq.detokenizer is not None and seq.params.include_stop_str_in_output:
+                seq.detokenizer.add_token(token, check_stop=False)  # its text (none for a skipped special token)
+            return "stop"  # the stop token stays in token_ids; its text is added only with include_stop_str_in_output
         if seq.detokenizer is not None and seq.detokenizer.add_token(token, check_stop=n >= min_tokens):
             seq.stop_reason = seq.detokenizer.stopped_by
             return "stop"
@@ -241,6 +268,9 @@ class Engine:
             text=seq.detokenizer.take_delta(final) if seq.detokenizer is not None else "",
             token_ids=seq.output_token_ids[start:],
             logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs if start == 0 else None,
+            queue_time_s=(seq.first_scheduled_at - seq.arrived_at
+                          if start == 0 and seq.first_scheduled_at is not None else None),
             finished=final,
             finish_reason=seq.finish_reason if final else None,
             stop_reason=seq.stop_reason if final else None,
@@ -256,15 +286,21 @@ class Engine:
         return self._delta(seq, final=True)
 
     def _output(self, seq: Request) -> RequestOutput:
+        completion = CompletionOutput(
+            index=0,
+            text=seq.detokenizer.text if seq.detokenizer is not None else "",
+            token_ids=list(seq.output_token_ids),
+            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+        )
         return RequestOutput(
             request_id=seq.req_id,
             prompt=seq.prompt,
             prompt_token_ids=seq.prompt_token_ids,
-            text=seq.detokenizer.text if seq.detokenizer is not None else "",
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
+            outputs=[completion],
             finished=seq.is_finished,
             num_cached_tokens=seq.num_cached_tokens,
         )

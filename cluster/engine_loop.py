@@ -39,7 +39,6 @@ class StepReport:
     deltas: list[RequestDelta]
     step_s: float  # wall time of engine.step()
     stats: EngineStats  # after the step
-    logprob_texts: dict[int, str]  # token id -> its text, for every id in the deltas' logprobs
     block_events: list[tuple[int, bool]]  # the prefix cache's (hash, stored) events of this step, for the router
 
 
@@ -94,7 +93,6 @@ class EngineLoop:
         self._stopped = False
         self._stopping = threading.Event()  # wakes the restart thread's backoff
         self._thread = threading.Thread(target=self._run, name="shardserve-engine-loop", daemon=True)
-        self._token_texts: dict[int, str] = {}
 
     def start(self) -> None:
         self._thread.start()
@@ -212,30 +210,7 @@ class EngineLoop:
         for delta in deltas:
             if delta.finished:
                 self.engine.pop_output(delta.request_id)  # the stream has everything; free the id
-        self._on_step(StepReport(deltas, step_s, self.engine.stats(), self._texts_of_logprobs(deltas),
-                                 self.engine.block_manager.take_events()))
-
-    def _texts_of_logprobs(self, deltas: list[RequestDelta]) -> dict[int, str]:
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None:
-            return {}
-        texts: dict[int, str] = {}
-        for delta in deltas:
-            for lp, token in zip(delta.logprobs or (), delta.token_ids):
-                if lp is None:
-                    continue
-                for t in (token, *lp.top_ids):
-                    if t not in texts:
-                        texts[t] = self._token_text(t)
-        return texts
-
-    def _token_text(self, token_id: int) -> str:
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self.engine.tokenizer.decode([token_id])
-            if len(self._token_texts) < 65536:  # a bounded cache: vocabularies are ~50k-250k
-                self._token_texts[token_id] = text
-        return text
+        self._on_step(StepReport(deltas, step_s, self.engine.stats(), self.engine.block_manager.take_events()))
 
     def _fail_queued(self, error: BaseException) -> None:
         while (item := self._get_nowait()) is not ...:

@@ -24,6 +24,7 @@ from grpc_reflection.v1alpha import reflection
 
 from shardserve.cluster.api_security import ApiSecurity
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
+from shardserve.cluster.outputs import RequestDelta, top_entries
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
@@ -71,21 +72,27 @@ def request_from_proto(msg: pb.GenerateRequest) -> tuple[object, SamplingParams,
     return prompt, params, msg.request_id if msg.HasField("request_id") else None
 
 
-def delta_to_proto(item) -> pb.GenerateResponse:
-    """A StreamItem (cluster/controller.py): a delta and the texts of its logprobs' tokens."""
-    d = item.delta
+def delta_to_proto(delta: RequestDelta, params: SamplingParams) -> pb.GenerateResponse:
+    """A delta, with its logprobs (vLLM's dicts) as TokenLogprob messages: the chosen token and the top N asked."""
     msg = pb.GenerateResponse()
-    msg.delta.text = d.text
-    msg.delta.token_ids.extend(d.token_ids)
-    if d.logprobs:
-        texts = item.logprob_texts
-        for token, lp in zip(d.token_ids, d.logprobs):
-            if lp is None:
-                continue
-            entry = msg.delta.logprobs.add(token_id=token, logprob=lp.logprob, text=texts.get(token, ""))
-            for top_id, top_lp in zip(lp.top_ids, lp.top_logprobs):
-                entry.top_logprobs.add(token_id=top_id, logprob=top_lp, text=texts.get(top_id, ""))
+    msg.delta.text = delta.text
+    msg.delta.token_ids.extend(delta.token_ids)
+    if delta.logprobs:
+        _add_logprobs(msg.delta.logprobs, delta.logprobs, params.logprobs or 0)
+    if delta.prompt_logprobs:
+        _add_logprobs(msg.delta.prompt_logprobs, delta.prompt_logprobs, params.prompt_logprobs or 0)
     return msg
+
+
+def _add_logprobs(field, entries, n: int) -> None:
+    """Each position's dict starts with its own token (cluster/outputs.py: position_logprobs)."""
+    for entry in entries:
+        if entry is None:
+            continue
+        token, chosen = next(iter(entry.items()))
+        lp = field.add(token_id=token, logprob=chosen.logprob, text=chosen.decoded_token or "", rank=chosen.rank or 0)
+        for top_id, top in top_entries(entry, n):
+            lp.top_logprobs.add(token_id=top_id, logprob=top.logprob, text=top.decoded_token or "")
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -113,8 +120,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if isinstance(item, BaseException):
                     finished = True  # the controller has already forgotten it
                     await context.abort(*status_of(item))
-                if item.delta.token_ids or item.delta.text:
-                    yield delta_to_proto(item)
+                if item.delta.token_ids or item.delta.text or item.delta.prompt_logprobs:
+                    yield delta_to_proto(item.delta, params)
                 if item.delta.finished:
                     finished = True
                     d = item.delta
@@ -122,7 +129,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                         finish_reason=FINISH_REASONS.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
                         usage=pb.Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated),
                         replica=live.replica.id,
-                        stop_reason=d.stop_reason or "",
+                        stop_reason="" if d.stop_reason is None else str(d.stop_reason),
                     ))
                     return
         finally:
@@ -146,7 +153,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             vocab_size=model.vocab_size,
             eos_token_ids=model.eos_token_ids,
             has_chat_template=c.has_chat_template,
-            tokenizer=cfg.tokenizer or "",
+            tokenizer=model.name if cfg.tokenizer else "",  # the model's own; never a server path
             tensor_parallel_size=cfg.tensor_parallel_size,
             replicas=c.config.num_replicas,
             dtype=cfg.dtype,

@@ -1,62 +1,103 @@
-"""Prometheus metrics of one controller: request outcomes, token counts, queue and KV-cache gauges, latencies.
+"""Prometheus metrics of one controller, named and typed as vLLM's (`vllm:` -> `shardserve:`): request outcomes,
+token counters, queue and KV-cache gauges (usage as a fraction), prefix-cache queries and hits (tokens), and the
+latency histograms operators chart: end-to-end, queue time, time to first token, time per output token.
 
-Each controller has its own registry (not prometheus_client's global one), so several controllers in one process
-(tests) never collide, and /metrics shows exactly this controller's series.
+Every series carries a `model_name` label (the name GetModelInfo reports). Gauges never end in `_total` and no
+`_created` series is exported (prometheus_client's created samples are turned off for the process). Each controller
+has its own registry (not prometheus_client's global one), so several controllers in one process (tests) never
+collide, and /metrics shows exactly this controller's series.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.exposition import start_http_server
+
+disable_created_metrics()
 
 # Seconds. CPU steps of the default model take ~0.05-1 s; GPU decode steps a few ms.
 _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+_REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
 
 OUTCOMES = ("stop", "length", "abort", "rejected", "error")
 
 
+class _ByOutcome:
+    """The requests counter with this controller's model_name already applied: .labels(outcome)."""
+
+    def __init__(self, counter: Counter, model_name: str) -> None:
+        self._counter, self._model_name = counter, model_name
+
+    def labels(self, outcome: str):
+        return self._counter.labels(model_name=self._model_name, outcome=outcome)
+
+
 class ControllerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter(
-            "shardserve_requests", "Requests by outcome: stop, length, abort, rejected (bad input or draining), "
-            "error (worker failure)", ["outcome"], registry=r,
-        )
-        self.prompt_tokens = Counter("shardserve_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
-        self.generation_tokens = Counter("shardserve_generation_tokens", "Generated tokens", registry=r)
-        self.num_waiting = Gauge("shardserve_requests_waiting", "Requests waiting to be scheduled", registry=r)
-        self.num_running = Gauge("shardserve_requests_running", "Requests in the running batch", registry=r)
-        self.kv_blocks_total = Gauge("shardserve_kv_blocks_total", "KV-cache blocks", registry=r)
-        self.kv_blocks_used = Gauge("shardserve_kv_blocks_used", "KV-cache blocks held by live requests", registry=r)
-        self.kv_blocks_cached = Gauge(
-            "shardserve_kv_blocks_cached", "KV-cache blocks findable by prefix lookup", registry=r
-        )
-        self.step_time = Histogram(
-            "shardserve_step_seconds", "Engine step time (schedule, workers, outputs)", buckets=_STEP_BUCKETS,
-            registry=r,
-        )
-        self.ttft = Histogram(
-            "shardserve_time_to_first_token_seconds", "From admission to the first generated token",
-            buckets=_TTFT_BUCKETS, registry=r,
-        )
-        self.tpot = Histogram(
-            "shardserve_time_per_output_token_seconds", "Mean time per generated token after the first, per request",
-            buckets=_TPOT_BUCKETS, registry=r,
-        )
+        r, m = self.registry, ["model_name"]
+
+        def one(kind, name: str, doc: str, **options):
+            return kind(f"shardserve:{name}", doc, m, registry=r, **options).labels(model_name=model_name)
+
+        self.requests = _ByOutcome(Counter(
+            "shardserve:requests", "Requests by outcome: stop, length, abort, rejected (bad input or draining), "
+            "error (worker failure)", m + ["outcome"], registry=r,
+        ), model_name)
+        self.prompt_tokens = one(Counter, "prompt_tokens", "Prompt tokens of admitted requests")
+        self.generation_tokens = one(Counter, "generation_tokens", "Generated tokens")
+        self.prefix_cache_queries = one(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+        self.prefix_cache_hits = one(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.num_waiting = one(Gauge, "num_requests_waiting", "Requests waiting to be scheduled")
+        self.num_running = one(Gauge, "num_requests_running", "Requests in the running batch")
+        self.kv_usage = one(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)")
+        self.kv_blocks = one(Gauge, "kv_cache_blocks", "KV-cache blocks")
+        self.kv_blocks_used = one(Gauge, "kv_cache_blocks_used", "KV-cache blocks held by live requests")
+        self.kv_blocks_cached = one(Gauge, "kv_cache_blocks_cached", "KV-cache blocks findable by prefix lookup")
+        self.step_time = one(Histogram, "engine_step_seconds", "Engine step time (schedule, workers, outputs)",
+                             buckets=_STEP_BUCKETS)
+        self.e2e = one(Histogram, "e2e_request_latency_seconds", "From admission to the last generated token",
+                       buckets=_REQUEST_BUCKETS)
+        self.queue_time = one(Histogram, "request_queue_time_seconds", "From admission to first being scheduled",
+                              buckets=_REQUEST_BUCKETS)
+        self.ttft = one(Histogram, "time_to_first_token_seconds", "From admission to the first generated token",
+                        buckets=_TTFT_BUCKETS)
+        self.tpot = one(Histogram, "time_per_output_token_seconds",
+                        "Mean time per generated token after the first, per request", buckets=_TPOT_BUCKETS)
         for outcome in OUTCOMES:  # so that every series exists from the start, at 0
             self.requests.labels(outcome)
+        # Per replica: its latest EngineStats (the gauges sum them) and the cumulative (prompt tokens, cached prompt
+        # tokens) last seen (the counters advance by the difference).
+        self._latest: dict[str, object] = {}
+        self._prefix_seen: dict[str, tuple[int, int]] = {}
         self._http = None
 
-    def observe_stats(self, stats) -> None:
-        """Sets the gauges from an EngineStats."""
-        self.num_waiting.set(stats.num_waiting)
-        self.num_running.set(stats.num_running)
-        self.kv_blocks_total.set(stats.num_kv_blocks)
-        self.kv_blocks_used.set(stats.num_kv_blocks_used)
-        self.kv_blocks_cached.set(stats.num_kv_blocks_cached)
+    def observe_stats(self, stats, replica: str = "") -> None:
+        """Sets the gauges from the replicas' latest EngineStats (summed over replicas) and advances the
+        prefix-cache counters by what this replica's stats add."""
+        self._latest[replica] = stats
+        latest = self._latest.values()
+        self.num_waiting.set(sum(s.num_waiting for s in latest))
+        self.num_running.set(sum(s.num_running for s in latest))
+        blocks = sum(s.num_kv_blocks for s in latest)
+        used = sum(s.num_kv_blocks_used for s in latest)
+        self.kv_usage.set(used / blocks if blocks else 0.0)
+        self.kv_blocks.set(blocks)
+        self.kv_blocks_used.set(used)
+        self.kv_blocks_cached.set(sum(s.num_kv_blocks_cached for s in latest))
+        queries, hits = stats.num_prompt_tokens, stats.num_cached_prompt_tokens
+        seen_queries, seen_hits = self._prefix_seen.get(replica, (0, 0))
+        self.prefix_cache_queries.inc(max(queries - seen_queries, 0))
+        self.prefix_cache_hits.inc(max(hits - seen_hits, 0))
+        self._prefix_seen[replica] = (queries, hits)
+
+    def observe_delta(self, delta) -> None:
+        """A RequestDelta: its tokens, and its queue time (on a request's first delta)."""
+        self.generation_tokens.inc(len(delta.token_ids))
+        if delta.queue_time_s is not None:
+            self.queue_time.observe(delta.queue_time_s)
 
     def observe_finished(self, outcome: str, first_token_s: float | None, last_token_s: float | None,
                          num_generated: int) -> None:
@@ -64,6 +105,8 @@ class ControllerMetrics:
         self.requests.labels(outcome).inc()
         if first_token_s is not None:
             self.ttft.observe(first_token_s)
+            if last_token_s is not None:
+                self.e2e.observe(last_token_s)
             if num_generated > 1 and last_token_s is not None:
                 self.tpot.observe((last_token_s - first_token_s) / (num_generated - 1))
 

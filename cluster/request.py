@@ -8,6 +8,7 @@ blocks once) and when a preempted request is resent to the workers in full.
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from shardserve.proto.plan import SamplingSpec, TokenLogprobs
 
 if TYPE_CHECKING:
     from shardserve.cluster.detokenizer import IncrementalDetokenizer
+    from shardserve.cluster.outputs import PositionLogprobs
 
 
 class RequestStatus(enum.Enum):
@@ -34,13 +36,18 @@ class Request:
     arrival: int = 0  # FCFS order; preemption picks the highest
     prompt: str | None = None
     stop_token_set: frozenset[int] = frozenset()  # spec.stop_token_ids, for O(1) checks each step
+    arrived_at: float = field(default_factory=time.perf_counter)  # admission (perf_counter seconds)
+    first_scheduled_at: float | None = None  # the first plan that computed it (queue time = this - arrived_at)
 
     status: RequestStatus = RequestStatus.WAITING
     token_ids: list[int] = field(default_factory=list)  # prompt + generated (tokens whose value is known)
     output_token_ids: list[int] = field(default_factory=list)  # generated only
-    logprobs: list[TokenLogprobs | None] | None = None  # one per generated token when asked for
+    # One per generated token when asked for: the workers' TokenLogprobs, turned into vLLM's dict by the engine
+    logprobs: list[TokenLogprobs | PositionLogprobs | None] | None = None
+    cumulative_logprob: float = 0.0  # the sum of the sampled tokens' logprobs (when asked for)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # one per prompt token when asked for
     finish_reason: str | None = None  # "stop", "length" or "abort"
-    stop_reason: str | None = None  # with "stop": the stop string, or the id of a user stop token (None for EOS)
+    stop_reason: int | str | None = None  # with "stop": the stop string, or the id of a user stop token (None for EOS)
 
     # KV bookkeeping
     num_computed_tokens: int = 0  # positions scheduled for computation (advanced when a plan is made)
@@ -64,6 +71,8 @@ class Request:
             self.stop_token_set = frozenset(self.spec.stop_token_ids)
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,8 +20,9 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _param(default, help: str):
-    return field(default=default, metadata={"help": help})
+def _param(default, help: str, cli: bool = True):
+    """cli=False: an API and wire field only, with no command-line flag (shardserve/flags.py)."""
+    return field(default=default, metadata={"help": help, "cli": cli})
 
 
 @dataclass
@@ -43,6 +44,12 @@ class SamplingParams:
     stop_token_ids: list[int] | None = _param(None, "a token id that ends the request (repeatable)")
     ignore_eos: bool = _param(False, "keep generating past the end-of-sequence token")
     logprobs: int | None = _param(None, f"N in [0, {MAX_LOGPROBS}]: the sampled token's logprob plus the top N")
+    prompt_logprobs: int | None = _param(
+        None, f"N in [0, {MAX_LOGPROBS}]: each prompt token's logprob plus the top N (the first token's is None)")
+    skip_special_tokens: bool = _param(True, "leave special tokens (eos, chat markers) out of the output text")
+    include_stop_str_in_output: bool = _param(False, "keep the stop string that ended the request in the text")
+    n: int = _param(1, "outputs per prompt: only 1 is supported", cli=False)
+    best_of: int | None = _param(None, "candidates per prompt: not supported (None or 1)", cli=False)
 
     def __post_init__(self) -> None:
         self._check()
@@ -89,8 +96,17 @@ class SamplingParams:
                 raise bad("stop_token_ids", "a list of token ids >= 0")
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "True or False")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, f"an integer in [0, {MAX_LOGPROBS}] or None")
+        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
+        if self.n != 1 or self.best_of not in (None, 1):
+            raise ValueError(
+                f"n={self.n}, best_of={self.best_of}: several outputs per prompt (n > 1, best_of) are not supported; "
+                "send the prompt several times with different seeds")
 
     def to_spec(self, eos_token_ids: list[int], default_seed: int) -> SamplingSpec:
         """The worker's view: the fields both have, by name, and what the worker needs in its own form. A request
@@ -103,6 +119,7 @@ class SamplingParams:
             **{name: convert(getattr(self, name)) for name, convert in _SHARED_WITH_SPEC.items()},
             seed=self.seed if self.seed is not None else default_seed,
             logprobs=-1 if self.logprobs is None else self.logprobs,
+            prompt_logprobs=-1 if self.prompt_logprobs is None else self.prompt_logprobs,
             stop_token_ids=stop_ids,
         )
 
@@ -110,5 +127,5 @@ class SamplingParams:
 # SamplingSpec fields that take SamplingParams' value as it is, by name -> the spec's type (float or int).
 _SHARED_WITH_SPEC = {
     name: kind for name, kind in typing.get_type_hints(SamplingSpec).items()
-    if name not in ("seed", "logprobs", "stop_token_ids")
+    if name not in ("seed", "logprobs", "prompt_logprobs", "stop_token_ids")
 }

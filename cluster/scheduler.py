@@ -177,7 +177,8 @@ class Scheduler:
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # a token from a plan made before its preemption is still to land
                 break
-            hits = self.block_manager.find_cached_prefix(seq)
+            # Prompt logprobs need every prompt position computed: no prefix-cache hits for such requests.
+            hits = self.block_manager.find_cached_prefix(seq) if seq.spec.prompt_logprobs < 0 else []
             num_cached = len(hits) * self.block_manager.block_size
             n = min(len(seq.token_ids) - num_cached, budget)
             if not self.block_manager.allocate(seq, hits, num_cached + n):

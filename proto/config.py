@@ -70,7 +70,7 @@ class EngineConfig:
     async_scheduling: bool | None = _setting(
         None, help="plan step N+1 while step N runs (default: on for CUDA, off for CPU)")
     seed: int = _setting(
-        0, flags=("--weight-seed",),
+        0, flags=("--seed",),
         help="the engine's seed: dummy weights, and the sampling seed of every request that gives none (drawn in "
         "admission order), so one seed and the same requests give the same outputs")
     dist_timeout_s: float = _setting(

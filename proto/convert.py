@@ -14,7 +14,7 @@ from dataclasses import fields
 
 from shardserve.proto import worker_pb2 as pb
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
+from shardserve.proto.plan import NewRequest, PromptLogprobs, SamplingSpec, StepPlan, StepResult, TokenLogprobs
 
 
 def message_fields(msg, names) -> dict:
@@ -105,6 +105,11 @@ def step_result_to_proto(result: StepResult, rank: int = 0, error: str = "") -> 
     )
     if any(lp is not None for lp in result.logprobs):
         msg.logprobs.CopyFrom(_logprobs_to_columns(result.logprobs))
+    if result.prompt_logprobs:
+        msg.prompt_logprobs.extend([
+            pb.PromptLogprobs(req_id=p.req_id, start=p.start, logprobs=_logprobs_to_columns(p.logprobs))
+            for p in result.prompt_logprobs
+        ])
     return msg
 
 
@@ -114,6 +119,7 @@ def _logprobs_to_columns(logprobs: list[TokenLogprobs | None]) -> pb.StepLogprob
     top_counts: list[int] = []
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+    rank: list[int] = []
     for i, lp in enumerate(logprobs):
         if lp is None:
             continue
@@ -124,30 +130,38 @@ def _logprobs_to_columns(logprobs: list[TokenLogprobs | None]) -> pb.StepLogprob
         top_counts.append(len(lp.top_ids))
         top_ids += lp.top_ids
         top_logprobs += lp.top_logprobs
+        rank.append(lp.rank)
     return pb.StepLogprobs(
-        index=index, logprob=logprob, top_counts=top_counts, top_ids=top_ids, top_logprobs=top_logprobs
+        index=index, logprob=logprob, top_counts=top_counts, top_ids=top_ids, top_logprobs=top_logprobs, rank=rank
     )
+
+
+def _logprobs_from_columns(columns: pb.StepLogprobs, size: int) -> list[TokenLogprobs | None]:
+    logprobs: list[TokenLogprobs | None] = [None] * size
+    if columns.index:
+        top_ids = list(columns.top_ids)
+        top_logprobs = list(columns.top_logprobs)
+        start = 0
+        for i, logprob, count, rank in zip(columns.index, columns.logprob, columns.top_counts, columns.rank):
+            end = start + count
+            logprobs[i] = TokenLogprobs(logprob, top_ids[start:end], top_logprobs[start:end], rank)
+            start = end
+    return logprobs
 
 
 def step_result_from_proto(msg: pb.StepResult) -> StepResult:
     """The dataclass view (read `msg.rank` and `msg.error` on the message). `logprobs` always has one entry
     per request id, None where there are none, as plan.py asks: a result encoded with an empty list decodes so."""
     req_ids = list(msg.req_ids)
-    logprobs: list[TokenLogprobs | None] = [None] * len(req_ids)
-    columns = msg.logprobs
-    if columns.index:
-        top_ids = list(columns.top_ids)
-        top_logprobs = list(columns.top_logprobs)
-        start = 0
-        for i, logprob, count in zip(columns.index, columns.logprob, columns.top_counts):
-            end = start + count
-            logprobs[i] = TokenLogprobs(logprob, top_ids[start:end], top_logprobs[start:end])
-            start = end
     return StepResult(
         step_id=msg.step_id,
         req_ids=req_ids,
         token_ids=list(msg.token_ids),
-        logprobs=logprobs,
+        logprobs=_logprobs_from_columns(msg.logprobs, len(req_ids)),
+        prompt_logprobs=[
+            PromptLogprobs(p.req_id, p.start, _logprobs_from_columns(p.logprobs, len(p.logprobs.index)))
+            for p in msg.prompt_logprobs
+        ],
         forward_ms=msg.forward_ms,
     )
 

@@ -40,6 +40,7 @@ class SamplingSpec:
     logprobs: int = -1  # -1 = none; N >= 0 = the sampled token's logprob plus the top N
     min_tokens: int = 0  # until this many tokens are generated, `stop_token_ids` cannot be sampled
     stop_token_ids: list[int] = field(default_factory=list)  # eos (unless ignore_eos) + the user's stop ids
+    prompt_logprobs: int = -1  # -1 = none; N >= 0 = each prompt token's logprob plus the top N (StepResult)
 
 
 @dataclass(slots=True)
@@ -76,9 +77,21 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    logprob: float  # of the sampled token, from the model's distribution before any sampling transform
+    logprob: float  # of the sampled (or prompt) token, from the model's distribution before any sampling transform
     top_ids: list[int]  # the top N token ids, best first
     top_logprobs: list[float]
+    rank: int = 0  # of that token in the distribution: 1 + the number of tokens more likely than it
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """The logprobs of prompt tokens [start, start + len(logprobs)) of one request, each from the logits of the
+    position before it (so `start` >= 1). A chunked prefill reports its chunks' positions step by step; a
+    recomputed (preempted) request may report positions again."""
+
+    req_id: str
+    start: int
+    logprobs: list[TokenLogprobs]
 
 
 @dataclass(slots=True)
@@ -87,5 +100,6 @@ class StepResult:
     req_ids: list[str] = field(default_factory=list)  # requests that sampled a token this step, in batch order
     token_ids: list[int] = field(default_factory=list)  # the sampled token of each
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per entry, None where not asked
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # prompt positions this step computed
     forward_ms: float = 0.0  # the worker's own time for this step (inputs, forward, sampling): device time on CUDA
     #   (CUDA events around the step's kernels), host time elsewhere

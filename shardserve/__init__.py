@@ -2,7 +2,7 @@
 
     from shardserve import LLM, SamplingParams
     llm = LLM()  # the default model, SmolLM2-135M-Instruct
-    print(llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))[0].text)
+    print(llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=16))[0].outputs[0].text)
 """
 
 from importlib.metadata import PackageNotFoundError, version

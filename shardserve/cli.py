@@ -17,11 +17,30 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(**sampling_kwargs(args))
     with LLM(**engine_kwargs(args)) as llm:
         prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        logprobs, prompt_logprobs = [], None
         for delta in llm.stream(prompt, params):
             sys.stdout.write(delta.text)
             sys.stdout.flush()
+            logprobs += delta.logprobs or []
+            prompt_logprobs = delta.prompt_logprobs or prompt_logprobs
         sys.stdout.write("\n")
+    if prompt_logprobs:
+        _print_logprobs("prompt", prompt_logprobs)
+    if logprobs:
+        _print_logprobs("generated", logprobs)
     return 0
+
+
+def _print_logprobs(title: str, positions) -> None:
+    """One line per position on stderr: the token, its logprob and rank, then the top alternatives."""
+    print(f"[{title} logprobs: token (logprob, rank) | top]", file=sys.stderr)
+    for entries in positions:
+        if entries is None:
+            print("  (first token: none)", file=sys.stderr)
+            continue
+        (token, chosen), *others = entries.items()
+        top = "  ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for _, lp in others)
+        print(f"  {chosen.decoded_token!r} ({chosen.logprob:.3f}, {chosen.rank}) | {top}", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,15 +51,26 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
-    gen.add_argument("prompt")
+    gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
-    add_sampling_args(gen, exclude=("logprobs",))  # the terminal shows text only
+    # --seed is the engine's (as vLLM's); a request seed of its own is --request-seed. Logprobs go to stderr.
+    add_sampling_args(gen, renamed={"seed": "request-seed"})
     gen.set_defaults(func=cmd_generate)
     add_bench_parser(sub)
     add_cluster_parsers(sub)
     add_gateway_parser(sub)
+    _show_defaults(parser)
     return parser
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every command's --help shows each flag's default (argparse's defaults formatter, on the whole tree)."""
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                _show_defaults(child)
 
 
 def main(argv: list[str] | None = None) -> int:

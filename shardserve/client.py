@@ -24,6 +24,9 @@ controller or server, a drain's cut-off), the stream sends the request again wit
 and the tokens are those of an unbroken request (the server draws each token from the seed and its index). Not
 resumed: unseeded sampled requests (a new seed would change the rest), a request refused before it was admitted
 (a server starting or draining answers UNAVAILABLE at once), any other status.
+
+Logprobs come as LLM gives them (vLLM's shape): one dict per position, {token id: Logprob(logprob, rank,
+decoded_token)}, the chosen token first.
 """
 
 from __future__ import annotations
@@ -37,8 +40,6 @@ from shardserve.client_stream import (  # noqa: F401 (the result types are part 
     GenerationResult,
     Stream,
     StreamDelta,
-    TokenLogprob,
-    TopLogprob,
     Usage,
     _reopener,
     _resumable,

@@ -4,29 +4,15 @@ that broke with UNAVAILABLE (shardserve/client.py's module docstring says when a
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
+from shardserve.cluster.outputs import Logprob, PositionLogprobs
 from shardserve.proto import generation_pb2 as pb
 
 RESUME_BACKOFF_S = (0.2, 2.0)  # the first wait between resume tries, and the longest
 _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.FINISH_REASON_ABORT: "abort"}
-
-
-@dataclass
-class TopLogprob:
-    token_id: int
-    logprob: float
-    text: str
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    text: str
-    top: list[TopLogprob] = field(default_factory=list)  # best first
 
 
 @dataclass
@@ -39,7 +25,8 @@ class Usage:
 class StreamDelta:
     text: str  # may be "" while a multi-byte character is incomplete
     token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
+    logprobs: list[PositionLogprobs] | None = None  # one per token id when asked for
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the first delta, when asked for
 
 
 @dataclass
@@ -49,16 +36,21 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length" or "abort"
     usage: Usage
-    logprobs: list[TokenLogprob] | None
+    logprobs: list[PositionLogprobs] | None  # one per generated token when asked for
     replica: str  # the engine replica that served it
     stop_reason: str | None = None  # with "stop": the stop string or user stop token id that matched (None: EOS)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # one per prompt token (None first) when asked for
 
 
-def _logprobs(delta: pb.GenerateResponse.Delta) -> list[TokenLogprob]:
-    return [
-        TokenLogprob(lp.token_id, lp.logprob, lp.text, [TopLogprob(t.token_id, t.logprob, t.text) for t in lp.top_logprobs])
-        for lp in delta.logprobs
-    ]
+def _logprobs(entries) -> list[PositionLogprobs]:
+    """TokenLogprob messages -> vLLM's dicts, as LLM returns them: the token first, then the top N not already in."""
+    out = []
+    for lp in entries:
+        d = {lp.token_id: Logprob(lp.logprob, lp.rank, lp.text)}
+        for rank, top in enumerate(lp.top_logprobs, start=1):
+            d.setdefault(top.token_id, Logprob(top.logprob, rank, top.text))
+        out.append(d)
+    return out
 
 
 class _Collector:
@@ -69,7 +61,8 @@ class _Collector:
         self.prompt_tokens = 0
         self.text: list[str] = []
         self.token_ids: list[int] = []
-        self.logprobs: list[TokenLogprob] | None = None
+        self.logprobs: list[PositionLogprobs] | None = None
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.result: GenerationResult | None = None
 
     def feed(self, msg: pb.GenerateResponse) -> StreamDelta | None:
@@ -77,12 +70,15 @@ class _Collector:
         if kind == "started":
             self.request_id, self.prompt_tokens = msg.started.request_id, msg.started.prompt_token_count
         elif kind == "delta":
-            lps = _logprobs(msg.delta) if msg.delta.logprobs else None
+            lps = _logprobs(msg.delta.logprobs) if msg.delta.logprobs else None
             if lps is not None:
                 self.logprobs = (self.logprobs or []) + lps
+            prompt_lps = None
+            if msg.delta.prompt_logprobs:
+                prompt_lps = self.prompt_logprobs = [None, *_logprobs(msg.delta.prompt_logprobs)]
             self.text.append(msg.delta.text)
             self.token_ids += msg.delta.token_ids
-            return StreamDelta(msg.delta.text, list(msg.delta.token_ids), lps)
+            return StreamDelta(msg.delta.text, list(msg.delta.token_ids), lps, prompt_lps)
         elif kind == "finished":
             f = msg.finished
             self.result = GenerationResult(
@@ -94,6 +90,7 @@ class _Collector:
                 logprobs=self.logprobs,
                 replica=f.replica,
                 stop_reason=f.stop_reason or None,
+                prompt_logprobs=self.prompt_logprobs,
             )
         return None
 

@@ -64,7 +64,7 @@ def add_cluster_parsers(sub) -> None:
 
     client = sub.add_parser("client", help="send prompts to a running `shardserve serve`")
     client.add_argument("prompt", nargs="?", help="one prompt; its text is printed as it arrives")
-    client.add_argument("--address", default="127.0.0.1:50051")
+    client.add_argument("--address", default="127.0.0.1:50051", help="the server's gRPC address, HOST:PORT")
     client.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
     client.add_argument("--file", help="a JSON-lines file of prompts: {\"prompt\": ...} or {\"messages\": [...]} "
                         "or {\"token_ids\": [...]}, optionally with sampling fields")
@@ -141,6 +141,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _check_port_free("0.0.0.0", args.metrics_port, "--metrics-port")
     if args.http_port:
         _check_port_free(args.http_host or args.host, args.http_port, "--http-port")
+    from shardserve.models import display_name
+
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise ValueError(f"--replicas {args.replicas}: give a number >= 1 or 'auto'")
     security = api_security(args)
@@ -155,7 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(config, replicas=args.replicas, routing=args.routing, ray_address=args.ray_address,
                  host=args.host, port=args.port, worker_host=args.worker_host, metrics_port=args.metrics_port,
                  drain_timeout_s=args.drain_timeout,
-                 strategy=strategy, model_name=args.served_model_name,
+                 strategy=strategy, model_name=args.served_model_name or display_name(args.model),
                  max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host,
                  http_workers=args.http_workers, security=security,
                  step_deadline=StepDeadline(floor_s=args.step_timeout_floor, factor=args.step_timeout_factor))

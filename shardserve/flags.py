@@ -34,20 +34,22 @@ def _kind(hint) -> tuple[type, bool]:
 
 def _dest(f: Field, base) -> str:
     """The parsed value's name: the field's, except for a non-bool field whose flags are named otherwise, which
-    keeps its flag's name (`--weight-seed`: `--seed` is the sampling or workload seed where both appear)."""
+    keeps its last flag's name (`-tp/--tensor-parallel-size/--tp`: tp)."""
     flags = f.metadata.get("flags")
     if not flags or base is bool:
         return f.name
     return flags[-1].removeprefix("--").replace("-", "_")
 
 
-def _add_flag(parser: argparse.ArgumentParser, f: Field, hint, default) -> None:
+def _add_flag(parser: argparse.ArgumentParser, f: Field, hint, default, flags=None, dest=None) -> None:
     base, optional = _kind(hint)
-    flags = f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
+    flags = flags or f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),)
     help = f.metadata.get("help") or ""
     if default is not None and not isinstance(default, bool):
         help += " (default: %(default)s)"
-    kwargs = dict(dest=_dest(f, base), default=default, help=help)
+    kwargs = dict(dest=dest or _dest(f, base), default=default, help=help)
+    if dest and base is not bool:
+        kwargs["metavar"] = f.name.upper()  # --request-seed SEED, not SAMPLING_SEED
     if base is bool:
         if optional or (default and not flags[0].startswith("--no-")):
             kwargs["action"] = argparse.BooleanOptionalAction  # --x / --no-x (vLLM's --[no-]enable-prefix-caching)
@@ -76,16 +78,28 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, _dest(f, _kind(hints[name])[0])) for name, f in user_settings().items()}
 
 
-def add_sampling_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
-    """One flag per SamplingParams field (but those excluded), with SamplingParams' defaults except the CLI's own
-    (CLI_SAMPLING_DEFAULTS)."""
+def add_sampling_args(
+    parser: argparse.ArgumentParser, exclude: tuple[str, ...] = (), renamed: dict[str, str] | None = None
+) -> None:
+    """One flag per SamplingParams field (but those excluded, and the API-only ones: n, best_of), with SamplingParams' defaults except the CLI's own
+    (CLI_SAMPLING_DEFAULTS). renamed: field -> flag name where an engine flag has the field's (`generate`:
+    the engine's --seed, the request's --request-seed); sampling_kwargs reads them back."""
     hints = typing.get_type_hints(SamplingParams)
+    renamed = renamed or {}
     for f in fields(SamplingParams):
-        if f.name not in exclude:
+        if f.name not in exclude and f.metadata.get("cli", True):
             default = CLI_SAMPLING_DEFAULTS.get(f.name, None if f.default is MISSING else f.default)
-            _add_flag(parser, f, hints[f.name], default)
+            flag = renamed.get(f.name)
+            _add_flag(parser, f, hints[f.name], default, flags=flag and ("--" + flag,),
+                      dest=flag and "sampling_" + f.name)
 
 
 def sampling_kwargs(args: argparse.Namespace) -> dict:
     """The SamplingParams keywords of parsed flags (those add_sampling_args added)."""
-    return {f.name: getattr(args, f.name) for f in fields(SamplingParams) if hasattr(args, f.name)}
+    kwargs = {}
+    for f in fields(SamplingParams):
+        for dest in ("sampling_" + f.name, f.name):  # a renamed flag's value first (add_sampling_args)
+            if hasattr(args, dest):
+                kwargs[f.name] = getattr(args, dest)
+                break
+    return kwargs

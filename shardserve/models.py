@@ -84,6 +84,24 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel
     )
 
 
+def display_name(model: str | None) -> str:
+    """The model's name as the user gave it, with no server path in it (the ready line, GetModelInfo): the default
+    model's name for None, a built-in name as it is, a .gguf file's or a folder's own name; a folder this cache
+    converted from a GGUF file is named by that file (not by the cache folder's hash suffix)."""
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    model = os.fspath(model)
+    if model in BUILTIN_CONFIGS:
+        return model
+    path = Path(model).expanduser()
+    if path.suffix == ".gguf":
+        return _gguf_stem(path)
+    try:
+        return _gguf_stem(Path(json.loads((path / CONVERSION_RECORD).read_text())["gguf_file"]))
+    except (OSError, ValueError, KeyError):
+        return path.name or model
+
+
 def builtin_config_dir(name: str) -> Path:
     """The folder holding config.json for a built-in architecture (shipped with the package)."""
     if name not in BUILTIN_CONFIGS:

@@ -123,7 +123,10 @@ class RunningCluster:
 
 
 def _model_name(config: EngineConfig, requested: str | None) -> str:
-    return requested or os.path.basename(config.model.rstrip("/"))
+    """--served-model-name, else the model's name without its server path (shardserve/models.py: display_name)."""
+    from shardserve.models import display_name
+
+    return requested or display_name(config.model.rstrip("/"))
 
 
 def served_model(config: EngineConfig, name: str):
@@ -132,6 +135,21 @@ def served_model(config: EngineConfig, name: str):
 
     facts = model_facts(config)
     return ServedModel(name, facts.architecture, facts.vocab_size, facts.eos_token_ids, facts.bos_token_id)
+
+
+def check_cluster_gpus(config: EngineConfig) -> None:
+    """--device cuda needs a GPU per rank in the Ray cluster: told in one line as soon as Ray is up, instead of
+    a placement group that waits for GPUs that will never come."""
+    import ray
+
+    if config.device != "cuda":
+        return
+    have = int(ray.cluster_resources().get("GPU", 0))
+    if have < config.tensor_parallel_size:
+        raise ValueError(
+            f"--device cuda with --tp {config.tensor_parallel_size} needs {config.tensor_parallel_size} GPU(s) in the "
+            f"Ray cluster; it has {have} (start Ray on GPU nodes, or pass --device cpu)"
+        )
 
 
 def start_cluster(
@@ -275,6 +293,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
     code = 0
     try:
         start = time.perf_counter()
+        check_cluster_gpus(config)
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
                                 strategy=strategy, model_name=model_name, max_live_requests=max_live_requests,
                                 replicas=replicas, routing=routing, security=security,

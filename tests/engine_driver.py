@@ -12,7 +12,7 @@ def drive(engine, abort_after: dict[str, int] | None = None, max_steps: int = 20
             return
         for req_id, n in list(abort_after.items()):
             out = engine.get_output(req_id)
-            if out is not None and len(out.token_ids) >= n:
+            if out is not None and len(out.outputs[0].token_ids) >= n:
                 engine.abort(req_id)
                 del abort_after[req_id]
         engine.step()

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 
 import pytest
+
+RAY_LOG_LINE = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+\s+(INFO|WARNING) \S+\.py:\d+ -- ")  # Ray's own start-up lines
 
 
 def shardserve(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -42,6 +45,17 @@ def busy_port():
 )
 def test_generate_on_cuda_without_a_gpu_names_the_flag():
     assert_one_line_error(shardserve("generate", "hi", "--device", "cuda"), "--device cuda", "has 0")
+
+
+def test_serve_on_cuda_without_enough_gpus_in_the_ray_cluster_names_the_flag():
+    # a local Ray on this host: no GPU here (skipped above where there is one), so --tp 2 cannot be placed either
+    if __import__("torch").cuda.device_count() >= 2:
+        pytest.skip("this host has the GPUs")
+    done = shardserve("serve", "--device", "cuda", "--tp", "2", "--port", "0", "--ray-address", "local",
+                      "--load-format", "dummy", "--model", "qwen3-0.6b")
+    ours = [line for line in done.stderr.splitlines() if line.strip() and not RAY_LOG_LINE.match(line)]
+    assert_one_line_error(subprocess.CompletedProcess(done.args, done.returncode, done.stdout, "\n".join(ours)),
+                          "--device cuda", "--tp 2", "Ray cluster", "has 0")
 
 
 def test_serve_on_a_port_in_use_is_refused_before_ray_starts(busy_port):

@@ -45,7 +45,7 @@ def test_the_flag_spellings_and_defaults_users_know_still_work():
         "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "32",
         "--num-kv-blocks", "40", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.8",
         "--attention-backend", "torch", "--enforce-eager", "--no-prefix-caching", "--no-async-scheduling",
-        "--weight-seed", "7", "--kv-cache-dtype", "fp8",
+        "--seed", "7", "--kv-cache-dtype", "fp8",
     ))
     assert given == dict(
         model="m", tensor_parallel_size=2, device="cpu", dtype="bf16", load_format="dummy", block_size=32,

@@ -21,39 +21,40 @@ def test_outputs_come_back_in_prompt_order_with_per_prompt_params(llm):
     prompts = ["The capital of France is", [504, 3458, 282], "Hello"]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 3, 7)]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert [len(o.token_ids) for o in outputs] == [5, 3, 7]
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [5, 3, 7]
     assert outputs[0].prompt == "The capital of France is"
     assert outputs[1].prompt is None and outputs[1].prompt_token_ids == [504, 3458, 282]
     assert len({o.request_id for o in outputs}) == 3
-    assert all(o.finish_reason == "length" for o in outputs)
-    assert "Paris" in outputs[0].text
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert "Paris" in outputs[0].outputs[0].text
     assert llm.engine.block_manager.all_free()
 
 
 def test_stop_string_ends_the_output_and_never_appears_in_it(llm):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    full = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].text
+    full = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].text
     stop = full.strip().split()[1]  # a word from the middle of the greedy continuation
     cut = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=24, stop=[stop]),
                        use_tqdm=False)[0]
-    assert cut.finish_reason == "stop"
-    assert stop not in cut.text
-    assert full.startswith(cut.text)
+    assert cut.outputs[0].finish_reason == "stop"
+    assert stop not in cut.outputs[0].text
+    assert full.startswith(cut.outputs[0].text)
 
 
 def test_eos_finishes_with_stop_and_min_tokens_holds_it_back(llm):
     chat = llm.apply_chat_template([{"role": "user", "content": "Say yes."}])
     short = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0]
-    assert short.finish_reason == "stop" and len(short.token_ids) < 200
-    longer = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200, min_tokens=len(short.token_ids) + 5),
+    assert short.outputs[0].finish_reason == "stop" and len(short.outputs[0].token_ids) < 200
+    at_least = len(short.outputs[0].token_ids) + 5
+    longer = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200, min_tokens=at_least),
                           use_tqdm=False)[0]
-    assert len(longer.token_ids) >= len(short.token_ids) + 5
+    assert len(longer.outputs[0].token_ids) >= len(short.outputs[0].token_ids) + 5
 
 
 def test_chat_applies_the_template_and_answers(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0, max_tokens=20))[0]
-    assert "Paris" in out.text
+    assert "Paris" in out.outputs[0].text
 
 
 def test_stream_yields_deltas_that_add_up_to_generate(llm):
@@ -61,8 +62,8 @@ def test_stream_yields_deltas_that_add_up_to_generate(llm):
     deltas = list(llm.stream("Once upon a time", params))
     assert deltas[-1].finished and deltas[-1].finish_reason == "length"
     whole = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
-    assert "".join(d.text for d in deltas) == whole.text
-    assert [t for d in deltas for t in d.token_ids] == whole.token_ids
+    assert "".join(d.text for d in deltas) == whole.outputs[0].text
+    assert [t for d in deltas for t in d.token_ids] == whole.outputs[0].token_ids
 
 
 @pytest.mark.parametrize(
@@ -75,6 +76,57 @@ def test_invalid_sampling_value_names_the_field(field, value):
         SamplingParams(**{field: value})
 
 
+@pytest.mark.parametrize("kwargs", [dict(n=2), dict(best_of=3), dict(n=2, best_of=2)])
+def test_several_outputs_per_prompt_are_refused_as_not_supported(kwargs):
+    import grpc
+
+    from shardserve.client import build_request
+    from shardserve.cluster.generation_service import request_from_proto, status_of
+
+    with pytest.raises(ValueError, match="not supported") as refused:
+        SamplingParams(**kwargs)
+    assert status_of(refused.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(ValueError, match="not supported"):  # what the server does with a client's request
+        request_from_proto(build_request("hi", None, kwargs))
+    assert SamplingParams(n=1, best_of=1).n == 1
+
+
+def test_stop_strings_and_special_tokens_in_the_text_as_vllm(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    full = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].text
+    stop = full.strip().split()[1]
+    kept = SamplingParams(temperature=0, max_tokens=24, stop=[stop], include_stop_str_in_output=True)
+    out = llm.generate(["The capital of France is"], kept, use_tqdm=False)[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text.endswith(stop) and full.startswith(out.text)
+
+    chat = llm.apply_chat_template([{"role": "user", "content": "Say yes."}])
+    eos = llm.get_tokenizer().eos_token
+    plain = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    assert plain.finish_reason == "stop" and eos not in plain.text
+    raw = SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False, include_stop_str_in_output=True)
+    with_eos = llm.generate([chat], raw, use_tqdm=False)[0].outputs[0]
+    assert with_eos.text == plain.text + eos  # the eos token's own text, kept
+    skipped = SamplingParams(temperature=0, max_tokens=200, include_stop_str_in_output=True)
+    assert llm.generate([chat], skipped, use_tqdm=False)[0].outputs[0].text == plain.text  # special: skipped
+    prompt_with_special = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False),
+                                       use_tqdm=False)[0].outputs[0]
+    assert prompt_with_special.text == plain.text  # eos ends it without include_stop_str_in_output
+
+
+def test_outputs_have_vllms_shape(llm):
+    out = llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, logprobs=2),
+                       use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert out.finished and out.prompt == "The capital of France is" and out.prompt_logprobs is None
+    assert completion.index == 0 and completion.finished() and completion.finish_reason == "length"
+    assert len(completion.logprobs) == len(completion.token_ids) == 4
+    first = completion.logprobs[0][completion.token_ids[0]]
+    assert first.rank == 1 and first.decoded_token == llm.get_tokenizer().decode([completion.token_ids[0]])
+    assert completion.cumulative_logprob == pytest.approx(sum(
+        lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)))
+
+
 def test_bad_prompts_are_rejected_and_the_engine_keeps_working(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([""], use_tqdm=False)
@@ -85,7 +137,7 @@ def test_bad_prompts_are_rejected_and_the_engine_keeps_working(llm):
         llm.generate(["Hello there"], too_long, use_tqdm=False)
     assert not llm.engine.has_unfinished() and llm.engine.block_manager.all_free()
     ok = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)
-    assert len(ok[0].token_ids) == 3
+    assert len(ok[0].outputs[0].token_ids) == 3
 
 
 def test_request_needing_more_blocks_than_exist_is_rejected_at_admission(tiny_model):
@@ -103,14 +155,14 @@ def test_seeded_sampling_is_the_same_alone_in_a_batch_after_preemption_and_at_tp
     others = [[i + 1] * (10 + 7 * i) for i in range(6)]
     noise = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True)
     with LLM(model=model_dir, max_model_len=256) as roomy:
-        alone = roomy.generate([target], seeded, use_tqdm=False)[0].token_ids
+        alone = roomy.generate([target], seeded, use_tqdm=False)[0].outputs[0].token_ids
         crowd = roomy.generate(others[:3] + [target] + others[3:], [noise] * 3 + [seeded] + [noise] * 3,
-                               use_tqdm=False)[3].token_ids
+                               use_tqdm=False)[3].outputs[0].token_ids
     with LLM(model=model_dir, max_model_len=256, num_kv_blocks=12, block_size=8) as cramped:
-        squeezed = cramped.generate(others + [target], [noise] * 6 + [seeded], use_tqdm=False)[6].token_ids
+        squeezed = cramped.generate(others + [target], [noise] * 6 + [seeded], use_tqdm=False)[6].outputs[0].token_ids
         assert cramped.engine.stats().num_preemptions > 0
     with LLM(model=model_dir, max_model_len=256, tensor_parallel_size=2) as tp2:
-        sharded = tp2.generate([target], seeded, use_tqdm=False)[0].token_ids
+        sharded = tp2.generate([target], seeded, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == crowd == squeezed == sharded
 
 
@@ -118,7 +170,7 @@ def test_dummy_weights_run_on_token_ids_without_a_tokenizer(tiny_model):
     model_dir = tiny_model("qwen3", num_heads=4, num_kv_heads=2)
     with LLM(model=model_dir, load_format="dummy", max_model_len=128) as dummy:
         out = dummy.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
-        assert len(out.token_ids) == 4 and out.text == ""
+        assert len(out.outputs[0].token_ids) == 4 and out.outputs[0].text == ""
 
 
 def test_cli_generate_streams_text(default_model_dir):
@@ -146,11 +198,11 @@ def test_vllm_prompt_dicts_generate_what_their_text_or_ids_generate(llm):
     text, ids = "Hello, my name is", [504, 3458, 282]
     (by_text, by_ids) = llm.generate([text, ids], greedy, use_tqdm=False)
     one = llm.generate({"prompt": text}, greedy, use_tqdm=False)  # a single dict is one prompt, not its keys
-    assert len(one) == 1 and one[0].prompt == text and one[0].token_ids == by_text.token_ids
+    assert len(one) == 1 and one[0].prompt == text and one[0].outputs[0].token_ids == by_text.outputs[0].token_ids
     listed = llm.generate([{"prompt": text}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)
-    assert [o.token_ids for o in listed] == [by_text.token_ids, by_ids.token_ids]
+    assert [o.outputs[0].token_ids for o in listed] == [by_text.outputs[0].token_ids, by_ids.outputs[0].token_ids]
     assert listed[1].prompt_token_ids == ids
-    assert llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].token_ids == by_ids.token_ids
+    assert llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)[0].outputs[0].token_ids == by_ids.outputs[0].token_ids
 
 
 @pytest.mark.parametrize(
@@ -176,7 +228,7 @@ def test_engine_seed_makes_unseeded_sampling_reproducible(tiny_model):
 
     def run(seed: int) -> list[list[int]]:
         with LLM(model=model_dir, max_model_len=128, seed=seed) as engine:
-            return [o.token_ids for o in engine.generate(prompts, free, use_tqdm=False)]
+            return [o.outputs[0].token_ids for o in engine.generate(prompts, free, use_tqdm=False)]
 
     first, again, other = run(0), run(0), run(1)
     assert first == again

@@ -37,8 +37,8 @@ def assert_all_blocks_free(llm: LLM) -> None:
 
 def check_against_reference(outputs, references) -> None:
     for out, ref in zip(outputs, references):
-        assert out.finish_reason == "length"
-        assert_greedy_match(out.token_ids, ref)
+        assert out.outputs[0].finish_reason == "length"
+        assert_greedy_match(out.outputs[0].token_ids, ref)
 
 
 # ---- the default model ---------------------------------------------------------------------------------------
@@ -146,12 +146,58 @@ def test_logprobs_match_transformers_log_softmax(tiny_model):
     with LLM(model=model_dir, max_model_len=256) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
     for out, ref in zip(outputs, reference):
-        assert out.token_ids == ref.token_ids
+        completion = out.outputs[0]
+        assert completion.token_ids == ref.token_ids
         expected = torch.log_softmax(ref.step_logits.double(), dim=-1)
-        for step, entry in enumerate(out.logprobs):
-            token = out.token_ids[step]
-            assert abs(entry.logprob - expected[step, token].item()) < 1e-4
+        for step, entry in enumerate(completion.logprobs):
+            token = completion.token_ids[step]
+            assert next(iter(entry)) == token  # vLLM's dict: the sampled token first
+            assert abs(entry[token].logprob - expected[step, token].item()) < 1e-4
+            assert entry[token].rank == 1  # greedy
             top = torch.topk(expected[step], 5)
-            assert entry.top_ids[0] == top.indices[0].item()
-            for got, want in zip(entry.top_logprobs, top.values.tolist()):
-                assert abs(got - want) < 1e-4
+            ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+            assert [t for t, _ in ranked] == top.indices.tolist()
+            for (_, got), want in zip(ranked, top.values.tolist()):
+                assert abs(got.logprob - want) < 1e-4
+        assert abs(completion.cumulative_logprob - sum(e[t].logprob for e, t in
+                                                       zip(completion.logprobs, completion.token_ids))) < 1e-9
+
+
+def hf_prompt_log_softmax(model_dir: str, prompt: list[int]):
+    """transformers' fp32 log-softmax at every prompt position: row p scores prompt token p + 1."""
+    import torch
+
+    from tests.hf_reference import load_hf_model
+
+    with torch.no_grad():
+        logits = load_hf_model(model_dir)(torch.tensor([prompt])).logits[0].double()
+    return torch.log_softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("chunk", [None, 16], ids=["one-prefill", "chunked-prefill"])
+def test_prompt_logprobs_match_transformers_and_survive_chunks_and_the_prefix_cache(tiny_model, chunk):
+    import torch
+
+    model_dir = tiny_model("llama", tie_word_embeddings=True, num_heads=4, num_kv_heads=2)
+    rng = random.Random(13)
+    prompts = [[rng.randrange(384) for _ in range(n)] for n in (50, 37)]
+    prompts.append(prompts[0][:40] + [5, 6, 7])  # its first two blocks are in the prefix cache by then
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=3)
+    settings = dict(max_num_batched_tokens=chunk, max_num_seqs=4) if chunk else {}
+    with LLM(model=model_dir, max_model_len=256, block_size=16, **settings) as llm:
+        first = llm.generate(prompts[:1], params, use_tqdm=False)
+        outputs = first + llm.generate(prompts[1:], params, use_tqdm=False)
+        plain = llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None
+    for prompt, out in zip(prompts, outputs):
+        expected = hf_prompt_log_softmax(model_dir, prompt)
+        assert len(out.prompt_logprobs) == len(prompt) and out.prompt_logprobs[0] is None
+        for position in range(1, len(prompt)):
+            entry, token = out.prompt_logprobs[position], prompt[position]
+            assert next(iter(entry)) == token
+            row = expected[position - 1]
+            assert abs(entry[token].logprob - row[token].item()) < 1e-4, position
+            assert entry[token].rank == int((row > row[token]).sum()) + 1
+            top = torch.topk(row, 3)
+            ranked = sorted(((t, lp) for t, lp in entry.items() if lp.rank <= 3), key=lambda item: item[1].rank)
+            assert [t for t, _ in ranked] == top.indices.tolist()

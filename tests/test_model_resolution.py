@@ -4,6 +4,7 @@ and clear errors for anything else."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -136,3 +137,14 @@ def test_unusable_model_argument_raises_value_error_listing_accepted_forms(model
 def test_unknown_load_format_raises_value_error():
     with pytest.raises(ValueError, match="load_format"):
         resolve_model("qwen3-0.6b", "pt")
+
+
+def test_display_name_is_the_model_as_given_without_server_paths(default_model_dir, tiny_model, tmp_path):
+    from shardserve.models import display_name
+
+    assert display_name(None) == display_name(default_model_dir) == "SmolLM2-135M-Instruct"  # not the cache folder
+    assert os.path.basename(default_model_dir) != "SmolLM2-135M-Instruct"  # which has a hash suffix
+    assert display_name("qwen3-0.6b") == "qwen3-0.6b"
+    assert display_name(str(tmp_path / "models" / "Mistral-7B.Q4_K_M.gguf")) == "Mistral-7B"
+    folder = tiny_model("llama", num_heads=4, num_kv_heads=2)
+    assert display_name(folder) == os.path.basename(folder) and display_name(folder + "/") == os.path.basename(folder)

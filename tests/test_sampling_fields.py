@@ -18,7 +18,9 @@ from shardserve.proto.plan import SamplingSpec
 NAMES = [f.name for f in fields(SamplingParams)]
 GIVEN = dict(temperature=0.5, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
              frequency_penalty=-0.5, seed=42, max_tokens=30, min_tokens=3, stop=["END", "\n\n"],
-             stop_token_ids=[5, 9], ignore_eos=True, logprobs=4)
+             stop_token_ids=[5, 9], ignore_eos=True, logprobs=4, prompt_logprobs=2, skip_special_tokens=False,
+             include_stop_str_in_output=True, n=1, best_of=1)
+API_ONLY = {f.name for f in fields(SamplingParams) if not f.metadata["cli"]}  # no flag: n, best_of
 
 
 def parse(*argv: str, exclude=()) -> argparse.Namespace:
@@ -34,7 +36,9 @@ def test_the_example_sets_every_field():
 def test_every_field_is_a_flag_with_its_default_and_help():
     assert all(f.metadata["help"] for f in fields(SamplingParams))
     unset = sampling_kwargs(parse())
-    assert unset == {f.name: CLI_SAMPLING_DEFAULTS.get(f.name, f.default) for f in fields(SamplingParams)}
+    assert unset == {f.name: CLI_SAMPLING_DEFAULTS.get(f.name, f.default) for f in fields(SamplingParams)
+                     if f.name not in API_ONLY}
+    assert API_ONLY == {"n", "best_of"}
     assert (unset["max_tokens"], unset["temperature"]) == (128, 0.0)  # the command line's own defaults
     assert SamplingParams(**unset) == SamplingParams(max_tokens=128, temperature=0.0)
     assert "logprobs" not in sampling_kwargs(parse(exclude=("logprobs",)))
@@ -44,8 +48,9 @@ def test_flags_parse_to_the_values_they_name():
     args = parse("--temperature", "0.5", "--top-k", "7", "--top-p", "0.9", "--min-p", "0.05",
                  "--repetition-penalty", "1.1", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5",
                  "--seed", "42", "--max-tokens", "30", "--min-tokens", "3", "--stop", "END", "--stop", "\n\n",
-                 "--stop-token-ids", "5", "--stop-token-ids", "9", "--ignore-eos", "--logprobs", "4")
-    assert sampling_kwargs(args) == GIVEN
+                 "--stop-token-ids", "5", "--stop-token-ids", "9", "--ignore-eos", "--logprobs", "4",
+                 "--prompt-logprobs", "2", "--no-skip-special-tokens", "--include-stop-str-in-output")
+    assert sampling_kwargs(args) == {k: v for k, v in GIVEN.items() if k not in API_ONLY}
 
 
 def test_client_keywords_reach_the_server_as_the_same_sampling_params():
@@ -69,9 +74,11 @@ def test_the_client_checks_only_what_building_the_message_needs():
 
 def test_params_map_onto_the_workers_spec_by_name():
     spec = SamplingParams(**GIVEN).to_spec(eos_token_ids=[2, 5], default_seed=7)
-    shared = {f.name for f in fields(SamplingSpec)} & set(NAMES) - {"seed", "logprobs", "stop_token_ids"}
+    shared = {f.name for f in fields(SamplingSpec)} & set(NAMES) - {"seed", "logprobs", "prompt_logprobs",
+                                                                      "stop_token_ids"}
     assert shared and all(getattr(spec, name) == GIVEN[name] for name in shared)
     assert (spec.seed, spec.logprobs, spec.stop_token_ids) == (42, 4, [5, 9])  # ignore_eos: no eos added
+    assert spec.prompt_logprobs == 2
     default = SamplingParams().to_spec(eos_token_ids=[2], default_seed=7)
-    assert default.logprobs == -1 and default.stop_token_ids == [2] and default.seed == 7  # the engine's draw
+    assert default.logprobs == -1 == default.prompt_logprobs and default.stop_token_ids == [2] and default.seed == 7  # the engine's draw
     assert isinstance(SamplingParams(temperature=1).to_spec([], 0).temperature, float)

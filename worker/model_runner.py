@@ -167,8 +167,18 @@ class ModelRunner:
                 step.hold(tokens, logits, rows)
                 self.input_batch.add_placeholders(step, batch)
                 step.result.req_ids = [plan.req_ids[i] for i in batch.sample_rows]
+            self._launch_prompt_logprobs(plan, batch, hidden, step)
         step.host_s = time.perf_counter() - started
         return step
+
+    def _launch_prompt_logprobs(self, plan: StepPlan, batch: StepInputs, hidden: torch.Tensor,
+                                step: StepInFlight) -> None:
+        """Requests that asked for prompt logprobs: the logits of the prompt positions this step computed (position p
+        scores prompt token p + 1), handed to the step, which turns them into logprobs when it finishes."""
+        spans, rows, targets, top_n = prompt_logprob_rows(plan.req_ids, batch)
+        if spans:
+            logits = self.model.compute_logits(hidden[device_tensor(rows, torch.int64, self.device)])
+            step.hold_prompt_logits(spans, logits, device_tensor(targets, torch.int64, self.device), top_n)
 
     @torch.inference_mode()
     def finish_step(self, step: StepInFlight) -> StepResult:
@@ -185,3 +195,23 @@ class ModelRunner:
         input_ids, positions, meta = batch.to_device(self.device)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
         return hidden, meta.query_start_loc[1:].long() - 1
+
+
+def prompt_logprob_rows(
+    req_ids: list[str], batch: StepInputs
+) -> tuple[list[tuple[str, int, int]], list[int], list[int], list[int]]:
+    """For the scheduled requests whose spec asks for prompt logprobs: (req_id, first prompt token scored, count)
+    per request, and per scored token the row of the hidden states before it, the token, and the top N asked."""
+    spans, rows, targets, top_n = [], [], [], []
+    offset = 0
+    for req_id, state, q, end in zip(req_ids, batch.states, batch.query_lens, batch.seq_lens):
+        n = state.sampling.prompt_logprobs
+        if n >= 0:
+            start, last = end - q, min(end, state.num_prompt_tokens - 1)  # positions [start, last) score a token
+            if start < last:
+                spans.append((req_id, start + 1, last - start))
+                rows += range(offset, offset + last - start)
+                targets += state.token_ids[start + 1 : last + 1]
+                top_n += [n] * (last - start)
+        offset += q
+    return spans, rows, targets, top_n

@@ -249,15 +249,26 @@ def token_logprobs(
     if not wanted:
         return out
     idx = torch.tensor(wanted, device=raw_logits.device)
-    logp = torch.log_softmax(raw_logits[idx].float(), dim=1)
-    chosen = logp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
-    n_max = max(rows[i].spec.logprobs for i in wanted)
+    found = logprobs_of(raw_logits[idx], tokens[idx], [rows[i].spec.logprobs for i in wanted])
+    for i, entry in zip(wanted, found):
+        out[i] = entry
+    return out
+
+
+def logprobs_of(raw_logits: torch.Tensor, targets: torch.Tensor, top_n: list[int]) -> list[TokenLogprobs]:
+    """Row i: the logprob and rank of token targets[i] under log_softmax(raw_logits[i]) (float32), and its top
+    top_n[i] tokens. Reads back to the host."""
+    logp = torch.log_softmax(raw_logits.float(), dim=1)
+    chosen_t = logp.gather(1, targets.long().unsqueeze(1))
+    ranks = ((logp > chosen_t).sum(dim=1) + 1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
+    n_max = max(top_n)
     top_vals, top_ids = (logp.topk(n_max, dim=1) if n_max > 0 else (logp[:, :0], logp[:, :0].long()))
     top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    for j, i in enumerate(wanted):
-        n = rows[i].spec.logprobs
-        out[i] = TokenLogprobs(logprob=chosen[j], top_ids=top_ids[j][:n], top_logprobs=top_vals[j][:n])
-    return out
+    return [
+        TokenLogprobs(logprob=chosen[j], top_ids=top_ids[j][:n], top_logprobs=top_vals[j][:n], rank=ranks[j])
+        for j, n in enumerate(top_n)
+    ]
 
 
 @torch.inference_mode()

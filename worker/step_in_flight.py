@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from shardserve.proto.plan import StepResult
+from shardserve.proto.plan import PromptLogprobs, StepResult
 from shardserve.worker.device_copy import copy_to_host
-from shardserve.worker.sampler import SamplingRow, token_logprobs
+from shardserve.worker.sampler import SamplingRow, logprobs_of, token_logprobs
 
 
 @dataclass(slots=True, eq=False)
@@ -31,6 +31,7 @@ class StepInFlight:
     _ready: torch.cuda.Event | None = None  # recorded after that copy (CUDA only)
     _logprob_inputs: tuple[torch.Tensor, list[SamplingRow]] | None = None  # raw logits and rows, when asked
     _values: list[int] | None = None
+    _prompt_inputs: tuple | None = None  # (spans, logits, targets, top_n) of prompt logprobs, when asked
 
     @property
     def step_id(self) -> int:
@@ -42,6 +43,11 @@ class StepInFlight:
         if any(r.spec.logprobs >= 0 for r in rows):
             self._logprob_inputs = (logits, rows)
         self._host_tokens, self._ready = copy_to_host(tokens)
+
+    def hold_prompt_logits(self, spans: list[tuple[str, int, int]], logits: torch.Tensor, targets: torch.Tensor,
+                           top_n: list[int]) -> None:
+        """Keeps the logits of prompt positions (worker/model_runner.py: prompt_logprob_rows) until finish."""
+        self._prompt_inputs = (spans, logits, targets, top_n)
 
     def start_device_timer(self, device: torch.device) -> None:
         """CUDA: an event before the step's first kernel; with stop_device_timer() after its last, the step's
@@ -76,8 +82,14 @@ class StepInFlight:
                 self.result.logprobs = token_logprobs(logits, rows, self.tokens)
             else:
                 self.result.logprobs = [None] * len(self._values)
+        if self._prompt_inputs is not None:
+            spans, logits, targets, top_n = self._prompt_inputs
+            entries, start = logprobs_of(logits, targets, top_n), 0
+            for req_id, first, count in spans:
+                self.result.prompt_logprobs.append(PromptLogprobs(req_id, first, entries[start : start + count]))
+                start += count
         # Later steps that read these tokens on the device were queued already: the tensors can go.
-        self.tokens = self._host_tokens = self._logprob_inputs = None
+        self.tokens = self._host_tokens = self._logprob_inputs = self._prompt_inputs = None
         self.host_s += time.perf_counter() - started
         self.result.forward_ms = self.host_s * 1e3
         if self._stopped is not None:

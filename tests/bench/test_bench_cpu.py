@@ -143,3 +143,16 @@ def test_probe_reports_each_part_of_a_step_per_batch_size(model_dir, tmp_path):
         assert all(part[k] > 0 for k in ("step_ms", "launch_host_ms", "lm_head_ms", "sample_ms", "sample_greedy_ms"))
         assert part["profile"]["kernels_per_step"] > 0 and part["profile"]["top"]
     assert report["prefill"]["tokens"] == 64 and report["prefill"]["tokens_per_s"] > 0
+
+
+def test_offline_without_workload_flags_on_cpu_is_cpu_sized_shows_progress_and_names_the_record(
+        model_dir, tmp_path, capsys):
+    out = tmp_path / "auto.json"
+    assert cli(["bench", "offline", "--model", model_dir, "--device", "cpu", "--load-format", "dummy",
+                "--max-model-len", "256", "--no-roofline", "--json-out", str(out)]) == 0
+    printed = capsys.readouterr()
+    record = json.loads(out.read_text())
+    assert record["workload"]["num_prompts"] == 16
+    assert (record["workload"]["input_len"], record["workload"]["output_len"]) == ("32-128", "32-128")
+    assert f"record: {out}" in printed.out
+    assert "shardserve: 100%" in printed.err and "tok/s" in printed.err  # the tqdm bar over output tokens

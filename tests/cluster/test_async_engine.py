@@ -55,7 +55,7 @@ def run(engine: Engine, abort_after: dict[str, int] | None = None, max_steps=200
     drive(engine, abort_after, max_steps)
     assert engine.block_manager.all_free()
     assert engine.scheduler.num_plans_in_flight == 0
-    return {o.request_id: (o.token_ids, o.finish_reason, o.text) for o in engine.take_finished()}
+    return {o.request_id: (o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].text) for o in engine.take_finished()}
 
 
 SETTINGS = [
@@ -130,7 +130,7 @@ def test_finished_request_keeps_its_blocks_until_its_last_plan_is_applied():
             assert finished_while_planned and engine.block_manager.num_used_blocks > 0
     assert finished_while_planned
     assert engine.block_manager.all_free()
-    assert engine.take_finished()[0].token_ids == expected_output(prompt, 2, VOCAB)
+    assert engine.take_finished()[0].outputs[0].token_ids == expected_output(prompt, 2, VOCAB)
 
 
 def test_a_reused_id_does_not_get_the_previous_requests_late_token():
@@ -141,7 +141,7 @@ def test_a_reused_id_does_not_get_the_previous_requests_late_token():
     while True:
         if any(d.finished for d in engine.step()):
             break
-    assert engine.pop_output("x").token_ids == [stop]
+    assert engine.pop_output("x").outputs[0].token_ids == [stop]
     assert engine.scheduler.num_plans_in_flight > 0  # the first x's extra token is still to come back
     engine.add_request("x", second, SamplingParams(temperature=0, max_tokens=5))
     assert run(engine)["x"][0] == expected_output(second, 5, VOCAB)

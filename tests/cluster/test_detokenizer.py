@@ -111,3 +111,11 @@ def test_special_tokens_add_no_text(tokenizer):
         detok.add_token(t)
     detok.flush()
     assert detok.take_delta(final=True) == "hello"
+
+
+def test_include_stop_str_keeps_the_stop_string_and_nothing_after_it(tokenizer):
+    ids = encode(tokenizer, "hello world STOP here and more")
+    detok = IncrementalDetokenizer(tokenizer, [5], stop=["OP he"], include_stop_str=True)
+    deltas, stopped = stream(detok, ids)
+    assert stopped and detok.stopped_by == "OP he"
+    assert detok.text == "".join(deltas) == "hello world STOP he"

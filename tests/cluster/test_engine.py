@@ -5,7 +5,7 @@ from _tiny_tokenizer import byte_level_bpe
 from shardserve.cluster.engine import Engine
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import TokenLogprobs
+from shardserve.cluster.outputs import Logprob
 
 BS = 4
 VOCAB = 1000
@@ -57,8 +57,8 @@ def test_outputs_are_exact_whatever_the_batching_caching_or_preemption(setting):
     outputs = {o.request_id: o for o in engine.take_finished()}
     for req_id, prompt in PROMPTS.items():
         o = outputs[req_id]
-        assert o.token_ids == expected_output(prompt, 4 + int(req_id[1:]), VOCAB), req_id
-        assert o.finish_reason == "length" and o.finished and o.prompt_token_ids == prompt
+        assert o.outputs[0].token_ids == expected_output(prompt, 4 + int(req_id[1:]), VOCAB), req_id
+        assert o.outputs[0].finish_reason == "length" and o.finished and o.prompt_token_ids == prompt
     assert engine.block_manager.all_free()
     stats = engine.stats()
     assert stats.num_running == stats.num_waiting == stats.num_kv_blocks_used == 0
@@ -76,12 +76,13 @@ def test_streamed_deltas_add_up_to_the_final_output():
     for req_id, ds in deltas.items():
         out = engine.get_output(req_id)
         assert [d.finished for d in ds] == [False] * (len(ds) - 1) + [True]
-        assert sum((d.token_ids for d in ds), []) == out.token_ids
-        assert [d.num_generated for d in ds] == list(range(1, len(out.token_ids) + 1))
+        assert sum((d.token_ids for d in ds), []) == out.outputs[0].token_ids
+        assert [d.num_generated for d in ds] == list(range(1, len(out.outputs[0].token_ids) + 1))
         assert ds[-1].finish_reason == "length" and ds[0].num_prompt_tokens == len(out.prompt_token_ids)
     lps = sum((d.logprobs for d in deltas["a"]), [])
-    assert len(lps) == 9 and all(isinstance(lp, TokenLogprobs) for lp in lps)
-    assert engine.get_output("a").logprobs == lps and engine.get_output("b").logprobs is None
+    assert len(lps) == 9 and all(isinstance(lp, dict) and isinstance(lp[t], Logprob) for lp, t in
+                                 zip(lps, engine.get_output("a").outputs[0].token_ids))
+    assert engine.get_output("a").outputs[0].logprobs == lps and engine.get_output("b").outputs[0].logprobs is None
 
 
 def test_abort_midway_frees_blocks_and_tells_the_workers():
@@ -97,9 +98,9 @@ def test_abort_midway_frees_blocks_and_tells_the_workers():
     assert deltas["b"][0].finished and deltas["b"][0].finish_reason == "abort"
     assert deltas["c"][0].finish_reason == "abort" and deltas["c"][0].token_ids == []
     b = engine.get_output("b")
-    assert b.finish_reason == "abort" and b.token_ids == expected_output([ord("b")] * 6, 3, VOCAB)
+    assert b.outputs[0].finish_reason == "abort" and b.outputs[0].token_ids == expected_output([ord("b")] * 6, 3, VOCAB)
     assert executor.dropped_finished[0] == "b" and "c" not in executor.history  # c was never sent
-    assert engine.get_output("a").token_ids == expected_output([ord("a")] * 6, 20, VOCAB)
+    assert engine.get_output("a").outputs[0].token_ids == expected_output([ord("a")] * 6, 20, VOCAB)
     assert engine.block_manager.all_free()
 
 
@@ -113,12 +114,12 @@ def test_eos_stops_unless_ignored_and_not_before_min_tokens():
     engine.add_request("min", prompt, greedy(10, min_tokens=3))
     engine.add_request("stop-id", prompt, greedy(10, ignore_eos=True, stop_token_ids=[free_run[4]]))
     run(engine)
-    assert (engine.get_output("eos").token_ids, engine.get_output("eos").finish_reason) == (free_run[:3], "stop")
-    assert (engine.get_output("ignore").token_ids, engine.get_output("ignore").finish_reason) == (free_run, "length")
-    minned = engine.get_output("min").token_ids
+    assert (engine.get_output("eos").outputs[0].token_ids, engine.get_output("eos").outputs[0].finish_reason) == (free_run[:3], "stop")
+    assert (engine.get_output("ignore").outputs[0].token_ids, engine.get_output("ignore").outputs[0].finish_reason) == (free_run, "length")
+    minned = engine.get_output("min").outputs[0].token_ids
     assert minned == expected_output(prompt, 10, VOCAB, stop_ids=[eos], min_tokens=3)
     assert eos not in minned[:3] and minned[:2] == free_run[:2]
-    assert engine.get_output("stop-id").token_ids == free_run[:5]
+    assert engine.get_output("stop-id").outputs[0].token_ids == free_run[:5]
     assert engine.block_manager.all_free()
 
 
@@ -129,7 +130,7 @@ def test_a_stop_token_before_min_tokens_does_not_end_the_request():
     engine.add_request("r", [5], greedy(6, min_tokens=3))
     run(engine)
     r = engine.get_output("r")
-    assert (r.token_ids, r.finish_reason) == ([eos, 1, eos, 2, eos], "stop")
+    assert (r.outputs[0].token_ids, r.outputs[0].finish_reason) == ([eos, 1, eos, 2, eos], "stop")
 
 
 def test_stop_strings_and_eos_on_a_real_tokenizer():
@@ -145,14 +146,14 @@ def test_stop_strings_and_eos_on_a_real_tokenizer():
     engine.add_request("len", prompt, greedy(6))
     deltas = run(engine)
     s = engine.get_output("s")
-    assert s.text == " héllo wörld 🙂 " and s.finish_reason == "stop" and s.prompt == "the fox says"
-    assert s.token_ids == script[:k]
-    assert "".join(d.text for d in deltas["s"]) == s.text
+    assert s.outputs[0].text == " héllo wörld 🙂 " and s.outputs[0].finish_reason == "stop" and s.prompt == "the fox says"
+    assert s.outputs[0].token_ids == script[:k]
+    assert "".join(d.text for d in deltas["s"]) == s.outputs[0].text
     e = engine.get_output("eos")
-    assert e.text == " ça va 日本" and e.finish_reason == "stop" and e.token_ids[-1] == 0
-    assert "".join(d.text for d in deltas["eos"]) == e.text
+    assert e.outputs[0].text == " ça va 日本" and e.outputs[0].finish_reason == "stop" and e.outputs[0].token_ids[-1] == 0
+    assert "".join(d.text for d in deltas["eos"]) == e.outputs[0].text
     ln = engine.get_output("len")
-    assert ln.text == tok.decode(script[:6]) and ln.finish_reason == "length"
+    assert ln.outputs[0].text == tok.decode(script[:6]) and ln.outputs[0].finish_reason == "length"
 
 
 def test_invalid_requests_are_rejected_and_leave_no_trace():
@@ -177,7 +178,7 @@ def test_invalid_requests_are_rejected_and_leave_no_trace():
     run(engine)
     with pytest.raises(ValueError, match="already in use"):  # its output has not been taken yet
         engine.add_request("ok", [3], greedy(2))
-    assert engine.pop_output("ok").token_ids == expected_output([1, 2], 2, VOCAB)
+    assert engine.pop_output("ok").outputs[0].token_ids == expected_output([1, 2], 2, VOCAB)
     assert not engine.has_request("ok")
     engine.add_request("ok", [3], greedy(2))  # taken: the id is free again
     assert engine.has_request("ok")

@@ -47,6 +47,7 @@ def gated(default_model_dir):
         model=ServedModel("smollm2", facts.architecture, facts.vocab_size, facts.eos_token_ids, facts.bos_token_id),
         build_engine=EngineFactory(executor),
         port=0,
+        metrics_port=0,
         name="test-replica",
     ))
     served.gate = executor.gate
@@ -97,14 +98,32 @@ def test_chat_applies_the_models_template(address):
     assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + 5  # the template's role markers
 
 
-def test_logprobs_carry_the_sampled_token_and_the_top_n_with_text(address):
+def test_logprobs_and_prompt_logprobs_come_in_the_shape_llm_gives(address, default_model_dir):
+    from shardserve import LLM, SamplingParams
+
+    prompt = "The capital of France is"
     with Client(address, timeout=120) as client:
-        result = client.generate("The capital of France is", temperature=0, max_tokens=4, logprobs=3)
-    assert [lp.token_id for lp in result.logprobs] == result.token_ids
-    for lp in result.logprobs:
-        assert len(lp.top) == 3 and lp.top[0].token_id == lp.token_id  # greedy picks the best
-        assert lp.logprob <= 0 and lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
-    assert result.logprobs[0].text == " Paris"
+        result = client.generate(prompt, temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2)
+        n_over_wire = client.stream(prompt, n=2)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(n_over_wire)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "not supported" in refused.value.details()
+    assert [next(iter(lp)) for lp in result.logprobs] == result.token_ids  # the sampled token first
+    for lp, token in zip(result.logprobs, result.token_ids):
+        assert lp[token].rank == 1 and len(lp) == 3  # greedy picks the best, which is among the top 3
+        ranked = sorted(lp.values(), key=lambda e: e.rank)
+        assert [e.rank for e in ranked] == [1, 2, 3] and ranked[0].logprob >= ranked[1].logprob >= ranked[2].logprob
+    assert result.logprobs[0][result.token_ids[0]].decoded_token == " Paris"
+    with LLM(default_model_dir) as llm:
+        ours = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2),
+                            use_tqdm=False)[0]
+    assert result.prompt_logprobs[0] is None and len(result.prompt_logprobs) == len(ours.prompt_token_ids)
+    for got, want in zip(result.prompt_logprobs[1:] + result.logprobs,
+                         ours.prompt_logprobs[1:] + ours.outputs[0].logprobs):
+        assert list(got) == list(want)
+        for token in got:
+            assert got[token].rank == want[token].rank and got[token].decoded_token == want[token].decoded_token
+            assert got[token].logprob == pytest.approx(want[token].logprob, abs=1e-5)
 
 
 def test_abort_by_id_ends_the_stream_with_finish_reason_abort(address):
@@ -199,5 +218,40 @@ def test_finished_reports_the_stop_string_or_stop_token_that_matched(address):
                                    stop_token_ids=[free.token_ids[1]])
         by_length = client.generate("The capital of France is", temperature=0, max_tokens=2, ignore_eos=True)
     assert by_string.finish_reason == "stop" and by_string.stop_reason == word
-    assert by_token.finish_reason == "stop" and by_token.stop_reason == str(free.token_ids[1])
+    assert by_token.finish_reason == "stop" and by_token.stop_reason == str(free.token_ids[1])  # a string on the wire
     assert by_length.finish_reason == "length" and by_length.stop_reason is None
+
+
+def test_metrics_have_vllms_names_types_and_the_model_name_label(gated, address):
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with Client(address, timeout=120) as client:
+        for _ in range(2):  # the second one finds the first one's prompt blocks in the prefix cache
+            client.generate("The capital of France is a city that " * 4, temperature=0, max_tokens=3)
+    metrics_address = gated.controller.metrics_address
+    text = urllib.request.urlopen(f"http://{metrics_address}/metrics", timeout=30).read().decode()
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    expected = {
+        "shardserve:requests": "counter", "shardserve:prompt_tokens": "counter",
+        "shardserve:generation_tokens": "counter", "shardserve:prefix_cache_queries": "counter",
+        "shardserve:prefix_cache_hits": "counter", "shardserve:num_requests_waiting": "gauge",
+        "shardserve:num_requests_running": "gauge", "shardserve:kv_cache_usage_perc": "gauge",
+        "shardserve:kv_cache_blocks": "gauge", "shardserve:kv_cache_blocks_used": "gauge",
+        "shardserve:kv_cache_blocks_cached": "gauge", "shardserve:engine_step_seconds": "histogram",
+        "shardserve:e2e_request_latency_seconds": "histogram", "shardserve:request_queue_time_seconds": "histogram",
+        "shardserve:time_to_first_token_seconds": "histogram", "shardserve:time_per_output_token_seconds": "histogram",
+    }
+    assert {name: families[name].type for name in expected if name in families} == expected
+    samples = [s for f in families.values() for s in f.samples]
+    assert not [s.name for s in samples if s.name.endswith("_created")]
+    assert not [f.name for f in families.values() if f.type == "gauge" and f.name.endswith("_total")]
+    assert all(s.labels.get("model_name") == "smollm2" for s in samples)  # as ServedModel names it
+    value = {(s.name, s.labels.get("outcome")): s.value for s in samples}
+    assert value[("shardserve:requests_total", "length")] >= 2
+    assert value[("shardserve:prefix_cache_hits_total", None)] > 0
+    assert value[("shardserve:prefix_cache_queries_total", None)] > value[("shardserve:prefix_cache_hits_total", None)]
+    for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "time_to_first_token_seconds"):
+        assert value[(f"shardserve:{name}_count", None)] >= 2, name
+    assert 0 <= value[("shardserve:kv_cache_usage_perc", None)] <= 1

@@ -75,9 +75,9 @@ def reference(cluster_and_reference):
 def assert_greedy_matches(ours: list[int], ref, tie_tol: float = 1e-3) -> None:
     """Identical to the reference, or the first difference is a near-tie in the reference's own logprobs; a
     shorter `ours` (an aborted request) is compared as a prefix."""
-    for i, (a, b) in enumerate(zip(ours, ref.token_ids)):
+    for i, (a, b) in enumerate(zip(ours, ref.outputs[0].token_ids)):
         if a != b:
-            top = dict(zip(ref.logprobs[i].top_ids, ref.logprobs[i].top_logprobs))
+            top = {t: lp.logprob for t, lp in ref.outputs[0].logprobs[i].items()}
             assert a in top and top[b] - top[a] <= tie_tol, (
                 f"position {i}: we chose {a}, the reference {b} with top-5 {top}: not a near-tie"
             )
@@ -193,12 +193,13 @@ def test_health_serving_model_info_reflection_and_metrics(cluster, default_model
     assert {"shardserve.v1.Generation", "grpc.health.v1.Health"} <= services
     text = urllib.request.urlopen(f"http://{cluster.metrics_address}/metrics", timeout=30).read().decode()
     samples = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line[:1] != "#"}
-    assert samples['shardserve_requests_total{outcome="length"}'] >= len(PROMPTS)
-    assert samples['shardserve_requests_total{outcome="rejected"}'] >= 1
-    assert samples["shardserve_generation_tokens_total"] >= len(PROMPTS) * NUM_TOKENS
-    assert samples["shardserve_time_to_first_token_seconds_count"] >= len(PROMPTS)
-    assert samples["shardserve_step_seconds_count"] > 0
-    assert samples["shardserve_kv_blocks_used"] == 0
+    model = f'model_name="{info.model}"'
+    assert samples['shardserve:requests_total{' + model + ',outcome="length"}'] >= len(PROMPTS)
+    assert samples['shardserve:requests_total{' + model + ',outcome="rejected"}'] >= 1
+    assert samples["shardserve:generation_tokens_total{" + model + "}"] >= len(PROMPTS) * NUM_TOKENS
+    assert samples["shardserve:time_to_first_token_seconds_count{" + model + "}"] >= len(PROMPTS)
+    assert samples["shardserve:engine_step_seconds_count{" + model + "}"] > 0
+    assert samples["shardserve:kv_cache_blocks_used{" + model + "}"] == 0
 
 
 def _controller_over_one_worker(engine_config, executor_options: dict, **controller_options):

@@ -50,6 +50,7 @@ class ServeProcess:
                 assert self.proc.poll() is None, f"serve exited early:\n{''.join(self.stderr)[-3000:]}"
                 continue
             if match := READY.search(line):
+                self.ready_line = line
                 return match.group(1)
         raise AssertionError(f"no ready line within {timeout_s} s:\n{''.join(self.stderr)[-3000:]}")
 
@@ -85,6 +86,17 @@ def served(ray_session, default_model_dir):
         yield server, address
     finally:
         server.stop()
+
+
+def test_ready_line_and_model_info_name_the_model_without_server_paths(served, default_model_dir):
+    from shardserve.client import Client
+
+    server, address = served
+    with Client(address, timeout=30) as client:
+        info = client.model_info()
+    assert server.ready_line.startswith("shardserve ready: SmolLM2-135M-Instruct (tp=1, cpu)")
+    assert info.model == "SmolLM2-135M-Instruct" and info.tokenizer == info.model
+    assert default_model_dir not in server.ready_line and "/" not in info.model + info.tokenizer
 
 
 def test_client_cli_streams_the_text_of_one_prompt(served):

@@ -34,7 +34,7 @@ def _generate(engine: Engine) -> dict[str, list[int]]:
     engine.add_request("s", PROMPTS[1], SEEDED)
     while engine.has_unfinished():
         engine.step()
-    return {out.request_id: out.token_ids for out in engine.take_finished()}
+    return {out.request_id: out.outputs[0].token_ids for out in engine.take_finished()}
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from shardserve.proto.convert import (
     step_result_from_proto,
     step_result_to_proto,
 )
-from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, TokenLogprobs
+from shardserve.proto.plan import NewRequest, PromptLogprobs, SamplingSpec, StepPlan, StepResult, TokenLogprobs
 
 
 def _over_the_wire(msg):
@@ -80,15 +80,22 @@ def _random_result(rng: random.Random, step_id: int, logprob_share: float) -> St
                 logprob=-rng.expovariate(1.0),
                 top_ids=[rng.randrange(1 << 17) for _ in range(top_n)],
                 top_logprobs=[-rng.expovariate(1.0) for _ in range(top_n)],
+                rank=rng.randrange(1, 1 << 17),
             )
             if asked
             else None
         )
+    prompt_logprobs = [
+        PromptLogprobs(f"r{i}", rng.randrange(1, 500),
+                       [TokenLogprobs(-rng.expovariate(1.0), [7] * n, [-1.0] * n, rng.randrange(1, 9)) for _ in range(k)])
+        for i, (n, k) in enumerate([(0, 3), (2, 1), (5, 40)][: rng.randrange(4)])
+    ]
     return StepResult(
         step_id=step_id,
         req_ids=req_ids,
         token_ids=[rng.randrange(1 << 17) for _ in req_ids],
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         forward_ms=rng.uniform(0, 50),
     )
 
@@ -101,7 +108,7 @@ def test_random_plans_round_trip_exactly(seed):
 
 
 def test_plan_with_every_field_set_round_trips():
-    spec = SamplingSpec(0.7, 40, 0.9, 0.05, 1.1, 0.5, -0.5, (1 << 63) - 1, 20, 3, [2, 7])
+    spec = SamplingSpec(0.7, 40, 0.9, 0.05, 1.1, 0.5, -0.5, (1 << 63) - 1, 20, 3, [2, 7], 5)
     plan = StepPlan(
         step_id=7,
         new_requests=[NewRequest("a", [1, 2, 3], 2, 0, [4], spec)],

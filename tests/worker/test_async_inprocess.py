@@ -59,7 +59,7 @@ def generate(engine: Engine, abort_after: dict[str, int]) -> dict:
         engine.add_request(f"r{i}", prompt, params(i))
     drive(engine, abort_after, max_steps=1000)
     assert engine.block_manager.all_free()
-    return {o.request_id: (o.token_ids, o.text, o.finish_reason, o.logprobs) for o in engine.take_finished()}
+    return {o.request_id: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in engine.take_finished()}
 
 
 def assert_same_outputs(got: dict, want: dict) -> None:
@@ -69,9 +69,9 @@ def assert_same_outputs(got: dict, want: dict) -> None:
     for req_id, (*_, logprobs) in got.items():
         expected = want[req_id][3]
         assert (logprobs is None) == (expected is None), req_id
-        for a, b in zip(logprobs or (), expected or ()):
-            assert a.top_ids == b.top_ids and a.logprob == pytest.approx(b.logprob, abs=1e-4)
-            assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-4)
+        for a, b in zip(logprobs or (), expected or ()):  # {token id: Logprob}, the sampled token first
+            assert list(a) == list(b) and all(a[t].rank == b[t].rank for t in a)
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) for t in a)
 
 
 def run_engine(cfg: EngineConfig, executor) -> tuple[dict, Engine]:
