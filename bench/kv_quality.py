@@ -76,7 +76,7 @@ def run_cache(engine_kwargs: dict, kv_cache_dtype: str, prompts, max_tokens: int
     try:
         prompts = prompts if prompts is not None else prompt_ids(llm, num_prompts)
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-        tokens = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         forced = reference if reference is not None else tokens
         runner = llm.executor.runner
         logprobs = [teacher_forced_logprobs(runner, p + t, len(p)) for p, t in zip(prompts, forced)]

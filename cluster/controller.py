@@ -246,6 +246,11 @@ class Controller:
         return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
                        "uptime_s": time.time() - self._started_at}
 
+    def worker_groups(self) -> list:
+        """Each replica's current worker group (the executor's `group`, where it has one; None otherwise): endpoints,
+        actors, the group's secret. For operators and tests holding the Ray cluster, which can drive it anyway."""
+        return [getattr(r.engine.executor, "group", None) if r.engine is not None else None for r in self.replicas]
+
     async def replica_stats(self) -> list[dict]:
         """Per replica: id, state, requests routed to it, the nodes of its ranks (where the executor knows them),
         and (serving ones) its engine's prompt and cached-prompt

@@ -101,6 +101,12 @@ class RunningCluster:
 
         return ray.get(self.controller.status.remote(), timeout=timeout_s)
 
+    def worker_groups(self, timeout_s: float = 30.0) -> list:
+        """Each replica's current launcher.WorkerGroup (endpoints, actors, secret), in replica order."""
+        import ray
+
+        return ray.get(self.controller.worker_groups.remote(), timeout=timeout_s)
+
     def shutdown(self, drain_timeout_s: float = 30.0) -> int:
         """Drains (requests still running after drain_timeout_s end with UNAVAILABLE), stops the workers, kills
         the actors and removes the placement group. Returns how many requests the drain cut off. Idempotent."""

@@ -68,8 +68,8 @@ def test_a_lost_group_costs_no_token_and_duplicates_none(async_on, fail_at_step,
     assert len(executors) == 2 and first.failed and engine.num_restarts == 1
     assert streamed == _expected()
     outputs = {o.request_id: o for o in engine.take_finished()}
-    assert {req_id: o.token_ids for req_id, o in outputs.items()} == _expected()
-    assert all(o.finish_reason == "length" for o in outputs.values())
+    assert {req_id: o.outputs[0].token_ids for req_id, o in outputs.items()} == _expected()
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs.values())
     assert engine.block_manager.all_free() and engine.scheduler.num_plans_in_flight == 0
 
 

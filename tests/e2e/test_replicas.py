@@ -48,6 +48,7 @@ def served(tiny_llama_dir, e2e_config):
         engine=e2e_config(tiny_llama_dir, num_kv_blocks=128), build_engine=build, port=0, name="test",
         model=ServedModel("tiny", "LlamaForCausalLM", vocab_size=VOCAB, eos_token_ids=[]),
         num_replicas=NUM_REPLICAS, health_check_interval_s=0.2,
+        restart_tries=0,  # a lost group fails its replica for good here (restarts: tests/e2e/test_faults_*.py)
     ))
     try:
         assert thread.call(thread.controller.wait_ready(180), timeout=200)
@@ -84,7 +85,7 @@ def _reference(config, prompts: list[list[int]], max_tokens: int = 6) -> list[li
         for i, p in enumerate(prompts):
             engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         drive(engine)
-        return [engine.get_output(str(i)).token_ids for i in range(len(prompts))]
+        return [engine.get_output(str(i)).outputs[0].token_ids for i in range(len(prompts))]
     finally:
         engine.shutdown()
 

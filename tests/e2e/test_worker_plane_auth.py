@@ -29,6 +29,12 @@ def tp2_cluster(ray_session, tiny_llama_dir, e2e_config):
     running.shutdown(drain_timeout_s=0)
 
 
+def _group(cluster):
+    """The cluster's one TP group (the controller actor starts and owns it)."""
+    (group,) = cluster.worker_groups()
+    return group
+
+
 def _greedy(cluster) -> list[int]:
     with Client(cluster.address, timeout=120) as client:
         return client.generate(PROMPT, max_tokens=NUM_NEW, temperature=0.0, ignore_eos=True).token_ids
@@ -37,8 +43,8 @@ def _greedy(cluster) -> list[int]:
 def _last_step_ids(cluster) -> list[int]:
     """What the controller sees (the test may ask with the secret; the attacker is assumed to guess it right)."""
     ids = []
-    for endpoint in cluster.workers.endpoints:
-        channel = worker_channel(endpoint, cluster.workers.secret)
+    for endpoint in _group(cluster).endpoints:
+        channel = worker_channel(endpoint, _group(cluster).secret)
         try:
             health = pb_grpc.WorkerStub(channel).Health(pb.HealthRequest(), timeout=30)
         finally:
@@ -54,7 +60,7 @@ def test_shutdown_and_next_step_from_a_stranger_are_unauthenticated_and_harmless
     reference = hf_greedy(tiny_llama_dir, [PROMPT], NUM_NEW)[0]
     assert_greedy_match(_greedy(tp2_cluster), reference)  # the cluster serves before the attack
     next_step = max(_last_step_ids(tp2_cluster)) + 1
-    for endpoint in tp2_cluster.workers.endpoints:
+    for endpoint in _group(tp2_cluster).endpoints:
         with grpc.insecure_channel(endpoint) as channel:
             stub = pb_grpc.WorkerStub(channel)
             with pytest.raises(grpc.RpcError) as shutdown:
@@ -78,9 +84,9 @@ def test_no_worker_socket_listens_on_every_interface(tp2_cluster, ray_session):
     import psutil
 
     ray = ray_session
-    pids = ray.get([actor.pid.remote() for actor in tp2_cluster.workers.actors])
-    store_port = int(tp2_cluster.workers.init_method.rsplit(":", 1)[1])
-    ours = {int(ep.rsplit(":", 1)[1]) for ep in tp2_cluster.workers.endpoints} | {store_port}
+    pids = ray.get([actor.pid.remote() for actor in _group(tp2_cluster).actors])
+    store_port = int(_group(tp2_cluster).init_method.rsplit(":", 1)[1])
+    ours = {int(ep.rsplit(":", 1)[1]) for ep in _group(tp2_cluster).endpoints} | {store_port}
     listening = []
     for pid in pids:
         for conn in psutil.Process(pid).net_connections(kind="inet"):

@@ -69,7 +69,7 @@ def test_fp8_outputs_are_the_same_with_chunks_preemption_and_prefix_hits(tiny_mo
         llm = LLM(model=folder, kv_cache_dtype="fp8", max_model_len=256, **settings)
         try:
             results = llm.generate(prompts, GREEDY, use_tqdm=False)
-            outputs[name] = [o.token_ids for o in results]
+            outputs[name] = [o.outputs[0].token_ids for o in results]
             if name == "squeezed":
                 assert llm.engine.stats().num_preemptions > 0
                 assert any(o.num_cached_tokens > 0 for o in results)
@@ -90,8 +90,9 @@ def test_fp8_at_tp2_gives_tp1s_tokens(tiny_model):
         with LLM(model=folder, tensor_parallel_size=tp, kv_cache_dtype="fp8", max_model_len=256, num_kv_blocks=40) as llm:
             runs[tp] = llm.generate(prompts, params, use_tqdm=False)
     for one, two in zip(runs[1], runs[2]):
+        one, two = one.outputs[0], two.outputs[0]
         for pos, (a, b) in enumerate(zip(one.token_ids, two.token_ids)):
             if a != b:
-                lp = one.logprobs[pos]
-                assert b in lp.top_ids and abs(lp.logprob - lp.top_logprobs[lp.top_ids.index(b)]) < 1e-3, (pos, a, b)
+                lp = one.logprobs[pos]  # {token id: Logprob}, the chosen token first
+                assert b in lp and abs(lp[a].logprob - lp[b].logprob) < 1e-3, (pos, a, b)
                 break
