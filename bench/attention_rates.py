@@ -7,6 +7,11 @@ hits leave), one query token per sequence. Timed: the split-K decode kernel (its
 choose_num_splits, as the backend runs it; for FP8 each of its FP8_DECODE_VARIANTS) and the varlen prefill kernel on the same decodes (the path a mixed
 batch's decodes take). Bytes: the K and V the batch's contexts hold (every one is read once); the queries, outputs
 and block tables are under 1% of it and not counted. The copy rate counts read + written bytes, as the roofline does.
+
+Timing: one CUDA graph of ~24 launches back to back, replayed (the way the decode graphs run the kernel: no host
+launch cost inside the figure), over several copies of the case in turn where one copy would fit in the L2 cache
+(so every launch reads its K/V from device memory); the median replay over the launches in it.
+`sweep` times the decode kernel over launch settings (keys per tile, warps, stages, splits) the same way.
 """
 
 from __future__ import annotations
@@ -18,17 +23,39 @@ from shardserve.proto.plan import cdiv
 BLOCK_SIZE = 16
 
 
-def _events_ms(fn, repeats: int) -> float:
-    fn()
+def graph_ms(fns: list, launches: int = 24, rounds: int = 7) -> float:
+    """Median device ms per call of fns (one per copy of the data, taken in turn), from CUDA-graph replays."""
+    for fn in fns:  # compile and warm up (on a side stream, as graph capture wants)
+        fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in fns:
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    calls = [fns[i % len(fns)] for i in range(max(launches, len(fns)))]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in calls:
+            fn()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     times = []
-    for _ in range(repeats):
+    for _ in range(rounds):
         start.record()
-        fn()
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / len(calls))
+    del graph
     return sorted(times)[len(times) // 2]
+
+
+def _copies(kv_bytes: int) -> int:
+    """Copies of a case so that the launches in turn read 4x the L2 cache (1 for a case larger than that)."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    return max(1, min(16, -(-4 * l2 // kv_bytes)))
 
 
 def _case(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_dtype: str, device) -> dict:
@@ -53,42 +80,123 @@ def _case(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_d
     )
 
 
-def attention_rates(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
-                    cache_dtypes: tuple[str, ...] = ("bfloat16", "fp8"), repeats: int = 20) -> list[dict]:
+def _model_shape(model: str) -> tuple[int, int, int]:
     from transformers import AutoConfig
 
-    from shardserve.kernels.paged_decode import FP8_DECODE_VARIANTS, choose_num_splits, paged_decode_attention
-    from shardserve.kernels.prefill import paged_prefill_attention
     from shardserve.models import resolve_model
 
     hf = AutoConfig.from_pretrained(resolve_model(model, "dummy").model_dir)
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
-    dim = getattr(hf, "head_dim", None) or hf.hidden_size // heads
+    return heads, kv_heads, getattr(hf, "head_dim", None) or hf.hidden_size // heads
+
+
+def _decode(c: dict, splits: int, **launch):
+    from shardserve.kernels.paged_decode import paged_decode_attention
+
+    dim = c["q"].shape[-1]
+    return lambda: paged_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"], dim**-0.5,
+                                          splits, **c["scales"], **launch)
+
+
+def attention_rates(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
+                    cache_dtypes: tuple[str, ...] = ("bfloat16", "fp8")) -> list[dict]:
+    from shardserve.kernels.paged_decode import choose_num_splits
+    from shardserve.kernels.prefill import paged_prefill_attention
+
+    heads, kv_heads, dim = _model_shape(model)
     device = torch.device("cuda")
     rows = []
     for cache_dtype in cache_dtypes:
         for batch, context in shapes:
-            c = _case(heads, kv_heads, dim, batch, context, cache_dtype, device)
+            kv_bytes = batch * context * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
+            cases = [_case(heads, kv_heads, dim, batch, context, cache_dtype, device) for _ in range(_copies(kv_bytes))]
             splits = choose_num_splits(batch, kv_heads, context)
-            variants = FP8_DECODE_VARIANTS if cache_dtype == "fp8" else ("widen",)
-            kernels = {
-                "decode" + (f"[{v}]" if cache_dtype == "fp8" else ""): (
-                    lambda v=v: paged_decode_attention(c["q"], c["k_cache"], c["v_cache"], c["tables"], c["seq_lens"],
-                                                       dim**-0.5, splits, **c["scales"], fp8_variant=v))
-                for v in variants
-            }
-            kernels |= {
-                "prefill_kernel_on_decodes": lambda: paged_prefill_attention(
-                    c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"], c["seq_lens"], c["tables"], dim**-0.5,
-                    **c["scales"]),
-            }
-            for kernel, fn in kernels.items():
-                ms = _events_ms(fn, repeats)
-                rate = c["kv_bytes"] / (ms / 1e3)
+            kernels = {"decode": [_decode(c, splits) for c in cases]}
+            kernels["prefill_kernel_on_decodes"] = [
+                (lambda c=c: paged_prefill_attention(c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"],
+                                                     c["seq_lens"], c["tables"], dim**-0.5, **c["scales"]))
+                for c in cases]
+            for kernel, fns in kernels.items():
+                ms = graph_ms(fns)
+                rate = kv_bytes / (ms / 1e3)
                 rows.append(dict(kernel=kernel, kv_cache_dtype=cache_dtype, batch=batch, context=context,
-                                 splits=splits if kernel.startswith("decode") else None, ms=ms, kv_bytes=c["kv_bytes"],
-                                 bytes_per_s=rate, fraction_of_copy_rate=rate / copy_bytes_per_s))
-                print(f"attention {kernel:28s} {cache_dtype:8s} batch {batch:4d} x {context:5d}: {ms:.3f} ms, "
+                                 splits=splits if kernel == "decode" else None, ms=ms, kv_bytes=kv_bytes,
+                                 copies=len(cases), bytes_per_s=rate, fraction_of_copy_rate=rate / copy_bytes_per_s))
+                print(f"attention {kernel:28s} {cache_dtype:8s} batch {batch:4d} x {context:5d}: {ms:.4f} ms, "
                       f"{rate / 1e12:.2f} TB/s ({rate / copy_bytes_per_s:.0%} of copy)", flush=True)
-            del c
+            del cases, kernels
     return rows
+
+
+SWEEP = {  # (BLOCK_N, warps, stages) per cache
+    "bfloat16": [(64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 2)],
+    "fp8": [(64, 4, 2), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 4, 2), (256, 8, 2)],
+}
+
+
+def sweep(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
+          cache_dtypes: tuple[str, ...] = ("bfloat16", "fp8")) -> list[dict]:
+    """The decode kernel over SWEEP's settings x (choose_num_splits' splits, twice that) per shape and cache."""
+    from shardserve.kernels.paged_decode import choose_num_splits
+
+    heads, kv_heads, dim = _model_shape(model)
+    device = torch.device("cuda")
+    rows = []
+    for cache_dtype in cache_dtypes:
+        for batch, context in shapes:
+            kv_bytes = batch * context * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
+            cases = [_case(heads, kv_heads, dim, batch, context, cache_dtype, device) for _ in range(_copies(kv_bytes))]
+            chosen = choose_num_splits(batch, kv_heads, context)
+            best = None
+            for block_n, warps, stages in SWEEP[cache_dtype]:
+                for splits in (chosen, 2 * chosen):
+                    row = dict(kv_cache_dtype=cache_dtype, batch=batch, context=context, block_n=block_n,
+                               warps=warps, stages=stages, splits=splits, chosen_splits=chosen)
+                    try:
+                        row["ms"] = graph_ms([_decode(c, splits, block_n=block_n, num_warps=warps,
+                                                      num_stages=stages) for c in cases])
+                    except Exception as exc:  # a setting this GPU cannot compile (shared memory): noted
+                        row["error"] = type(exc).__name__
+                        rows.append(row)
+                        continue
+                    row["fraction_of_copy_rate"] = kv_bytes / (row["ms"] / 1e3) / copy_bytes_per_s
+                    rows.append(row)
+                    best = row if best is None or row["ms"] < best["ms"] else best
+            if best:
+                print(f"sweep {cache_dtype:8s} {batch:4d} x {context:5d}: best {best['block_n']},{best['warps']},"
+                      f"{best['stages']} splits {best['splits']}: {best['ms']:.4f} ms "
+                      f"({best['fraction_of_copy_rate']:.0%} of copy)", flush=True)
+            del cases
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """python -m shardserve.bench.attention_rates --model M --shapes 32x256,64x4096 [--sweep] --json-out F"""
+    import argparse
+    import json
+
+    from shardserve.bench.roofline import measure_rates
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--model", default="qwen3-0.6b", help="model whose attention shape is timed")
+    parser.add_argument("--shapes", default="32x256,32x1024,32x4096,64x1024,64x4096,128x2048,256x800",
+                        help="BATCHxCONTEXT,...")
+    parser.add_argument("--sweep", action="store_true", help="the decode kernel's launch settings too")
+    parser.add_argument("--sweep-shapes", default="32x1024,32x4096,64x1024,64x4096,256x800",
+                        help="BATCHxCONTEXT,... for --sweep")
+    parser.add_argument("--json-out", help="write the rows here")
+    args = parser.parse_args(argv)
+    shapes = [tuple(int(x) for x in spec.split("x")) for spec in args.shapes.split(",")]
+    copy = measure_rates("cuda", matmul_n=1024).copy_bytes_per_s
+    report = {"model": args.model, "copy_bytes_per_s": copy, "rows": attention_rates(args.model, shapes, copy)}
+    if args.sweep:
+        report["sweep"] = sweep(args.model, [tuple(int(x) for x in spec.split("x"))
+                                             for spec in args.sweep_shapes.split(",")], copy)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

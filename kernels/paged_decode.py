@@ -181,13 +181,46 @@ def fp8_decode_variant() -> str:
     return variant
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_programs: int = 528,
+# Launch settings per cache (keys per tile, warps, pipeline stages), head_dim <= 128. An e4m3 tile of 128 keys
+# moves the bytes of a bf16 tile of 64 (the loop's fixed costs, the two products and the softmax, are paid per
+# tile, so half-size FP8 tiles left the kernel at ~1.0-1.45 TB/s on an H200: docs/performance.md).
+DECODE_LAUNCH = {"bf16": (64, 4, 2), "fp8": (128, 4, 2)}
+
+
+def _launch_overrides(text: str) -> dict[str, tuple[int, int, int]]:
+    """SHARDSERVE_DECODE_LAUNCH="fp8=128,8,3;bf16=64,4,2": other settings for measurements."""
+    out = {}
+    for item in filter(None, text.split(";")):
+        cache, _, values = item.partition("=")
+        numbers = tuple(int(v) for v in values.split(","))
+        if cache not in DECODE_LAUNCH or len(numbers) != 3:
+            raise ValueError(f"SHARDSERVE_DECODE_LAUNCH: expected CACHE=BLOCK_N,WARPS,STAGES, got {item!r}")
+        out[cache] = numbers
+    return out
+
+
+DECODE_LAUNCH |= _launch_overrides(os.environ.get("SHARDSERVE_DECODE_LAUNCH", ""))
+
+
+def decode_launch(fp8: bool, head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) the decode kernel uses by default for this cache and head size."""
+    block_n, warps, stages = DECODE_LAUNCH["fp8" if fp8 else "bf16"]
+    if triton.next_power_of_2(head_dim) > 128:
+        block_n = max(32, block_n // 2)
+    return block_n, warps, stages
+
+
+# Programs the split-K decode aims for (SHARDSERVE_DECODE_PROGRAMS: another value, for measurements).
+TARGET_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_PROGRAMS", "528"))
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_programs: int | None = None,
                       min_tokens_per_split: int = 64, max_splits: int = 16) -> int:
     """Enough programs for ~4 per SM of an H200 (132 SMs), never a split shorter than one 64-key tile.
     Measured on an H200 (bf16, 8 KV heads, head_dim 128): bs 1 x 1024 keys 6 us with 16 splits vs 26 us with 1;
     bs 64 x 1024 keys best with 1 split (3.9 TB/s); extra splits cost a second launch and partial writes."""
     by_length = max(1, math.ceil(max_seq_len / min_tokens_per_split))
-    by_occupancy = max(1, target_programs // max(1, num_seqs * num_kv_heads))
+    by_occupancy = max(1, (target_programs or TARGET_PROGRAMS) // max(1, num_seqs * num_kv_heads))
     return max(1, min(max_splits, by_length, by_occupancy))
 
 
@@ -200,9 +233,9 @@ def paged_decode_attention(
     scale: float,
     num_splits: int = 1,
     out: torch.Tensor | None = None,
-    block_n: int | None = None,
-    num_warps: int = 4,
-    num_stages: int = 2,
+    block_n: int | None = None,  # None: decode_launch's (with num_warps, num_stages)
+    num_warps: int | None = None,
+    num_stages: int | None = None,
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] float32: an FP8 cache's scales
     v_scale: torch.Tensor | None = None,
     fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: SHARDSERVE_FP8_DECODE, default "fp16"
@@ -221,6 +254,7 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(head_dim)
+    default_n, default_warps, default_stages = decode_launch(fp8, head_dim)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         k_scale if fp8 else q, v_scale if fp8 else q,  # unused without FP8
@@ -230,9 +264,9 @@ def paged_decode_attention(
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
-        BLOCK_N=block_n or (64 if block_d <= 128 else 32), DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and q.dtype != torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](

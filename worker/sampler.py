@@ -232,8 +232,11 @@ def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     params = device_tensor(params, torch.float32, device).view(-1, len(rows))
     inv_temps, thresholds = params[0], None
     if search:
-        find = filter_thresholds if logits.is_cuda else filter_thresholds_ref  # CPU: the tests of this path
-        thresholds = find(logits, inv_temps, params[1], params[2], params[3])
+        if logits.is_cuda:  # (no row with a top-k: the count search's launches are left out)
+            thresholds = filter_thresholds(logits, inv_temps, params[1], params[2], params[3],
+                                           count_search=any(0 < r.spec.top_k < vocab for r in rows))
+        else:  # CPU: the tests of this path
+            thresholds = filter_thresholds_ref(logits, inv_temps, params[1], params[2], params[3])
     elif _uses_filters(rows):
         logits = _filter(logits * inv_temps.unsqueeze(1), rows)
         inv_temps = torch.ones_like(inv_temps)

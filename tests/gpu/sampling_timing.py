@@ -63,11 +63,16 @@ def main(path: str) -> None:
             "min_p_0.05": _ms(lambda: sample_tokens(logits, spec(min_p=0.05))),
             "top_p_float32_logits": _ms(lambda: sample_tokens(logits_f32, nucleus)),
         }
-        for pivots in (8, 32):  # the pivots-per-pass setting (16 by default)
-            sampling_filter._PIVOTS = pivots
-            row[f"top_p_cut_off_kernel_{pivots}_pivots"] = _ms(
-                lambda: sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros))
-        sampling_filter._PIVOTS = 16
+        exact = sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False)
+        for passes in (4, 5, 6):  # pass launches per search (7 by default): time, and rows whose cut-off moves
+            sampling_filter._PASSES = passes
+            row[f"rows_moved_at_{passes}_passes"] = int(
+                (sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False) != exact).sum())
+            row[f"top_p_cut_off_kernel_{passes}_passes"] = _ms(
+                lambda: sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False))
+        sampling_filter._PASSES = 7
+        row["top_p_cut_off_kernel_no_count_search"] = _ms(
+            lambda: sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False))
         out["ms"][str(batch)] = {k: round(v, 4) for k, v in row.items()}
         print(batch, out["ms"][str(batch)], flush=True)
     with open(path, "w") as f:

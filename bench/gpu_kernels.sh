@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# The attention and sampling kernels on one GPU, in one call: their GPU tests, each attention kernel's bytes/s and
+# the decode kernel's launch-setting sweep (bench/attention_rates.py), top-p timing (tests/gpu/sampling_timing.py),
+# then the offline runs of Qwen3-0.6B and Llama-3-8B with the bf16 and the FP8 cache (bench/gpu_run.sh's steps).
+#
+#   OUT=DIR BUDGET_S=480 bash bench/gpu_kernels.sh     # on the GPU host, from the project root
+#
+# ADOPT=1: the offline runs use the sweep's best settings per cache (SHARDSERVE_DECODE_LAUNCH), else the defaults.
+set -u -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu-out}; BUDGET_S=${BUDGET_S:-480}; PY=${PY:-python3}; ADOPT=${ADOPT:-0}
+STEPS=${STEPS:-"tests rates topp offline"}
+START=$(date +%s)
+mkdir -p "$OUT"
+left() { echo $(( BUDGET_S - ($(date +%s) - START) )); }
+say() { echo "[gpu_kernels $(( $(date +%s) - START ))s] $*" | tee -a "$OUT/log.txt"; }
+want() { [[ " $STEPS " == *" $1 "* ]]; }
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TRITON_INTERPRET=0
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-/tmp/shardserve-triton-cache}
+# the project's setup (wheels, editable install) through gpu_run.sh with no step
+ONLY=none BUDGET_S=60 OUT=$OUT/setup bash bench/gpu_run.sh > /dev/null 2>&1
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+cp "$OUT/setup/env.txt" "$OUT/env.txt" 2> /dev/null
+say "setup done"
+
+if want tests; then
+  timeout -k 5 $(( $(left) < 150 ? $(left) : 150 )) $PY -m pytest -q -p no:cacheprovider -m gpu -rfEs \
+    tests/gpu/test_kernels_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_sampling_gpu.py > "$OUT/gpu_tests.txt" 2>&1
+  say "tests: exit $? ($(tail -1 "$OUT/gpu_tests.txt"))"
+fi
+if want rates && (( $(left) > 60 )); then
+  timeout -k 5 $(( $(left) < 240 ? $(left) : 240 )) $PY -m shardserve.bench.attention_rates --model qwen3-0.6b \
+    --sweep --json-out "$OUT/attention_qwen3.json" > "$OUT/attention_qwen3.txt" 2>&1
+  say "attention rates + sweep: exit $?"; grep -E "^(attention decode|sweep)" "$OUT/attention_qwen3.txt" | tee -a "$OUT/log.txt"
+fi
+if want topp && (( $(left) > 40 )); then
+  timeout -k 5 90 $PY tests/gpu/sampling_timing.py "$OUT/topp_timing.json" > "$OUT/topp_timing.txt" 2>&1
+  say "top-p timing: exit $?"; cat "$OUT/topp_timing.txt" | tee -a "$OUT/log.txt"
+fi
+if [ "$ADOPT" = 1 ] && [ -f "$OUT/attention_qwen3.json" ]; then
+  # the setting with the least geometric-mean time over the shapes, at the splits choose_num_splits picks
+  export SHARDSERVE_DECODE_LAUNCH=$($PY - "$OUT/attention_qwen3.json" <<'PYEOF'
+import json, math, sys
+rows = [r for r in json.load(open(sys.argv[1])).get("sweep", []) if "ms" in r and r["splits"] == r["chosen_splits"]]
+parts = []
+for cache, key in (("bfloat16", "bf16"), ("fp8", "fp8")):
+    by = {}
+    for r in rows:
+        if r["kv_cache_dtype"] == cache:
+            by.setdefault((r["block_n"], r["warps"], r["stages"]), []).append(math.log(r["ms"]))
+    full = max((len(v) for v in by.values()), default=0)
+    scored = {k: sum(v) / len(v) for k, v in by.items() if len(v) == full}
+    if scored:
+        best = min(scored, key=scored.get)
+        parts.append(f"{key}={best[0]},{best[1]},{best[2]}")
+print(";".join(parts))
+PYEOF
+)
+  say "offline runs with SHARDSERVE_DECODE_LAUNCH=$SHARDSERVE_DECODE_LAUNCH"
+fi
+if want offline && (( $(left) > 60 )); then
+  ONLY="offline_qwen3 offline_qwen3_fp8 offline_llama8b_fp8 offline_llama8b" BUDGET_S=$(left) OUT=$OUT/offline \
+    bash bench/gpu_run.sh > /dev/null 2>&1
+  say "offline runs: exit $?"; tail -8 "$OUT/offline/summary.txt" | tee -a "$OUT/log.txt"
+fi
+say "done"
