@@ -31,7 +31,7 @@ if want tests; then
 fi
 if want rates && (( $(left) > 60 )); then
   timeout -k 5 $(( $(left) < 240 ? $(left) : 240 )) $PY -m shardserve.bench.attention_rates --model qwen3-0.6b \
-    --sweep --json-out "$OUT/attention_qwen3.json" > "$OUT/attention_qwen3.txt" 2>&1
+    ${SWEEP_ARGS:---sweep} --json-out "$OUT/attention_qwen3.json" > "$OUT/attention_qwen3.txt" 2>&1
   say "attention rates + sweep: exit $?"; grep -E "^(attention decode|sweep)" "$OUT/attention_qwen3.txt" | tee -a "$OUT/log.txt"
 fi
 if want topp && (( $(left) > 40 )); then
@@ -57,7 +57,21 @@ for cache, key in (("bfloat16", "bf16"), ("fp8", "fp8")):
 print(";".join(parts))
 PYEOF
 )
-  say "offline runs with SHARDSERVE_DECODE_LAUNCH=$SHARDSERVE_DECODE_LAUNCH"
+  # twice choose_num_splits' programs where the best settings ran faster with twice the splits (geometric mean)
+  PROGRAMS=$($PY - "$OUT/attention_qwen3.json" "$SHARDSERVE_DECODE_LAUNCH" <<'PYEOF'
+import json, math, sys
+best = {("bfloat16" if k == "bf16" else k): tuple(int(x) for x in v.split(","))
+        for k, v in (item.split("=") for item in filter(None, sys.argv[2].split(";")))}
+logs = []
+for r in json.load(open(sys.argv[1])).get("sweep", []):
+    if "ms" in r and best.get(r["kv_cache_dtype"]) == (r["block_n"], r["warps"], r["stages"]):
+        logs.append((r["kv_cache_dtype"], r["batch"], r["context"], r["splits"] == r["chosen_splits"], r["ms"]))
+ratios = [math.log(b[4] / a[4]) for a in logs for b in logs if a[:3] == b[:3] and a[3] and not b[3]]
+print(1056 if ratios and sum(ratios) / len(ratios) < math.log(0.95) else 528)
+PYEOF
+)
+  export SHARDSERVE_DECODE_PROGRAMS=$PROGRAMS
+  say "offline runs with SHARDSERVE_DECODE_LAUNCH=$SHARDSERVE_DECODE_LAUNCH SHARDSERVE_DECODE_PROGRAMS=$PROGRAMS"
 fi
 if want offline && (( $(left) > 60 )); then
   ONLY="offline_qwen3 offline_qwen3_fp8 offline_llama8b_fp8 offline_llama8b" BUDGET_S=$(left) OUT=$OUT/offline \
