@@ -128,9 +128,11 @@ def attention_rates(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s:
     return rows
 
 
-SWEEP = {  # (BLOCK_N, warps, stages) per cache
-    "bfloat16": [(64, 4, 2), (64, 4, 3), (64, 8, 2), (64, 8, 3), (128, 4, 2), (128, 8, 2), (32, 4, 2)],
-    "fp8": [(64, 4, 2), (128, 4, 2), (128, 4, 3), (128, 4, 4), (128, 8, 2), (128, 8, 3), (256, 4, 2), (256, 8, 2)],
+SWEEP = {  # (BLOCK_N, warps, stages, FP8 variant) per cache
+    "bfloat16": [(64, 4, 2, None), (64, 4, 3, None), (64, 8, 2, None)],
+    "fp8": [(128, 4, 2, "fp16"), (128, 4, 3, "fp16"), (128, 8, 2, "fp16"), (256, 8, 2, "fp16"),
+            (128, 4, 2, "k_transposed_load"), (128, 4, 3, "k_transposed_load"), (64, 4, 2, "k_transposed_load"),
+            (128, 4, 2, "transposed"), (16, 4, 2, "fma"), (32, 4, 2, "fma"), (32, 8, 2, "fma"), (64, 8, 2, "fma")],
 }
 
 
@@ -148,15 +150,17 @@ def sweep(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
             cases = [_case(heads, kv_heads, dim, batch, context, cache_dtype, device) for _ in range(_copies(kv_bytes))]
             chosen = choose_num_splits(batch, kv_heads, context)
             best = None
-            for block_n, warps, stages in SWEEP[cache_dtype]:
+            for block_n, warps, stages, variant in SWEEP[cache_dtype]:
                 for splits in (chosen, 2 * chosen):
                     row = dict(kv_cache_dtype=cache_dtype, batch=batch, context=context, block_n=block_n,
-                               warps=warps, stages=stages, splits=splits, chosen_splits=chosen)
+                               warps=warps, stages=stages, variant=variant, splits=splits, chosen_splits=chosen)
+                    launch = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+                    if variant:
+                        launch["fp8_variant"] = variant
                     try:
-                        row["ms"] = graph_ms([_decode(c, splits, block_n=block_n, num_warps=warps,
-                                                      num_stages=stages) for c in cases])
+                        row["ms"] = graph_ms([_decode(c, splits, **launch) for c in cases])
                     except Exception as exc:  # a setting this GPU cannot compile (shared memory): noted
-                        row["error"] = type(exc).__name__
+                        row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                         rows.append(row)
                         continue
                     row["fraction_of_copy_rate"] = kv_bytes / (row["ms"] / 1e3) / copy_bytes_per_s
@@ -164,7 +168,7 @@ def sweep(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
                     best = row if best is None or row["ms"] < best["ms"] else best
             if best:
                 print(f"sweep {cache_dtype:8s} {batch:4d} x {context:5d}: best {best['block_n']},{best['warps']},"
-                      f"{best['stages']} splits {best['splits']}: {best['ms']:.4f} ms "
+                      f"{best['stages']} {best['variant']} splits {best['splits']}: {best['ms']:.4f} ms "
                       f"({best['fraction_of_copy_rate']:.0%} of copy)", flush=True)
             del cases
     return rows

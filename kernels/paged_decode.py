@@ -19,6 +19,7 @@ import triton.language as tl
 from shardserve.kernels.kv_fp8 import dequantize_fp8
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
+from shardserve.kernels.paged_decode_fp8 import fp8_fma_loop, fp8_k_transposed_load_loop, fp8_transposed_loop
 
 
 # The block table's row stride is the step's widest table: left unspecialised, or each new value that is (not) a
@@ -66,9 +67,16 @@ def _decode_kernel(
     if FP8:
         scale_log2e = scale_log2e * tl.load(k_scale_ptr + kv_head)
     if FP8_DOT == 2:  # (FP8_DOT and DOT_FP16 are 0 without FP8)
-        m, l, acc = _fp8_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb,
-                                         stride_cp, stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D,
-                                         BLOCK_N, DOT_PRECISION, DOT_FP16)
+        m, l, acc = fp8_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb,
+                                        stride_cp, stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D,
+                                        BLOCK_N, DOT_PRECISION, DOT_FP16)
+    elif FP8_DOT == 3:
+        m, l, acc = fp8_k_transposed_load_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb,
+                                               stride_cp, stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G,
+                                               BLOCK_D, BLOCK_N, DOT_PRECISION, DOT_FP16)
+    elif FP8_DOT == 4:
+        m, l, acc = fp8_fma_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
+                                 stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N)
     else:
         if DOT_FP16:
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
@@ -109,42 +117,6 @@ def _decode_kernel(
 
 
 @triton.jit
-def _fp8_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp, stride_ch,
-                         block_size, scale_log2e, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         DOT_FP16: tl.constexpr):
-    """The decode loop with the widened e4m3 tiles as the first operand of both products (s^T = k q^T,
-    acc^T = v^T p^T), the operand a tensor-core product may take from registers: the converted tile need not go
-    back through shared memory. Returns (m, l, acc) as the plain loop does."""
-    d = tl.arange(0, BLOCK_D)
-    dim_ok = d < HEAD_DIM
-    if DOT_FP16:
-        q_t = tl.trans(tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16))  # [BLOCK_D, BLOCK_G]
-    else:
-        q_t = tl.trans(q)
-    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
-    l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc_t = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        pos = tile_start + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_t.dtype)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_t.dtype)
-        s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_N, BLOCK_G]
-        s_t = tl.where(valid[:, None], s_t, NEG_BIG)
-        m_new = tl.maximum(m, tl.max(s_t, 0))
-        p_t = tl.exp2(s_t - m_new[None, :])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p_t, 0)
-        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(q_t.dtype), input_precision=DOT_PRECISION)
-        m = m_new
-    return m, l, tl.trans(acc_t)
-
-
-@triton.jit
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ot, stride_oh,
@@ -171,7 +143,7 @@ def _merge_splits_kernel(
 # "fp16" converts to fp16 instead (one native conversion; q clamped to fp16's range); "transposed" also puts the
 # converted tiles first in both products (s^T = k q^T, acc^T = v^T p^T). fp16 measured fastest (offline Qwen3-0.6B
 # 21.6k out tok/s against 19.5k and 18.4k), so it is the default.
-FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed")
+FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma")
 
 
 def fp8_decode_variant() -> str:
@@ -244,6 +216,7 @@ def paged_decode_attention(
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     fp8 = check_scales(k_cache, k_scale, v_scale)
     variant = FP8_DECODE_VARIANTS.index(fp8_variant or fp8_decode_variant()) if fp8 else 0
+    fma = variant == FP8_DECODE_VARIANTS.index("fma")
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
@@ -263,9 +236,9 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_G=triton.next_power_of_2(group) if fma else max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
-        NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and q.dtype != torch.float32,
+        NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
     )
     if num_splits > 1:

@@ -1,0 +1,117 @@
+"""The paged decode kernel's other loops over an FP8 (e4m3) cache (kernels/paged_decode.py picks one by
+FP8_DECODE_VARIANTS): each returns (m, l, acc) for the program's query heads, as the plain loop does.
+
+Why several: over e4m3 tiles the plain loop (load, widen to fp16, the bf16 kernel's two tensor-core products)
+measured at about half the bytes/s of the bf16 kernel on an H200, taking as long per key as bf16 does for twice the
+bytes. These loops change how the tiles meet the products, so one GPU run can time them side by side.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from shardserve.kernels.attention_common import NEG_BIG
+
+
+@triton.jit
+def _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size, BLOCK_N: tl.constexpr):
+    pos = tile_start + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+    return block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch, valid
+
+
+@triton.jit
+def fp8_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp, stride_ch,
+                        block_size, scale_log2e, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                        BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        DOT_FP16: tl.constexpr):
+    """The widened e4m3 tiles as the first operand of both products (s^T = k q^T, acc^T = v^T p^T), the operand a
+    tensor-core product may take from registers: the converted tile need not go back through shared memory."""
+    d = tl.arange(0, BLOCK_D)
+    dim_ok = d < HEAD_DIM
+    if DOT_FP16:
+        q_t = tl.trans(tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16))  # [BLOCK_D, BLOCK_G]
+    else:
+        q_t = tl.trans(q)
+    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc_t = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
+                                      BLOCK_N)
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_t.dtype)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_t.dtype)
+        s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_N, BLOCK_G]
+        s_t = tl.where(valid[:, None], s_t, NEG_BIG)
+        m_new = tl.maximum(m, tl.max(s_t, 0))
+        p_t = tl.exp2(s_t - m_new[None, :])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p_t, 0)
+        acc_t = acc_t * alpha[None, :] + tl.dot(tl.trans(v), p_t.to(q_t.dtype), input_precision=DOT_PRECISION)
+        m = m_new
+    return m, l, tl.trans(acc_t)
+
+
+@triton.jit
+def fp8_k_transposed_load_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
+                               stride_ch, block_size, scale_log2e, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
+                               BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                               DOT_FP16: tl.constexpr):
+    """The plain loop with K loaded straight into its [head_dim, keys] shape: load -> widen -> product, with no
+    transpose between (the shape the compiler's mixed-precision operand path handles)."""
+    d = tl.arange(0, BLOCK_D)
+    dim_ok = d < HEAD_DIM
+    if DOT_FP16:
+        q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
+    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
+                                      BLOCK_N)
+        k_t = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None], mask=valid[None, :] & dim_ok[:, None],
+                      other=0.0).to(q.dtype)  # [BLOCK_D, BLOCK_N]
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None] & dim_ok[None, :],
+                    other=0.0).to(q.dtype)
+        s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2e
+        s = tl.where(valid[None, :], s, NEG_BIG)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m = m_new
+    return m, l, acc
+
+
+@triton.jit
+def fp8_fma_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp, stride_ch,
+                 block_size, scale_log2e, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                 BLOCK_N: tl.constexpr):
+    """No tensor cores: float32 multiply-adds on the widened tiles, over the query heads of this KV head only
+    (BLOCK_G = the group rounded to a power of two, not padded to 16 rows). A decode step does ~2 x group
+    multiply-adds per cached element, which CUDA cores do faster than an H200 reads e4m3 for small groups."""
+    d = tl.arange(0, BLOCK_D)
+    dim_ok = d < HEAD_DIM
+    qf = q.to(tl.float32)
+    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
+                                      BLOCK_N)
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        s = tl.sum(qf[:, None, :] * k[None, :, :], 2) * scale_log2e  # [BLOCK_G, BLOCK_N]
+        s = tl.where(valid[None, :], s, NEG_BIG)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
+        m = m_new
+    return m, l, acc
