@@ -28,7 +28,8 @@ say "setup done"
 
 if want tests; then
   timeout -k 5 $(( $(left) < 150 ? $(left) : 150 )) $PY -m pytest -q -p no:cacheprovider -m gpu -rfEs \
-    tests/gpu/test_kernels_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_sampling_gpu.py > "$OUT/gpu_tests.txt" 2>&1
+    ${TEST_ARGS:-tests/gpu/test_kernels_gpu.py tests/gpu/test_fp8_gpu.py tests/gpu/test_sampling_gpu.py} \
+    > "$OUT/gpu_tests.txt" 2>&1
   say "tests: exit $? ($(tail -1 "$OUT/gpu_tests.txt"))"
 fi
 if want rates && (( $(left) > 60 )); then
