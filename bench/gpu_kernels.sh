@@ -80,6 +80,5 @@ if want offline && (( $(left) > 60 )); then
   say "offline runs: exit $?"; tail -8 "$OUT/offline/summary.txt" | tee -a "$OUT/log.txt"
 fi
 # few files come back from the device machine: everything in one archive, the log beside it
-(cd "$OUT" && tar czf /tmp/gpu_kernels.tgz --exclude log.txt . && find . -mindepth 1 ! -name log.txt -delete \
-  && mv /tmp/gpu_kernels.tgz results.tgz)
-say "done"
+(cd "$OUT" && tar czf /tmp/gpu_kernels.tgz . && rm -rf ./* && mv /tmp/gpu_kernels.tgz results.tgz)
+echo "[gpu_kernels $(( $(date +%s) - START ))s] done" >> "$OUT/log.txt"

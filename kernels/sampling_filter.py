@@ -133,8 +133,9 @@ def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, state_
                  SLOTS: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (rows, PARTS // PER_PROGRAM): advance the row's state (the first program stores it), then F at the new
     pivots over each of this program's PER_PROGRAM parts (each part's sums are its own, so how many parts a program
-    takes never changes a result). Within [lo, hi) only: x >= hi adds to every pivot's F, x < lo to none, and a
-    tile with nothing inside skips the per-pivot work (after the first pass most tiles)."""
+    takes never changes a result). x >= hi adds to every pivot's F once, x < lo to none, x in [lo, hi) per pivot.
+    (Skipping the per-pivot work of tiles with nothing in [lo, hi), a branch inside the loop, failed to compile
+    with Triton 3.6 on an H200: "operand does not dominate this use".)"""
     row = tl.program_id(0).to(tl.int64)
     k = tl.load(top_k_ptr + row)
     p = tl.load(top_p_ptr + row)
@@ -171,8 +172,7 @@ def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, state_
                 acc_hi += tl.where(x >= hi, w, 0.0)
                 vmin = tl.minimum(vmin, tl.where(inside, x, float("inf")))
                 vmax = tl.maximum(vmax, tl.where(inside, x, float("-inf")))
-                if tl.max(inside.to(tl.int32), 0) > 0:
-                    acc += tl.where(inside[:, None] & (x[:, None] >= piv[None, :]), w[:, None], 0.0)
+                acc += tl.where(inside[:, None] & (x[:, None] >= piv[None, :]), w[:, None], 0.0)
             out = part_out + (row * PARTS + part) * SLOTS
             tl.store(out + tl.arange(0, K), tl.sum(acc, 0) + tl.sum(acc_hi, 0))
             tl.store(out + K, tl.sum(acc_lo, 0))
