@@ -31,9 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 1024
-_PARTS = 32  # parts per row, at most (one per 4,096 entries, a power of two: 32 at 151,936); ~2,048 programs a pass
-_PROGRAMS = 2048  # programs a pass launch aims for (a part per program, or several at large batches)
+_BLOCK = 512
+_PARTS = 32  # programs per row in every launch, at most (one per 4,096 entries, a power of two: 32 at 151,936)
 _PIVOTS = 16  # pivots per pass: the interval shrinks 17 times a pass
 _PASSES = 7  # pass launches per search: 17^7 = 4.1e8 intervals
 _SLOTS = 32  # per (row, part) results: F at the K pivots, F(lo), min and max of x in [lo, hi) (stats: max, min, count)
@@ -129,19 +128,16 @@ def _advance(state_ptr, part_ptr, row, k, p, FORCE: tl.constexpr, PARTS: tl.cons
 
 @triton.jit
 def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, state_in, part_in, state_out, part_out,
-                 vocab, chunk, PARTS: tl.constexpr, PER_PROGRAM: tl.constexpr, K: tl.constexpr,
-                 SLOTS: tl.constexpr, PASSES: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (rows, PARTS // PER_PROGRAM): advance the row's state (the first program stores it), then F at the new
-    pivots over each of this program's PER_PROGRAM parts (each part's sums are its own, so how many parts a program
-    takes never changes a result). x >= hi adds to every pivot's F once, x < lo to none, x in [lo, hi) per pivot.
-    (Skipping the per-pivot work of tiles with nothing in [lo, hi), a branch inside the loop, failed to compile
-    with Triton 3.6 on an H200: "operand does not dominate this use".)"""
+                 vocab, chunk, PARTS: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, PASSES: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """Grid (rows, PARTS): advance the row's state (part 0 stores it), then this part's F at the new pivots."""
     row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
     k = tl.load(top_k_ptr + row)
     p = tl.load(top_p_ptr + row)
     lo, hi, target, phase, passes, top, threshold, finite = _advance(state_in, part_in, row, k, p, False, PARTS, K,
                                                                      SLOTS, PASSES)
-    if tl.program_id(1) == 0:
+    if part == 0:
         st = state_out + row * 8
         tl.store(st, lo)
         tl.store(st + 1, hi)
@@ -156,28 +152,24 @@ def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, state_
         inv_t = tl.load(inv_temps_ptr + row)
         mass = phase == 1.0
         piv = lo + (hi - lo) * ((tl.arange(0, K) + 1).to(tl.float32) / (K + 1))
-        for i in range(PER_PROGRAM):
-            part = tl.program_id(1) * PER_PROGRAM + i
-            acc = tl.zeros([BLOCK, K], tl.float32)
-            acc_hi = tl.zeros([BLOCK], tl.float32)
-            acc_lo = tl.zeros([BLOCK], tl.float32)
-            vmin = tl.full([BLOCK], float("inf"), tl.float32)
-            vmax = tl.full([BLOCK], float("-inf"), tl.float32)
-            for start in range(part * chunk, tl.minimum(part * chunk + chunk, vocab), BLOCK):
-                x = _scaled(row_ptr, start + tl.arange(0, BLOCK), vocab, inv_t)
-                w = tl.where(mass, tl.exp(x - top), tl.where(x > float("-inf"), 1.0, 0.0))
-                above = x >= lo
-                inside = above & (x < hi)
-                acc_lo += tl.where(above, w, 0.0)
-                acc_hi += tl.where(x >= hi, w, 0.0)
-                vmin = tl.minimum(vmin, tl.where(inside, x, float("inf")))
-                vmax = tl.maximum(vmax, tl.where(inside, x, float("-inf")))
-                acc += tl.where(inside[:, None] & (x[:, None] >= piv[None, :]), w[:, None], 0.0)
-            out = part_out + (row * PARTS + part) * SLOTS
-            tl.store(out + tl.arange(0, K), tl.sum(acc, 0) + tl.sum(acc_hi, 0))
-            tl.store(out + K, tl.sum(acc_lo, 0))
-            tl.store(out + K + 1, tl.min(vmin, 0))
-            tl.store(out + K + 2, tl.max(vmax, 0))
+        acc = tl.zeros([BLOCK, K], tl.float32)
+        acc_lo = tl.zeros([BLOCK], tl.float32)
+        vmin = tl.full([BLOCK], float("inf"), tl.float32)
+        vmax = tl.full([BLOCK], float("-inf"), tl.float32)
+        for start in range(part * chunk, tl.minimum(part * chunk + chunk, vocab), BLOCK):
+            x = _scaled(row_ptr, start + tl.arange(0, BLOCK), vocab, inv_t)
+            w = tl.where(mass, tl.exp(x - top), tl.where(x > float("-inf"), 1.0, 0.0))
+            acc += tl.where(x[:, None] >= piv[None, :], w[:, None], 0.0)
+            above = x >= lo
+            acc_lo += tl.where(above, w, 0.0)
+            inside = above & (x < hi)
+            vmin = tl.minimum(vmin, tl.where(inside, x, float("inf")))
+            vmax = tl.maximum(vmax, tl.where(inside, x, float("-inf")))
+        out = part_out + (row * PARTS + part) * SLOTS
+        tl.store(out + tl.arange(0, K), tl.sum(acc, 0))
+        tl.store(out + K, tl.sum(acc_lo, 0))
+        tl.store(out + K + 1, tl.min(vmin, 0))
+        tl.store(out + K + 2, tl.max(vmax, 0))
 
 
 @triton.jit
@@ -207,21 +199,18 @@ def filter_thresholds(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torc
     if not n:
         return out
     # parts per row: a function of the vocabulary only, so a row's sums never depend on its batch
-    num_parts = max(2, min(_PARTS, triton.next_power_of_2(triton.cdiv(vocab, 4 * _BLOCK))))
+    num_parts = max(2, min(_PARTS, triton.next_power_of_2(triton.cdiv(vocab, 8 * _BLOCK))))
     states = torch.empty(2, n, _STATE, dtype=torch.float32, device=logits.device)
     parts = torch.empty(2, n, num_parts, _SLOTS, dtype=torch.float32, device=logits.device)
     chunk = triton.cdiv(triton.cdiv(vocab, num_parts), _BLOCK) * _BLOCK
     _stats_kernel[(n, num_parts)](logits, logits.stride(0), inv_temps, parts[0], states[0], vocab, chunk,
                                   PARTS=num_parts, SLOTS=_SLOTS, BLOCK=_BLOCK, num_warps=4)
-    # programs per row: ~_PROGRAMS in all (the partial sums stay per part whatever this is)
-    per_program = num_parts // min(num_parts, 1 << max(0, (_PROGRAMS // n).bit_length() - 1))
     launches = _PASSES * (2 if count_search else 1)
     for i in range(launches):
         src, dst = i % 2, (i + 1) % 2
-        _pass_kernel[(n, num_parts // per_program)](
-            logits, logits.stride(0), inv_temps, top_k, top_p, states[src], parts[src], states[dst], parts[dst], vocab,
-            chunk, PARTS=num_parts, PER_PROGRAM=per_program, K=_PIVOTS, SLOTS=_SLOTS, PASSES=_PASSES, BLOCK=_BLOCK,
-            num_warps=8)
+        _pass_kernel[(n, num_parts)](logits, logits.stride(0), inv_temps, top_k, top_p, states[src], parts[src],
+                                     states[dst], parts[dst], vocab, chunk, PARTS=num_parts, K=_PIVOTS,
+                                     SLOTS=_SLOTS, PASSES=_PASSES, BLOCK=_BLOCK, num_warps=8)
     last = launches % 2
     _finish_kernel[(n,)](top_k, top_p, min_p, states[last], parts[last], out, PARTS=num_parts, K=_PIVOTS,
                          SLOTS=_SLOTS, PASSES=_PASSES, num_warps=1)

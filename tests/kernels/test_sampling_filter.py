@@ -91,17 +91,3 @@ def test_a_rows_threshold_depends_only_on_its_row():
     full = filter_thresholds(logits, *params)
     alone = torch.stack([filter_thresholds(logits[i:i + 1], *(p[i:i + 1] for p in params))[0] for i in range(4)])
     assert torch.equal(full, alone)
-
-
-def test_thresholds_do_not_depend_on_how_many_parts_a_program_takes(monkeypatch):
-    """Large batches give each program several parts of a row (fewer, longer programs); the sums stay per part, so
-    the cut-offs are bit for bit those of one part per program."""
-    from shardserve.kernels import sampling_filter
-
-    torch.manual_seed(4)
-    logits = torch.randn(3, 9000, device=DEVICE) * 2  # 3 parts of 4,096 -> 4 parts (a power of two), one empty
-    params = _params([1.0, 1.4, 0.8], [0, 40, 0], [0.9, 0.7, 0.5], [0.0, 0.0, 0.01])
-    one_each = filter_thresholds(logits, *params)
-    monkeypatch.setattr(sampling_filter, "_PROGRAMS", 1)  # one program per row, taking all 4 parts
-    assert torch.equal(filter_thresholds(logits, *params), one_each)
-    assert torch.equal(one_each, filter_thresholds_ref(logits, *params))
