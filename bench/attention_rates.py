@@ -3,15 +3,16 @@ device's measured copy rate.
 
 Per (cache dtype, batch, context): a random paged cache on the model's per-rank attention shape (TP=1), each
 sequence's blocks scattered over a cache twice the needed size (a random permutation: what preemption and prefix
-hits leave), one query token per sequence. Timed: the split-K decode kernel (its default launch settings and
-choose_num_splits, as the backend runs it; for FP8 each of its FP8_DECODE_VARIANTS) and the varlen prefill kernel on the same decodes (the path a mixed
+hits leave), one query token per sequence. Timed: the split-K decode kernel (its default launch settings, FP8 loop
+and choose_num_splits, as the backend runs it) and the varlen prefill kernel on the same decodes (the path a mixed
 batch's decodes take). Bytes: the K and V the batch's contexts hold (every one is read once); the queries, outputs
 and block tables are under 1% of it and not counted. The copy rate counts read + written bytes, as the roofline does.
 
 Timing: one CUDA graph of ~24 launches back to back, replayed (the way the decode graphs run the kernel: no host
 launch cost inside the figure), over several copies of the case in turn where one copy would fit in the L2 cache
 (so every launch reads its K/V from device memory); the median replay over the launches in it.
-`sweep` times the decode kernel over launch settings (keys per tile, warps, stages, splits) the same way.
+`sweep` times the decode kernel over launch settings (keys per tile, warps, stages, splits) and FP8 loops
+(FP8_DECODE_VARIANTS) the same way.
 """
 
 from __future__ import annotations

@@ -249,6 +249,7 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
     per-rank attention shape, bf16, a random cache of batch x context tokens: the KV bytes read over the time."""
     from transformers import AutoConfig
 
+    from shardserve.bench.attention_rates import graph_ms
     from shardserve.kernels.paged_decode import choose_num_splits, paged_decode_attention
     from shardserve.models import resolve_model
 
@@ -274,7 +275,7 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
             paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, dim**-0.5, num_splits=num_splits,
                                    block_n=block_n, num_warps=warps, num_stages=stages)
         try:
-            ms = _events_ms(run, repeats)
+            ms = graph_ms([run])  # CUDA-graph replay: no host launch time in the figure
         except Exception as exc:  # a setting this GPU cannot compile (shared memory): skipped
             results.append({"splits": num_splits, "block_n": block_n, "warps": warps, "stages": stages,
                             "error": type(exc).__name__})

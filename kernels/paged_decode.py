@@ -164,8 +164,8 @@ def _launch_overrides(text: str) -> dict[str, tuple[int, int, int]]:
     out = {}
     for item in filter(None, text.split(";")):
         cache, _, values = item.partition("=")
-        numbers = tuple(int(v) for v in values.split(","))
-        if cache not in DECODE_LAUNCH or len(numbers) != 3:
+        numbers = tuple(int(v) for v in values.split(",") if v.strip().isdigit())
+        if cache not in DECODE_LAUNCH or len(numbers) != 3 or len(values.split(",")) != 3:
             raise ValueError(f"SHARDSERVE_DECODE_LAUNCH: expected CACHE=BLOCK_N,WARPS,STAGES, got {item!r}")
         out[cache] = numbers
     return out

@@ -109,3 +109,14 @@ def test_backends_store_then_attend_over_an_fp8_cache_alike(query_lens, seq_lens
     ref = paged_prefill_attention_ref(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, SCALE, ks, vs)
     torch.testing.assert_close(torch_out, ref, atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(triton_out, ref, atol=1e-3, rtol=1e-4)
+
+
+def test_decode_launch_settings_per_cache_and_their_override_checked():
+    from shardserve.kernels.paged_decode import _launch_overrides, decode_launch
+
+    assert decode_launch(True, 128)[0] == 2 * decode_launch(False, 128)[0]  # e4m3 tiles: the bytes of a bf16 tile
+    assert decode_launch(True, 256)[0] == decode_launch(True, 128)[0] // 2  # larger heads: half the keys
+    assert _launch_overrides("fp8=64,8,3;bf16=32,4,2") == {"fp8": (64, 8, 3), "bf16": (32, 4, 2)}
+    for bad in ("fp4=64,4,2", "fp8=64,4", "fp8"):
+        with pytest.raises(ValueError, match="SHARDSERVE_DECODE_LAUNCH"):
+            _launch_overrides(bad)
