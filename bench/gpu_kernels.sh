@@ -79,6 +79,6 @@ if want offline && (( $(left) > 60 )); then
     bash bench/gpu_run.sh > /dev/null 2>&1
   say "offline runs: exit $?"; tail -8 "$OUT/offline/summary.txt" | tee -a "$OUT/log.txt"
 fi
-# few files come back from the device machine: everything in one archive, the log beside it
+# few files come back from the device machine: everything in one archive (log.txt then holds the last line only)
 (cd "$OUT" && tar czf /tmp/gpu_kernels.tgz . && rm -rf ./* && mv /tmp/gpu_kernels.tgz results.tgz)
 echo "[gpu_kernels $(( $(date +%s) - START ))s] done" >> "$OUT/log.txt"
