@@ -27,7 +27,7 @@ from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.prompt_encoder import PromptEncoder, default_max_prompt_bytes
 from shardserve.cluster.replica import Replica, ReplicaState
-from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
+from shardserve.cluster.router import POLICIES, ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.transport import host_port
 
@@ -253,18 +253,42 @@ class Controller:
 
     async def replica_stats(self) -> list[dict]:
         """Per replica: id, state, requests routed to it, the nodes of its ranks (where the executor knows them),
-        and (serving ones) its engine's prompt and cached-prompt
+        the wall time of its engine steps and its workers' own time in them (step_s, forward_s: the current
+        group's, for the control-plane share), and (serving ones) its engine's prompt and cached-prompt
         token counts (the prefix-cache hit rate) and finished requests."""
         out = []
         for i, r in enumerate(self.replicas):
+            executor = r.engine.executor if r.engine is not None else None
             row = dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i],
-                       nodes=list(getattr(r.engine.executor, "node_ids", ())) if r.engine is not None else [])
+                       nodes=list(getattr(executor, "node_ids", ())), step_s=r.step_s_total,
+                       forward_s=getattr(executor, "forward_ms_total", 0.0) / 1e3)
             if r.serving:
                 s = await r.stats()
                 row.update(prompt_tokens=s.num_prompt_tokens, cached_prompt_tokens=s.num_cached_prompt_tokens,
                            finished=s.num_finished, generated_tokens=s.num_generated_tokens)
             out.append(row)
         return out
+
+    async def reset_caches(self, routing: str | None = None, kv_blocks: int | None = None) -> list[int]:
+        """For A/B benchmarks on one running cluster, while no request is live: every serving replica forgets its
+        prefix cache (the router its index), routing becomes the policy (None: unchanged) and each replica keeps
+        kv_blocks usable KV blocks (BlockManager.limit_blocks; None: all). Returns each one's usable blocks."""
+        if routing is not None and routing not in POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {routing!r}")
+
+        def reset(engine) -> int:
+            bm = engine.block_manager
+            bm.reset_prefix_cache()
+            usable = bm.limit_blocks(bm.num_blocks if kv_blocks is None else kv_blocks)
+            bm.take_events()  # forgotten here already: the router drops the replica's entries below
+            return usable
+
+        usable = [await asyncio.wrap_future(r.submit(reset)) if r.serving else 0 for r in self.replicas]
+        for i in range(len(self.replicas)):
+            self.router.forget(i)
+        if routing is not None:
+            self.router.policy = routing
+        return usable
 
     # ---- from the replicas (on the event loop) --------------------------------------------------------------
     def _dispatch(self, replica: Replica, report: StepReport) -> None:

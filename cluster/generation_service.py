@@ -84,6 +84,18 @@ def delta_to_proto(delta: RequestDelta, params: SamplingParams) -> pb.GenerateRe
     return msg
 
 
+def merged_delta_to_proto(deltas: list[RequestDelta], params: SamplingParams) -> pb.GenerateResponse:
+    """Consecutive deltas of one request as one Delta message (text and token ids concatenated, logprobs in
+    order; prompt logprobs come only on a request's first delta)."""
+    msg = delta_to_proto(deltas[0], params)
+    for delta in deltas[1:]:
+        msg.delta.text += delta.text
+        msg.delta.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            _add_logprobs(msg.delta.logprobs, delta.logprobs, params.logprobs or 0)
+    return msg
+
+
 def _add_logprobs(field, entries, n: int) -> None:
     """Each position's dict starts with its own token (cluster/outputs.py: position_logprobs)."""
     for entry in entries:
@@ -116,12 +128,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                                     prompt_token_count=live.num_prompt_tokens)
             )
             while True:
-                item = await live.queue.get()
+                items = [await live.queue.get()]
+                # Deltas queued meanwhile (the stream fell behind the engine) go out as one message: under load a
+                # message costs the server and the client more than its tokens do.
+                while not live.queue.empty() and not isinstance(items[-1], BaseException) \
+                        and not items[-1].delta.finished:
+                    items.append(live.queue.get_nowait())
+                item = items.pop()
+                deltas = [i.delta for i in items] + ([] if isinstance(item, BaseException) else [item.delta])
+                if any(d.token_ids or d.text or d.prompt_logprobs for d in deltas):
+                    yield merged_delta_to_proto(deltas, params)
                 if isinstance(item, BaseException):
                     finished = True  # the controller has already forgotten it
                     await context.abort(*status_of(item))
-                if item.delta.token_ids or item.delta.text or item.delta.prompt_logprobs:
-                    yield delta_to_proto(item.delta, params)
                 if item.delta.finished:
                     finished = True
                     d = item.delta
