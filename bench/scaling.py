@@ -51,6 +51,8 @@ def add_scaling_parser(kinds, add_engine_args, run) -> None:
     p.add_argument("--shared-kv-blocks", type=int, default=None,
                    help="KV blocks each replica keeps for the shared-prefix runs (default: all it has); below the "
                         "working set of the prefixes, so that routing decides the hit rate")
+    p.add_argument("--placement", choices=["pack", "spread"], default="pack",
+                   help="pack: each TP group on one node (STRICT_PACK); spread: a group may span nodes (SPREAD)")
     p.add_argument("--client-procs", type=int, default=4,
                    help="load-generator processes, each with its own gRPC channel (bench/scaling_client.py)")
     p.add_argument("--out-dir", default=None, help="write scaling.csv/.md/.png/.json here")
@@ -126,20 +128,23 @@ def run_config(config, replicas: int, args: argparse.Namespace, workloads, bar, 
     offline, shared_prompts = workloads
     policies = args.routing.split(",")
     start = time.perf_counter()
-    cluster = start_cluster(config, host="127.0.0.1", port=0, replicas=replicas, routing=policies[0])
+    cluster = start_cluster(config, host="127.0.0.1", port=0, replicas=replicas, routing=policies[0],
+                            strategy="SPREAD" if args.placement == "spread" else "STRICT_PACK")
     runs = []
     try:
         started_s = time.perf_counter() - start
+        # warm-up, not timed: kernels compile at their first shapes (a cache later configurations would find warm)
+        pool.run(cluster.address, offline[:2 * replicas] + shared_prompts[:replicas], 4, 4 * replicas)
         before = ray.get(cluster.controller.replica_stats.remote())
         run = _run_requests(pool, cluster.address, offline, args.output_len, len(offline), bar)
         after = ray.get(cluster.controller.replica_stats.remote())
         runs.append(dict(run, workload="offline", routing=policies[0], control_plane_share=_control_plane(before, after)))
-        for policy in (policies if replicas > 1 else policies[:1]) if shared else ():
-            usable = ray.get(cluster.controller.reset_caches.remote(policy, args.shared_kv_blocks))
+        for policy, cap in _shared_runs(policies, replicas, args.shared_kv_blocks) if shared else ():
+            usable = ray.get(cluster.controller.reset_caches.remote(policy, cap))
             before = ray.get(cluster.controller.replica_stats.remote())
             run = _run_requests(pool, cluster.address, shared_prompts, args.prefix_output_len, args.concurrency, bar)
             after = ray.get(cluster.controller.replica_stats.remote())
-            runs.append(dict(run, workload="shared-prefix", routing=policy, kv_blocks_per_replica=usable,
+            runs.append(dict(run, workload="shared-prefix", routing=policy, kv_blocks_per_replica=usable, kv_cap=cap,
                              control_plane_share=_control_plane(before, after), **_cache_counts(before, after)))
     finally:
         cluster.shutdown(drain_timeout_s=0)
@@ -147,6 +152,14 @@ def run_config(config, replicas: int, args: argparse.Namespace, workloads, bar, 
         run["config"], run["replicas"], run["tp"], run["start_s"] = f"{replicas}x{config.tensor_parallel_size}", \
             replicas, config.tensor_parallel_size, started_s
     return runs
+
+
+def _shared_runs(policies: list[str], replicas: int, cap: int | None) -> list[tuple[str, int | None]]:
+    """(policy, KV cap) of each shared-prefix run: every policy at > 1 replica; one at one replica (they are the
+    same there), with its whole cache too when capped (the hit rate of a replica that holds every prefix)."""
+    if replicas > 1:
+        return [(p, cap) for p in policies]
+    return [(policies[0], None)] + ([(policies[0], cap)] if cap is not None else [])
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
@@ -170,26 +183,35 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
                  else set(configs))
     policies = args.routing.split(",")
     workloads = _workloads(args, read_model_facts(base.model).vocab_size)
-    total = sum(len(workloads[0]) + (len(workloads[1]) * (len(policies) if r > 1 else 1) if (r, tp) in shared_at else 0)
-                for r, tp in configs)
+    total = sum(len(workloads[0]) + (len(workloads[1]) * len(_shared_runs(policies, r, args.shared_kv_blocks))
+                                     if (r, tp) in shared_at else 0) for r, tp in configs)
     bar = tqdm(total=total, desc="scaling", unit="req", file=sys.stderr, dynamic_ncols=True)
     runs: list[dict] = []
+    title = f"{args.model or 'default model'} on {base.device}"
     with ClientPool(args.client_procs) as pool:
         for replicas, tp in configs:
             bar.set_postfix_str(f"{replicas}x{tp}")
             config = dataclasses.replace(base, tensor_parallel_size=tp)
             runs += run_config(config, replicas, args, workloads, bar, pool, (replicas, tp) in shared_at)
+            _compare(runs)
+            if args.out_dir:  # after each configuration: a run cut short keeps what it measured
+                write_outputs(runs, [_record(args, base, r) for r in runs], args.out_dir, title, quiet=True)
     bar.close()
+    write_outputs(runs, [_record(args, base, r) for r in runs], args.out_dir, title)
+    return 0 if all(r["outputs_match_first"] is not False for r in runs) else 1
+
+
+def _compare(runs: list[dict]) -> None:
+    """Greedy tokens against the first offline run; speed-up and efficiency against one replica of the same TP
+    (else 1x1, else itself) on the same workload and KV cap."""
     reference = runs[0]["tokens"]
     for r in runs:
         r["outputs_match_first"] = r["tokens"] == reference if r["workload"] == "offline" else None
-        same = [x for x in runs if x["workload"] == r["workload"] and x["replicas"] == 1]
-        one = next((x for x in same if x["tp"] == r["tp"]), next((x for x in same if x["tp"] == 1), same[0] if same else r))
+        same = [x for x in runs if x["replicas"] == 1 and x["workload"] == r["workload"]
+                and x.get("kv_cap") == r.get("kv_cap")]
+        one = next((x for x in same if x["tp"] == r["tp"]), next((x for x in same if x["tp"] == 1), r))
         r["speedup"] = r["output_tok_s"] / one["output_tok_s"]
         r["efficiency"] = r["speedup"] / (r["replicas"] * r["tp"] / (one["replicas"] * one["tp"]))
-    records = [_record(args, base, r) for r in runs]
-    write_outputs(runs, records, args.out_dir, title=f"{args.model or 'default model'} on {base.device}")
-    return 0 if all(r["outputs_match_first"] is not False for r in runs) else 1
 
 
 def _parse_config(text: str) -> tuple[int, int]:

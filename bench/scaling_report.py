@@ -6,7 +6,7 @@ import csv
 import json
 import os
 
-COLUMNS = ("config", "replicas", "tp", "workload", "routing", "output_tok_s", "speedup", "efficiency", "ttft_p50_ms",
+COLUMNS = ("config", "replicas", "tp", "workload", "routing", "kv_blocks", "output_tok_s", "speedup", "efficiency", "ttft_p50_ms",
            "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "cache_hit_rate", "control_plane_share", "client_cpu_max",
            "outputs_match_first")
 
@@ -14,6 +14,7 @@ COLUMNS = ("config", "replicas", "tp", "workload", "routing", "output_tok_s", "s
 def rows(runs: list[dict]) -> list[dict]:
     return [dict(
         config=r["config"], replicas=r["replicas"], tp=r["tp"], workload=r["workload"], routing=r["routing"],
+        kv_blocks="" if r.get("kv_cap") is None else r["kv_cap"],
         output_tok_s=round(r["output_tok_s"], 1), speedup=round(r["speedup"], 3), efficiency=round(r["efficiency"], 3),
         ttft_p50_ms=_ms(r["ttft"], "p50"), ttft_p99_ms=_ms(r["ttft"], "p99"),
         tpot_p50_ms=_ms(r["tpot"], "p50"), tpot_p99_ms=_ms(r["tpot"], "p99"),
@@ -60,10 +61,11 @@ def plot(table: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_outputs(runs: list[dict], records: list[dict], out_dir: str | None, title: str) -> None:
+def write_outputs(runs: list[dict], records: list[dict], out_dir: str | None, title: str, quiet: bool = False) -> None:
     table = rows(runs)
     text = markdown(table)
-    print(text, flush=True)
+    if not quiet:
+        print(text, flush=True)
     if not out_dir:
         return
     os.makedirs(out_dir, exist_ok=True)
