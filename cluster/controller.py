@@ -163,11 +163,7 @@ class Controller:
         try:
             return self.replicas[self.router.route(hashes)[0]]
         except LookupError as e:
-            # No replica serves; one starting a new group queues the request: it runs once the group is back.
-            recovering = [r for r in self.replicas if r.state is ReplicaState.RECOVERING]
-            if not recovering:
-                raise ServerUnavailable(str(e)) from None
-            return min(recovering, key=lambda r: r.load.outstanding_tokens)
+            raise ServerUnavailable(str(e)) from None
 
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None,
                           resumed: list[int] | None = None) -> LiveRequest:

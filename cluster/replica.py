@@ -98,7 +98,8 @@ class Replica:
     @state.setter
     def state(self, value: ReplicaState) -> None:
         self._state = value
-        self.serving = value is ReplicaState.SERVING  # a plain attribute: the router reads it per request
+        self.serving = value is ReplicaState.SERVING  # plain attributes: the router reads them per request
+        self.recovering = value is ReplicaState.RECOVERING
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
