@@ -234,13 +234,18 @@ class Controller:
 
     async def server_stats(self) -> tuple[EngineStats | None, dict]:
         """Fresh engine stats (taken between two steps), summed over the serving replicas, and the controller's
-        own counters."""
-        stats = None
+        own counters, with each replica's id, state, routed requests and stats (None when not serving)."""
+        stats, each = None, [None] * len(self.replicas)
         if self.state in (State.SERVING, State.DRAINING):
-            serving = [r for r in self.replicas if r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING)]
-            stats = _sum_stats(await asyncio.gather(*(r.stats() for r in serving))) if serving else None
+            serving = [i for i, r in enumerate(self.replicas)
+                       if r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING)]
+            for i, s in zip(serving, await asyncio.gather(*(self.replicas[i].stats() for i in serving))):
+                each[i] = s
+            stats = _sum_stats([s for s in each if s is not None]) if serving else None
+        replicas = [dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i], stats=each[i])
+                    for i, r in enumerate(self.replicas)]
         return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
-                       "uptime_s": time.time() - self._started_at}
+                       "uptime_s": time.time() - self._started_at, "replicas": replicas}
 
     def worker_groups(self) -> list:
         """Each replica's current worker group (the executor's `group`, where it has one; None otherwise): endpoints,

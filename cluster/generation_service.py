@@ -201,6 +201,14 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             msg.requests_finished = stats.num_finished
             msg.prompt_tokens_total = stats.num_prompt_tokens
             msg.generation_tokens_total = stats.num_generated_tokens
+        for replica in counters["replicas"]:
+            row = msg.replicas.add(id=replica["id"], state=replica["state"], requests_routed=replica["routed"])
+            if (s := replica["stats"]) is not None:
+                row.num_waiting, row.num_running = s.num_waiting, s.num_running
+                row.kv_blocks_total, row.kv_blocks_used = s.num_kv_blocks, s.num_kv_blocks_used
+                row.kv_blocks_cached, row.requests_finished = s.num_kv_blocks_cached, s.num_finished
+                row.prompt_tokens_total, row.cached_prompt_tokens_total = s.num_prompt_tokens, s.num_cached_prompt_tokens
+                row.generation_tokens_total = s.num_generated_tokens
         return msg
 
 
