@@ -65,11 +65,11 @@ make_tiny_model('$WORK/llama8b', 'llama', num_heads=4, num_kv_heads=2)" >> "$LOG
   RAY_ADDRESS_ARG=local
   DEV="--device cpu --dtype float32 --max-model-len 256 --num-kv-blocks 96"
   LOAD="--num-prompts 4 --input-len 16 --output-len 4 --prefixes 2 --prefix-len 48 --per-prefix 4 --suffix-len 4
-        --prefix-output-len 3 --concurrency 2 --client-procs 2"
+        --prefix-output-len 3 --concurrency 2"
   KV_BLOCKS=${KV_BLOCKS:-40}; CHECK="--num-prompts 32 --output-len 16"; CHECK_PROCS=1,2
 else
   MODELS=${MODELS:-"qwen3 llama8b"}
-  declare -A NAME=([qwen3]=qwen3-0.6b [llama8b]=llama-3-8b) LIMIT=([qwen3]=150 [llama8b]=400)
+  declare -A NAME=([qwen3]=qwen3-0.6b [llama8b]=llama-3-8b) LIMIT=([qwen3]=140 [llama8b]=400)
   PORT=6391
   # a raylet per GPU: placement crosses a node boundary (the environment notes: seen working on this host)
   env CUDA_VISIBLE_DEVICES=0 $PY -c "$RAY_CLI" start --head --node-ip-address 127.0.0.1 --port $PORT --num-gpus 1 --num-cpus 6 \
@@ -78,13 +78,13 @@ else
     --num-cpus 6 --disable-usage-stats >> "$LOG" 2>&1 && say "worker raylet up (GPU 1)"
   $PY -c "import ray; ray.init(address='127.0.0.1:$PORT'); print('nodes', [(n['NodeID'][:8], n['Resources'].get('GPU')) for n in ray.nodes() if n['Alive']])" >> "$LOG" 2>&1
   RAY_ADDRESS_ARG=127.0.0.1:$PORT
-  # Offline: 512 prompts of 256 tokens, 128 out, at most 128 in a replica's batch (each replica saturated at 1x1
-  # and at 2x1 alike). Shared prefix: 16 prefixes of 1,024 tokens x 32 requests (32-token tails, 64 out) at 64 in
-  # flight; the A/B runs keep KV_BLOCKS blocks of 16 tokens per replica: 896 hold 8 prefixes and the running
+  # Offline: 256 prompts of 256 tokens, 128 out, at most 128 in a replica's batch (each replica runs full batches at
+  # 1x1 and at 2x1 alike). Shared prefix: 16 prefixes of 1,024 tokens x 16 requests (32-token tails, 64 out) at 64
+  # in flight; the A/B runs keep KV_BLOCKS blocks of 16 tokens per replica: 896 hold 8 prefixes and the running
   # requests' own blocks (what cache-aware routing sends one replica) but not all 16 (what round-robin sends it).
   DEV="--device cuda --load-format dummy --max-model-len 2048 --max-num-seqs 128"
-  LOAD="--num-prompts 512 --input-len 256 --output-len 128 --prefixes 16 --prefix-len 1024 --per-prefix 32
-        --suffix-len 32 --prefix-output-len 64 --concurrency 64 --client-procs 4"
+  LOAD="--num-prompts 256 --input-len 256 --output-len 128 --prefixes 16 --prefix-len 1024 --per-prefix 16
+        --suffix-len 32 --prefix-output-len 64 --concurrency 64"
   KV_BLOCKS=${KV_BLOCKS:-896}; CHECK="--num-prompts 256 --output-len 128"; CHECK_PROCS=1,2,4
 fi
 
@@ -102,6 +102,12 @@ else
   say "the fake upstream did not start: $(tail -3 "$WORK/fake.log")"
 fi
 kill "$FAKE" 2> /dev/null; wait "$FAKE" 2> /dev/null
+# the benchmark's client processes: the count that read the most from the fake upstream (one Python gRPC server
+# process, as the controller's is), else CLIENT_PROCS (default 4)
+BEST=$(sed -n 's/^\([0-9]*\) client process(es): \([0-9,]*\) output.*/\2 \1/p' "$OUT/client_check.txt" 2> /dev/null \
+       | tr -d , | sort -n | tail -1 | cut -d' ' -f2)
+CLIENT_PROCS=${CLIENT_PROCS:-${BEST:-4}}
+say "client processes: $CLIENT_PROCS"
 
 # ---- the scaling runs, one model after the other (each uses both GPUs) ---------------------------------------
 for model in $MODELS; do
@@ -110,7 +116,7 @@ for model in $MODELS; do
   if (( limit < 60 )); then say "$model: skipped (${left}s of the budget left)"; continue; fi
   CMD="$PY -m shardserve.cli bench scaling --model ${NAME[$model]} $DEV --ray-address $RAY_ADDRESS_ARG
        --placement spread --configs 1x1,2x1,1x2 --shared-configs 1x1,2x1 --routing cache-aware,round-robin
-       --shared-kv-blocks $KV_BLOCKS $LOAD --out-dir $OUT/scaling_$model"
+       --shared-kv-blocks $KV_BLOCKS $LOAD --client-procs $CLIENT_PROCS --out-dir $OUT/scaling_$model"
   say "$model: start (limit ${limit}s): $(echo $CMD)"
   t0=$(date +%s)
   timeout -k 15 "$limit" $CMD > "$OUT/scaling_$model.txt" 2>&1

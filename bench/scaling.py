@@ -1,17 +1,23 @@
 """`shardserve bench scaling`: how throughput scales with replicas x tensor parallelism on a Ray cluster.
 
 For each configuration that fits (replicas x TP: 1x1, 2x1, 1x2, 4x1, 2x2, ... up to the cluster's GPUs, or its
-CPUs with --device cpu; or --configs), `serve`'s own start_cluster runs it and two fixed workloads go through the
-gRPC client:
+CPUs with --device cpu; or --configs), `serve`'s own start_cluster runs it (--placement: each TP group on one node,
+or spread) and, after a short untimed warm-up, two fixed workloads go through the gRPC API from --client-procs
+load-generator processes (bench/scaling_client.py: one Python client caps near 25,000 tok/s):
 - offline: --num-prompts random prompts, all submitted at once (greedy, ignore_eos): output tok/s;
 - shared-prefix: --prefixes prefixes of --prefix-len tokens, --per-prefix requests each (a short unique tail), at
   --concurrency in flight: output tok/s, TTFT/TPOT p50/p99 and the prefix-cache hit rate (cached prompt tokens /
-  prompt tokens, summed over the replicas).
-Speed-up and efficiency are against one replica of the same TP (1x1 when that was not run). Every configuration's
-greedy tokens on the offline workload are compared with the first configuration's.
+  prompt tokens, summed over the replicas). Before each such run the replicas' prefix caches are emptied
+  (Controller.reset_caches); at > 1 replica it runs once per --routing policy, each replica keeping
+  --shared-kv-blocks blocks when given (a working set larger than one replica's cache is where routing matters);
+  one replica runs it with its whole cache and, when capped, with the cap.
+Per run also: the control-plane share (1 - the workers' own step time / the engine steps' wall time, summed over
+the replicas) and the client's CPU (its busiest process's share of a core: near 1.0 the client was the limit).
+Speed-up is against 1x1 on the same workload and cap; efficiency divides it by the GPUs (ranks) used. Every
+configuration's greedy tokens on the offline workload are compared with the first configuration's.
 
 Output: a markdown table on stdout; --out-dir gets scaling.csv, scaling.md, scaling.png (matplotlib) and
-scaling.json (one BenchRecord per configuration and workload, benchmark "scaling").
+scaling.json (one BenchRecord per run, benchmark "scaling"), rewritten after each configuration.
 """
 
 from __future__ import annotations
@@ -202,14 +208,14 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
 
 
 def _compare(runs: list[dict]) -> None:
-    """Greedy tokens against the first offline run; speed-up and efficiency against one replica of the same TP
-    (else 1x1, else itself) on the same workload and KV cap."""
+    """Greedy tokens against the first offline run; speed-up against 1x1 (else the first one-replica run, else
+    itself) on the same workload and KV cap, efficiency = speed-up / (GPUs or ranks used / the reference's)."""
     reference = runs[0]["tokens"]
     for r in runs:
         r["outputs_match_first"] = r["tokens"] == reference if r["workload"] == "offline" else None
         same = [x for x in runs if x["replicas"] == 1 and x["workload"] == r["workload"]
                 and x.get("kv_cap") == r.get("kv_cap")]
-        one = next((x for x in same if x["tp"] == r["tp"]), next((x for x in same if x["tp"] == 1), r))
+        one = next((x for x in same if x["tp"] == 1), same[0] if same else r)
         r["speedup"] = r["output_tok_s"] / one["output_tok_s"]
         r["efficiency"] = r["speedup"] / (r["replicas"] * r["tp"] / (one["replicas"] * one["tp"]))
 
