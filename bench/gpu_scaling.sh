@@ -11,8 +11,9 @@
 #
 # Wheels as for bench/gpu_run.sh (ray & co. in .whl/). Output ($OUT): scaling_<model>/ (scaling.csv, .md, .png,
 # .json: bench scaling's outputs, written after every configuration), client_check.txt, log.txt, env.txt,
-# summary.txt. BUDGET_S (default 370) bounds the whole run; each model has its own timeout. Knobs: MODELS,
-# KV_BLOCKS (the shared-prefix runs' blocks per replica), SHARDSERVE_COMMIT=<hash> (names the tree in the records).
+# summary.txt. BUDGET_S (default 370) bounds the whole run; each model has its own timeout. Knobs: MODELS, CONFIGS,
+# KV_BLOCKS (the shared-prefix runs' blocks per replica), CLIENT_CHECK=0, CLIENT_PROCS, SHARDSERVE_COMMIT=<hash>
+# (names the tree in the records).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -88,7 +89,11 @@ else
   KV_BLOCKS=${KV_BLOCKS:-896}; CHECK="--num-prompts 256 --output-len 128"; CHECK_PROCS=1,2,4
 fi
 
+CONFIGS=${CONFIGS:-1x1,2x1,1x2}
+CLIENT_CHECK=${CLIENT_CHECK:-1}  # 0: skip the client check (CLIENT_PROCS, default 4, then sets the processes)
+
 # ---- the load generator alone, against the fake upstream (no engine): tok/s and its CPU per token -------------
+[ "$CLIENT_CHECK" = 1 ] && {
 $PY -m shardserve.bench.serve_fake --port 0 > "$WORK/fake.log" 2>&1 &
 FAKE=$!
 for _ in $(seq 100); do grep -q "serving on" "$WORK/fake.log" && break; sleep 0.2; done
@@ -102,6 +107,7 @@ else
   say "the fake upstream did not start: $(tail -3 "$WORK/fake.log")"
 fi
 kill "$FAKE" 2> /dev/null; wait "$FAKE" 2> /dev/null
+}
 # the benchmark's client processes: the count that read the most from the fake upstream (one Python gRPC server
 # process, as the controller's is), else CLIENT_PROCS (default 4)
 BEST=$(sed -n 's/^\([0-9]*\) client process(es): \([0-9,]*\) output.*/\2 \1/p' "$OUT/client_check.txt" 2> /dev/null \
@@ -115,7 +121,7 @@ for model in $MODELS; do
   limit=${LIMIT[$model]}; (( limit > left )) && limit=$left
   if (( limit < 60 )); then say "$model: skipped (${left}s of the budget left)"; continue; fi
   CMD="$PY -m shardserve.cli bench scaling --model ${NAME[$model]} $DEV --ray-address $RAY_ADDRESS_ARG
-       --placement spread --configs 1x1,2x1,1x2 --shared-configs 1x1,2x1 --routing cache-aware,round-robin
+       --placement spread --configs $CONFIGS --shared-configs 1x1,2x1 --routing cache-aware,round-robin
        --shared-kv-blocks $KV_BLOCKS $LOAD --client-procs $CLIENT_PROCS --out-dir $OUT/scaling_$model"
   say "$model: start (limit ${limit}s): $(echo $CMD)"
   t0=$(date +%s)
@@ -143,8 +149,10 @@ for model in sys.argv[2:]:
     for r in records:
         w, n = r["workload"], r["notes"]
         cp = r.get("control_plane_share")
+        hit = "-" if n.get("cache_hit_rate") is None else format(n["cache_hit_rate"], ".3f")
         print(f"  {r['replicas']}x{r['tp']} {w['kind']:<13} {w['routing']:<11} kv={w.get('kv_blocks_per_replica')} "
-              f"{r['output_tokens_per_s']:9.0f} tok/s  x{r['speedup_vs_1']:.2f}  hit={n.get('cache_hit_rate', '-')}  "
+              f"{r['output_tokens_per_s']:9.0f} tok/s  x{r['speedup_vs_1']:.2f}  hit={hit}  "
+              f"same-tokens={n.get('outputs_match_fraction')}  "
               f"control-plane={'-' if cp is None else format(cp, '.1%')}  client-max={n['client_cpu_max']:.0%}  "
               f"start={n['start_s']:.0f}s")
     shared = {(r["replicas"], r["workload"]["routing"]): r for r in records

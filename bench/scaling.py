@@ -213,6 +213,8 @@ def _compare(runs: list[dict]) -> None:
     reference = runs[0]["tokens"]
     for r in runs:
         r["outputs_match_first"] = r["tokens"] == reference if r["workload"] == "offline" else None
+        r["outputs_match_fraction"] = (sum(a == b for a, b in zip(r["tokens"], reference)) / len(reference)
+                                       if r["workload"] == "offline" else None)
         same = [x for x in runs if x["replicas"] == 1 and x["workload"] == r["workload"]
                 and x.get("kv_cap") == r.get("kv_cap")]
         one = next((x for x in same if x["tp"] == 1), same[0] if same else r)
@@ -241,6 +243,7 @@ def _record(args: argparse.Namespace, base, r: dict) -> dict:
     if base.device == "cuda":
         record.num_gpus = r["replicas"] * r["tp"]
     record.notes.update(efficiency=r["efficiency"], outputs_match_first=r["outputs_match_first"],
+                        outputs_match_fraction=r["outputs_match_fraction"],
                         start_s=r["start_s"], wall_s=r["wall_s"], client_procs=r["client_procs"],
                         client_cpu_max=r["client_cpu_max"],
                         client_cpu_us_per_token=r["client_cpu_s"] / max(1, sum(len(t) for t in r["tokens"])) * 1e6)

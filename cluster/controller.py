@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 import uuid
 
@@ -32,6 +33,11 @@ from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.transport import host_port
 
 log = logging.getLogger(__name__)
+
+# The engine threads, the event loop and gRPC share this process's GIL. A thread whose step just came back from the
+# workers asks for the GIL and, at Python's default 5 ms switch interval, may wait that long behind the event loop's
+# streaming while the GPU idles: a whole small-model decode step. Shorter turns cost a little switching instead.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 __all__ = ["Controller", "ControllerConfig", "LiveRequest", "ServedModel", "State", "StreamItem"]
 
@@ -68,6 +74,7 @@ class Controller:
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> str:
         """Serves gRPC at once (health NOT_SERVING) and loads the replicas in the background; returns host:port."""
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._server, port, self._health = await start_server(self, self.config.host, self.config.port,
                                                                   self.config.security)
         self.address = host_port(self.config.host, port)
