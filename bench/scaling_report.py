@@ -47,8 +47,10 @@ def plot(table: list[dict], path: str, title: str) -> None:
     for ax, workload in zip(axes, ("offline", "shared-prefix")):
         points = [r for r in table if r["workload"] == workload]
         multi = len({r["routing"] for r in points if r["replicas"] > 1}) > 1
-        labels = [r["config"] + (f"\n{r['routing']}" if multi and r["replicas"] > 1 else "") for r in points]
-        ax.bar(labels, [r["output_tok_s"] for r in points], color="#4a7ab5")
+        labels = [r["config"] + (f"\n{r['routing']}" if multi and r["replicas"] > 1 else "")
+                  + (f"\n{r['kv_blocks']} blocks" if r.get("kv_blocks") not in (None, "") else "") for r in points]
+        ax.bar(range(len(points)), [r["output_tok_s"] for r in points], color="#4a7ab5")
+        ax.set_xticks(range(len(points)), labels, fontsize=8)
         for i, r in enumerate(points):
             ax.annotate(f"{r['speedup']:.2f}x", (i, r["output_tok_s"]), ha="center", fontsize=8,
                         textcoords="offset points", xytext=(0, 3))
