@@ -59,6 +59,8 @@ def add_scaling_parser(kinds, add_engine_args, run) -> None:
                         "working set of the prefixes, so that routing decides the hit rate")
     p.add_argument("--placement", choices=["pack", "spread"], default="pack",
                    help="pack: each TP group on one node (STRICT_PACK); spread: a group may span nodes (SPREAD)")
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="the server's --stream-interval: tokens a stream gathers per message after its first")
     p.add_argument("--client-procs", type=int, default=4,
                    help="load-generator processes, each with its own gRPC channel (bench/scaling_client.py)")
     p.add_argument("--out-dir", default=None, help="write scaling.csv/.md/.png/.json here")
@@ -135,7 +137,8 @@ def run_config(config, replicas: int, args: argparse.Namespace, workloads, bar, 
     policies = args.routing.split(",")
     start = time.perf_counter()
     cluster = start_cluster(config, host="127.0.0.1", port=0, replicas=replicas, routing=policies[0],
-                            strategy="SPREAD" if args.placement == "spread" else "STRICT_PACK")
+                            strategy="SPREAD" if args.placement == "spread" else "STRICT_PACK",
+                            stream_interval=args.stream_interval)
     runs = []
     try:
         started_s = time.perf_counter() - start

@@ -127,13 +127,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 started=pb.GenerateResponse.Started(request_id=live.req_id,
                                                     prompt_token_count=live.num_prompt_tokens)
             )
+            interval, sent = self.controller.config.stream_interval, 0
             while True:
-                items = [await live.queue.get()]
                 # Deltas queued meanwhile (the stream fell behind the engine) go out as one message: under load a
-                # message costs the server and the client more than its tokens do.
-                while not live.queue.empty() and not isinstance(items[-1], BaseException) \
-                        and not items[-1].delta.finished:
-                    items.append(live.queue.get_nowait())
+                # message costs the server and the client more than its tokens do. With a stream interval > 1,
+                # after the first tokens it also waits for that many tokens (or the end) before sending.
+                items, num_tokens = [], 0
+                while True:
+                    items.append(await live.queue.get() if not items or live.queue.empty() else live.queue.get_nowait())
+                    if isinstance(items[-1], BaseException) or items[-1].delta.finished:
+                        break
+                    num_tokens += len(items[-1].delta.token_ids)
+                    if live.queue.empty() and (sent == 0 or num_tokens >= interval):
+                        break
+                sent += num_tokens
                 item = items.pop()
                 deltas = [i.delta for i in items] + ([] if isinstance(item, BaseException) else [item.delta])
                 if any(d.token_ids or d.text or d.prompt_logprobs for d in deltas):

@@ -120,6 +120,21 @@ def test_outputs_equal_one_replicas_and_name_their_replica(served, tiny_llama_di
     assert {r.replica for r in results} <= {f"test/{i}" for i in range(NUM_REPLICAS)}
 
 
+def test_a_stream_interval_sends_the_first_token_alone_then_messages_of_at_least_that_many(served):
+    thread, _ = served
+    prompt = _unrelated(300)
+    with Client(thread.address, timeout=60) as client:
+        whole = client.generate(prompt, temperature=0, max_tokens=14, ignore_eos=True).token_ids
+        thread.controller.config.stream_interval = 4  # read per stream
+        try:
+            sizes = [len(d.token_ids) for d in client.stream(prompt, temperature=0, max_tokens=14, ignore_eos=True)
+                     if d.token_ids]
+        finally:
+            thread.controller.config.stream_interval = 1
+    assert sum(sizes) == len(whole) == 14 and sizes[0] == 1  # the first token is not held back
+    assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 5, sizes  # then >= 4 a message (the last: the rest)
+
+
 def test_a_replica_whose_worker_dies_stops_receiving_requests(served):
     """Runs last: it kills one replica's worker."""
     thread, workers = served
