@@ -147,7 +147,8 @@ def run_config(config, replicas: int, args: argparse.Namespace, workloads, bar, 
         before = ray.get(cluster.controller.replica_stats.remote())
         run = _run_requests(pool, cluster.address, offline, args.output_len, len(offline), bar)
         after = ray.get(cluster.controller.replica_stats.remote())
-        runs.append(dict(run, workload="offline", routing=policies[0], control_plane_share=_control_plane(before, after)))
+        runs.append(dict(run, workload="offline", routing=policies[0],
+                         control_plane_share=_control_plane(before, after)))
         for policy, cap in _shared_runs(policies, replicas, args.shared_kv_blocks) if shared else ():
             usable = ray.get(cluster.controller.reset_caches.remote(policy, cap))
             before = ray.get(cluster.controller.replica_stats.remote())

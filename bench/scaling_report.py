@@ -6,8 +6,8 @@ import csv
 import json
 import os
 
-COLUMNS = ("config", "replicas", "tp", "workload", "routing", "kv_blocks", "output_tok_s", "speedup", "efficiency", "ttft_p50_ms",
-           "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "cache_hit_rate", "control_plane_share", "client_cpu_max",
+COLUMNS = ("config", "replicas", "tp", "workload", "routing", "kv_blocks", "output_tok_s", "speedup", "efficiency",
+           "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "cache_hit_rate", "control_plane_share", "client_cpu_max",
            "outputs_match_first")
 
 

@@ -66,8 +66,8 @@ def main() -> None:
     with ClientPool(args.client_procs) as pool:
         for interval in (int(x) for x in args.stream_intervals.split(",")):
             m = measure(base, interval, pool, prompts, args.output_len)
-            print(f"stream interval {interval}: {m['output_tok_s']:,.0f} tok/s, controller {m['cpu_us_per_token']:.1f} us "
-                  f"CPU per token (event loop {m['loop_cpu_us_per_token']:.1f}), {m['controller_cores']:.2f} cores, "
+            print(f"stream interval {interval}: {m['output_tok_s']:,.0f} tok/s, controller "
+                  f"{m['cpu_us_per_token']:.1f} us CPU per token (event loop {m['loop_cpu_us_per_token']:.1f}), {m['controller_cores']:.2f} cores, "
                   f"busiest client process {m['client_cpu_max']:.0%}", flush=True)
 
 

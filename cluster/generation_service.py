@@ -214,7 +214,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 row.num_waiting, row.num_running = s.num_waiting, s.num_running
                 row.kv_blocks_total, row.kv_blocks_used = s.num_kv_blocks, s.num_kv_blocks_used
                 row.kv_blocks_cached, row.requests_finished = s.num_kv_blocks_cached, s.num_finished
-                row.prompt_tokens_total, row.cached_prompt_tokens_total = s.num_prompt_tokens, s.num_cached_prompt_tokens
+                row.prompt_tokens_total = s.num_prompt_tokens
+                row.cached_prompt_tokens_total = s.num_cached_prompt_tokens
                 row.generation_tokens_total = s.num_generated_tokens
         return msg
 

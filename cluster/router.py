@@ -6,9 +6,9 @@ Policies (`--routing`):
 - "least-loaded": the fewest outstanding tokens (the live requests' prompt + max_tokens), ties to more free blocks.
 - "round-robin": each serving replica in turn (the A/B baseline).
 Under every policy only SERVING replicas are candidates (when none serves, a RECOVERING one takes the request, the
-least loaded: it queues there and runs once the replica's new group is up), and under cache-aware a replica far more loaded than the
-least loaded one (more than OVERLOAD_FACTOR x its outstanding tokens + OVERLOAD_SLACK_TOKENS) gets nothing new,
-whatever it caches: affinity must not pile every request sharing a system prompt onto one replica.
+least loaded: it queues there and runs once the replica's new group is up), and under cache-aware a replica far
+more loaded than the least loaded one (more than OVERLOAD_FACTOR x its outstanding tokens + OVERLOAD_SLACK_TOKENS)
+gets nothing new, whatever it caches: affinity must not pile every request sharing a system prompt onto one replica.
 
 The prefix index maps a block's chain hash (cluster/block_manager.py: hash_block, the same chain the replicas'
 block managers compute) to a bitmask of the replicas holding it. It is fed by the replicas' block events (stored,
