@@ -86,6 +86,7 @@ class _StandIn:
     id: str
     load: ReplicaLoad
     serving: bool = True
+    recovering: bool = False
 
 
 def router_cost(num_replicas: int, prompt_len: int, num_requests: int, block_size: int = 16, seed: int = 0) -> dict:

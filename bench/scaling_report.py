@@ -6,26 +6,23 @@ import csv
 import json
 import os
 
-COLUMNS = ("config", "replicas", "tp", "workload", "output_tok_s", "speedup", "efficiency", "ttft_p50_ms",
-           "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "cache_hit_rate", "outputs_match_first")
+COLUMNS = ("config", "replicas", "tp", "workload", "routing", "kv_blocks", "output_tok_s", "speedup", "efficiency",
+           "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "cache_hit_rate", "control_plane_share", "client_cpu_max",
+           "outputs_match_first")
 
 
-def rows(results: list[dict]) -> list[dict]:
-    out = []
-    for r in results:
-        for kind in ("offline", "shared"):
-            w = r[kind]
-            out.append(dict(
-                config=f"{r['replicas']}x{r['tp']}", replicas=r["replicas"], tp=r["tp"],
-                workload="offline" if kind == "offline" else "shared-prefix",
-                output_tok_s=round(w["output_tok_s"], 1), speedup=round(w["speedup"], 3),
-                efficiency=round(w["efficiency"], 3),
-                ttft_p50_ms=_ms(w["ttft"], "p50"), ttft_p99_ms=_ms(w["ttft"], "p99"),
-                tpot_p50_ms=_ms(w["tpot"], "p50"), tpot_p99_ms=_ms(w["tpot"], "p99"),
-                cache_hit_rate=round(r["cache_hit_rate"], 3) if kind == "shared" else "",
-                outputs_match_first=r["outputs_match_first"],
-            ))
-    return out
+def rows(runs: list[dict]) -> list[dict]:
+    return [dict(
+        config=r["config"], replicas=r["replicas"], tp=r["tp"], workload=r["workload"], routing=r["routing"],
+        kv_blocks="" if r.get("kv_cap") is None else r["kv_cap"],
+        output_tok_s=round(r["output_tok_s"], 1), speedup=round(r["speedup"], 3), efficiency=round(r["efficiency"], 3),
+        ttft_p50_ms=_ms(r["ttft"], "p50"), ttft_p99_ms=_ms(r["ttft"], "p99"),
+        tpot_p50_ms=_ms(r["tpot"], "p50"), tpot_p99_ms=_ms(r["tpot"], "p99"),
+        cache_hit_rate=round(r["cache_hit_rate"], 3) if "cache_hit_rate" in r else "",
+        control_plane_share="" if r["control_plane_share"] is None else round(r["control_plane_share"], 3),
+        client_cpu_max=round(r["client_cpu_max"], 3),
+        outputs_match_first="" if r["outputs_match_first"] is None else r["outputs_match_first"],
+    ) for r in runs]
 
 
 def _ms(stats, key: str):
@@ -49,8 +46,11 @@ def plot(table: list[dict], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     for ax, workload in zip(axes, ("offline", "shared-prefix")):
         points = [r for r in table if r["workload"] == workload]
-        labels = [r["config"] for r in points]
-        ax.bar(labels, [r["output_tok_s"] for r in points], color="#4a7ab5")
+        multi = len({r["routing"] for r in points if r["replicas"] > 1}) > 1
+        labels = [r["config"] + (f"\n{r['routing']}" if multi and r["replicas"] > 1 else "")
+                  + (f"\n{r['kv_blocks']} blocks" if r.get("kv_blocks") not in (None, "") else "") for r in points]
+        ax.bar(range(len(points)), [r["output_tok_s"] for r in points], color="#4a7ab5")
+        ax.set_xticks(range(len(points)), labels, fontsize=8)
         for i, r in enumerate(points):
             ax.annotate(f"{r['speedup']:.2f}x", (i, r["output_tok_s"]), ha="center", fontsize=8,
                         textcoords="offset points", xytext=(0, 3))
@@ -63,10 +63,11 @@ def plot(table: list[dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_outputs(results: list[dict], records: list[dict], out_dir: str | None, title: str) -> None:
-    table = rows(results)
+def write_outputs(runs: list[dict], records: list[dict], out_dir: str | None, title: str, quiet: bool = False) -> None:
+    table = rows(runs)
     text = markdown(table)
-    print(text, flush=True)
+    if not quiet:
+        print(text, flush=True)
     if not out_dir:
         return
     os.makedirs(out_dir, exist_ok=True)

@@ -54,6 +54,7 @@ class BlockManager:
         # Prefix-cache events for the global router (cluster/router.py), None = not recorded: (chain hash, True)
         # when a hash becomes findable, (hash, False) when it is evicted or forgotten, in order. take_events().
         self.events: list[tuple[int, bool]] | None = None
+        self._held: list[int] = []  # blocks kept out of use by limit_blocks (ref_count 1, no table)
 
     # ---- queries -------------------------------------------------------------------------------------------
     @property
@@ -146,6 +147,19 @@ class BlockManager:
         self._cached.clear()
         self._hash = [None] * self.num_blocks
         self._tokens = [None] * self.num_blocks
+
+    def limit_blocks(self, num_usable: int) -> int:
+        """Makes at most num_usable blocks usable by holding the others (free ones, least valuable first; held
+        blocks count as used, with ref_count 1); a larger num_usable gives held blocks back. For benchmarks that
+        need a cache of a given size on a device with room for more. Returns the blocks now usable."""
+        while self.num_blocks - len(self._held) > num_usable and self._free:
+            self._held.append(self._take_free_block())
+        while self._held and self.num_blocks - len(self._held) < num_usable:
+            block = self._held.pop()
+            self._ref_count[block] = 0
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)  # holds nothing: evicted first
+        return self.num_blocks - len(self._held)
 
     def take_events(self) -> list[tuple[int, bool]]:
         """The prefix-cache events since the last call (set `events = []` to start recording)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 import uuid
 
@@ -27,11 +28,16 @@ from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.prompt_encoder import PromptEncoder, default_max_prompt_bytes
 from shardserve.cluster.replica import Replica, ReplicaState
-from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
+from shardserve.cluster.router import POLICIES, ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.transport import host_port
 
 log = logging.getLogger(__name__)
+
+# The engine threads, the event loop and gRPC share this process's GIL. A thread whose step just came back from the
+# workers asks for the GIL and, at Python's default 5 ms switch interval, may wait that long behind the event loop's
+# streaming while the GPU idles: a whole small-model decode step. Shorter turns cost a little switching instead.
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 __all__ = ["Controller", "ControllerConfig", "LiveRequest", "ServedModel", "State", "StreamItem"]
 
@@ -68,6 +74,7 @@ class Controller:
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> str:
         """Serves gRPC at once (health NOT_SERVING) and loads the replicas in the background; returns host:port."""
+        sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
         self._server, port, self._health = await start_server(self, self.config.host, self.config.port,
                                                                   self.config.security)
         self.address = host_port(self.config.host, port)
@@ -163,11 +170,7 @@ class Controller:
         try:
             return self.replicas[self.router.route(hashes)[0]]
         except LookupError as e:
-            # No replica serves; one starting a new group queues the request: it runs once the group is back.
-            recovering = [r for r in self.replicas if r.state is ReplicaState.RECOVERING]
-            if not recovering:
-                raise ServerUnavailable(str(e)) from None
-            return min(recovering, key=lambda r: r.load.outstanding_tokens)
+            raise ServerUnavailable(str(e)) from None
 
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None,
                           resumed: list[int] | None = None) -> LiveRequest:
@@ -238,13 +241,18 @@ class Controller:
 
     async def server_stats(self) -> tuple[EngineStats | None, dict]:
         """Fresh engine stats (taken between two steps), summed over the serving replicas, and the controller's
-        own counters."""
-        stats = None
+        own counters, with each replica's id, state, routed requests and stats (None when not serving)."""
+        stats, each = None, [None] * len(self.replicas)
         if self.state in (State.SERVING, State.DRAINING):
-            serving = [r for r in self.replicas if r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING)]
-            stats = _sum_stats(await asyncio.gather(*(r.stats() for r in serving))) if serving else None
+            serving = [i for i, r in enumerate(self.replicas)
+                       if r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING)]
+            for i, s in zip(serving, await asyncio.gather(*(self.replicas[i].stats() for i in serving))):
+                each[i] = s
+            stats = _sum_stats([s for s in each if s is not None]) if serving else None
+        replicas = [dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i], stats=each[i])
+                    for i, r in enumerate(self.replicas)]
         return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
-                       "uptime_s": time.time() - self._started_at}
+                       "uptime_s": time.time() - self._started_at, "replicas": replicas}
 
     def worker_groups(self) -> list:
         """Each replica's current worker group (the executor's `group`, where it has one; None otherwise): endpoints,
@@ -253,18 +261,42 @@ class Controller:
 
     async def replica_stats(self) -> list[dict]:
         """Per replica: id, state, requests routed to it, the nodes of its ranks (where the executor knows them),
-        and (serving ones) its engine's prompt and cached-prompt
+        the wall time of its engine steps and its workers' own time in them (step_s, forward_s: the current
+        group's, for the control-plane share), and (serving ones) its engine's prompt and cached-prompt
         token counts (the prefix-cache hit rate) and finished requests."""
         out = []
         for i, r in enumerate(self.replicas):
+            executor = r.engine.executor if r.engine is not None else None
             row = dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i],
-                       nodes=list(getattr(r.engine.executor, "node_ids", ())) if r.engine is not None else [])
+                       nodes=list(getattr(executor, "node_ids", ())), step_s=r.step_s_total,
+                       forward_s=getattr(executor, "forward_ms_total", 0.0) / 1e3)
             if r.serving:
                 s = await r.stats()
                 row.update(prompt_tokens=s.num_prompt_tokens, cached_prompt_tokens=s.num_cached_prompt_tokens,
                            finished=s.num_finished, generated_tokens=s.num_generated_tokens)
             out.append(row)
         return out
+
+    async def reset_caches(self, routing: str | None = None, kv_blocks: int | None = None) -> list[int]:
+        """For A/B benchmarks on one running cluster, while no request is live: every serving replica forgets its
+        prefix cache (the router its index), routing becomes the policy (None: unchanged) and each replica keeps
+        kv_blocks usable KV blocks (BlockManager.limit_blocks; None: all). Returns each one's usable blocks."""
+        if routing is not None and routing not in POLICIES:
+            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {routing!r}")
+
+        def reset(engine) -> int:
+            bm = engine.block_manager
+            bm.reset_prefix_cache()
+            usable = bm.limit_blocks(bm.num_blocks if kv_blocks is None else kv_blocks)
+            bm.take_events()  # forgotten here already: the router drops the replica's entries below
+            return usable
+
+        usable = [await asyncio.wrap_future(r.submit(reset)) if r.serving else 0 for r in self.replicas]
+        for i in range(len(self.replicas)):
+            self.router.forget(i)
+        if routing is not None:
+            self.router.policy = routing
+        return usable
 
     # ---- from the replicas (on the event loop) --------------------------------------------------------------
     def _dispatch(self, replica: Replica, report: StepReport) -> None:

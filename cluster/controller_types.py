@@ -55,6 +55,9 @@ class ControllerConfig:
     security: ApiSecurity = field(default_factory=ApiSecurity)  # the client API's token, TLS and size limits
     restart_tries: int = 3  # new TP groups tried after a group fails (0: a failed group fails its replica)
     restart_backoff_s: float = 1.0  # the wait before the second try, doubled after each
+    # After a stream's first tokens, it sends a message once it has this many new tokens (or its end): fewer
+    # messages, each costing the server and client more than its tokens do, at the price of burstier arrival.
+    stream_interval: int = 1
 
 
 @dataclass(slots=True)

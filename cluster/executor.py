@@ -134,6 +134,7 @@ class GrpcExecutor:
         self._channels = [worker_channel(ep, secret) for ep in self.endpoints]
         self._stubs = [pb_grpc.WorkerStub(ch) for ch in self._channels]
         self.last_forward_ms = 0.0  # the slowest rank's forward_ms in the last collected step
+        self.forward_ms_total = 0.0  # ... summed over every collected step (a control-plane share's numerator)
         try:
             self._start(init_method, startup_timeout_s)
         except BaseException:
@@ -216,6 +217,7 @@ class GrpcExecutor:
             if reply.step_id != step_id:
                 self._fail(f"rank {rank} acknowledged step {reply.step_id}, expected {step_id}")
         self.last_forward_ms = max(r.forward_ms for r in replies)
+        self.forward_ms_total += self.last_forward_ms
         return step_result_from_proto(replies[0])
 
     def _fail(self, message: str) -> None:

@@ -84,6 +84,18 @@ def delta_to_proto(delta: RequestDelta, params: SamplingParams) -> pb.GenerateRe
     return msg
 
 
+def merged_delta_to_proto(deltas: list[RequestDelta], params: SamplingParams) -> pb.GenerateResponse:
+    """Consecutive deltas of one request as one Delta message (text and token ids concatenated, logprobs in
+    order; prompt logprobs come only on a request's first delta)."""
+    msg = delta_to_proto(deltas[0], params)
+    for delta in deltas[1:]:
+        msg.delta.text += delta.text
+        msg.delta.token_ids.extend(delta.token_ids)
+        if delta.logprobs:
+            _add_logprobs(msg.delta.logprobs, delta.logprobs, params.logprobs or 0)
+    return msg
+
+
 def _add_logprobs(field, entries, n: int) -> None:
     """Each position's dict starts with its own token (cluster/outputs.py: position_logprobs)."""
     for entry in entries:
@@ -115,13 +127,27 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 started=pb.GenerateResponse.Started(request_id=live.req_id,
                                                     prompt_token_count=live.num_prompt_tokens)
             )
+            interval, sent = self.controller.config.stream_interval, 0
             while True:
-                item = await live.queue.get()
+                # Deltas queued meanwhile (the stream fell behind the engine) go out as one message: under load a
+                # message costs the server and the client more than its tokens do. With a stream interval > 1,
+                # after the first tokens it also waits for that many tokens (or the end) before sending.
+                items, num_tokens = [], 0
+                while True:
+                    items.append(await live.queue.get() if not items or live.queue.empty() else live.queue.get_nowait())
+                    if isinstance(items[-1], BaseException) or items[-1].delta.finished:
+                        break
+                    num_tokens += len(items[-1].delta.token_ids)
+                    if live.queue.empty() and (sent == 0 or num_tokens >= interval):
+                        break
+                sent += num_tokens
+                item = items.pop()
+                deltas = [i.delta for i in items] + ([] if isinstance(item, BaseException) else [item.delta])
+                if any(d.token_ids or d.text or d.prompt_logprobs for d in deltas):
+                    yield merged_delta_to_proto(deltas, params)
                 if isinstance(item, BaseException):
                     finished = True  # the controller has already forgotten it
                     await context.abort(*status_of(item))
-                if item.delta.token_ids or item.delta.text or item.delta.prompt_logprobs:
-                    yield delta_to_proto(item.delta, params)
                 if item.delta.finished:
                     finished = True
                     d = item.delta
@@ -182,6 +208,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             msg.requests_finished = stats.num_finished
             msg.prompt_tokens_total = stats.num_prompt_tokens
             msg.generation_tokens_total = stats.num_generated_tokens
+        for replica in counters["replicas"]:
+            row = msg.replicas.add(id=replica["id"], state=replica["state"], requests_routed=replica["routed"])
+            if (s := replica["stats"]) is not None:
+                row.num_waiting, row.num_running = s.num_waiting, s.num_running
+                row.kv_blocks_total, row.kv_blocks_used = s.num_kv_blocks, s.num_kv_blocks_used
+                row.kv_blocks_cached, row.requests_finished = s.num_kv_blocks_cached, s.num_finished
+                row.prompt_tokens_total = s.num_prompt_tokens
+                row.cached_prompt_tokens_total = s.num_cached_prompt_tokens
+                row.generation_tokens_total = s.num_generated_tokens
         return msg
 
 

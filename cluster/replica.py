@@ -86,6 +86,7 @@ class Replica:
         self._restart_backoff_s = restart_backoff_s
         self._on_state = on_state
         self.num_restarts = 0  # groups replaced after a failure
+        self.step_s_total = 0.0  # wall time of every engine step so far (StepReport.step_s)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._engine_loop: EngineLoop | None = None
         self._watch_task: asyncio.Task | None = None
@@ -97,7 +98,8 @@ class Replica:
     @state.setter
     def state(self, value: ReplicaState) -> None:
         self._state = value
-        self.serving = value is ReplicaState.SERVING  # a plain attribute: the router reads it per request
+        self.serving = value is ReplicaState.SERVING  # plain attributes: the router reads them per request
+        self.recovering = value is ReplicaState.RECOVERING
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -225,6 +227,7 @@ class Replica:
 
     def _after_step(self, report: StepReport) -> None:
         self.load.num_free_blocks = report.stats.num_kv_blocks - report.stats.num_kv_blocks_used
+        self.step_s_total += report.step_s
         self._on_step(self, report)
 
     def _failure_threadsafe(self, error: BaseException) -> None:

@@ -5,9 +5,10 @@ Policies (`--routing`):
   ties to the least loaded; least-loaded when no replica holds the prompt's first block.
 - "least-loaded": the fewest outstanding tokens (the live requests' prompt + max_tokens), ties to more free blocks.
 - "round-robin": each serving replica in turn (the A/B baseline).
-Under every policy only SERVING replicas are candidates, and under cache-aware a replica far more loaded than the
-least loaded one (more than OVERLOAD_FACTOR x its outstanding tokens + OVERLOAD_SLACK_TOKENS) gets nothing new,
-whatever it caches: affinity must not pile every request sharing a system prompt onto one replica.
+Under every policy only SERVING replicas are candidates (when none serves, a RECOVERING one takes the request, the
+least loaded: it queues there and runs once the replica's new group is up), and under cache-aware a replica far
+more loaded than the least loaded one (more than OVERLOAD_FACTOR x its outstanding tokens + OVERLOAD_SLACK_TOKENS)
+gets nothing new, whatever it caches: affinity must not pile every request sharing a system prompt onto one replica.
 
 The prefix index maps a block's chain hash (cluster/block_manager.py: hash_block, the same chain the replicas'
 block managers compute) to a bitmask of the replicas holding it. It is fed by the replicas' block events (stored,
@@ -45,6 +46,9 @@ class Routable(Protocol):
 
     @property
     def serving(self) -> bool: ...
+
+    @property
+    def recovering(self) -> bool: ...
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
@@ -102,11 +106,16 @@ class Router:
     # ---- routing ---------------------------------------------------------------------------------------------
     def route(self, block_hashes: Sequence[int]) -> tuple[int, int]:
         """(position of the chosen replica, how many leading blocks it is known to hold). Raises LookupError when
-        no replica is serving. Under cache-aware, marks the prompt's blocks as held by the chosen replica."""
+        no replica is serving or recovering. Under cache-aware, marks the prompt's blocks as held by the chosen replica."""
         replicas = self.replicas
         candidates = [i for i, r in enumerate(replicas) if r.serving]
         if not candidates:
-            raise LookupError("no replica is serving")
+            recovering = [i for i, r in enumerate(replicas) if r.recovering]
+            if not recovering:
+                raise LookupError("no replica is serving")
+            chosen = min(recovering, key=lambda i: replicas[i].load.outstanding_tokens)
+            self.num_routed[chosen] += 1
+            return chosen, 0
         matched = 0
         if self.policy == "round-robin":
             chosen = candidates[next(self._turn) % len(candidates)]

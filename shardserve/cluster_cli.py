@@ -38,6 +38,9 @@ def add_cluster_parsers(sub) -> None:
                        "or 'auto' (as many as the cluster's GPUs hold; one per node on CPU)")
     serve.add_argument("--routing", default="cache-aware", choices=["cache-aware", "least-loaded", "round-robin"],
                        help="how the controller picks a replica for each request")
+    serve.add_argument("--stream-interval", type=int, default=1,
+                       help="after a stream's first tokens, send a message once it has this many new tokens (or "
+                            "its end): fewer, larger messages when the server's CPU is the limit")
     serve.add_argument("--served-model-name", default=None, help="the name GetModelInfo reports")
     serve.add_argument("--http-port", type=int, default=None,
                        help="also serve the OpenAI-compatible HTTP gateway on this port (0 = any free port)")
@@ -143,6 +146,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         _check_port_free(args.http_host or args.host, args.http_port, "--http-port")
     from shardserve.models import display_name
 
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval {args.stream_interval}: give a number >= 1")
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise ValueError(f"--replicas {args.replicas}: give a number >= 1 or 'auto'")
     security = api_security(args)
@@ -160,7 +165,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  strategy=strategy, model_name=args.served_model_name or display_name(args.model),
                  max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host,
                  http_workers=args.http_workers, security=security,
-                 step_deadline=StepDeadline(floor_s=args.step_timeout_floor, factor=args.step_timeout_factor))
+                 step_deadline=StepDeadline(floor_s=args.step_timeout_floor, factor=args.step_timeout_factor),
+                 stream_interval=args.stream_interval)
 
 
 def cmd_client(args: argparse.Namespace) -> int:

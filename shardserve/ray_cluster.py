@@ -173,6 +173,7 @@ def start_cluster(
     routing: str = "cache-aware",
     security=None,
     step_deadline: StepDeadline | None = None,
+    stream_interval: int = 1,
 ) -> RunningCluster:
     """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
     shardserve.launcher.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
@@ -199,6 +200,7 @@ def start_cluster(
             max_live_requests=max_live_requests,
             num_replicas=num_replicas,
             routing=routing,
+            stream_interval=stream_interval,
         )
         if security is not None:
             controller_config.security = security
@@ -263,7 +265,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
           http_host: str | None = None, http_workers: int = 1, replicas: int | str = 1,
-          routing: str = "cache-aware", security=None, step_deadline: StepDeadline | None = None) -> int:
+          routing: str = "cache-aware", security=None, step_deadline: StepDeadline | None = None,
+          stream_interval: int = 1) -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails for good (exits 1): a controller
     actor that died, or whose groups could not be restarted, is started again (with fresh groups) on the same
     address, up to CONTROLLER_RESTARTS times. http_port: also the HTTP gateway (shardserve/gateway.py), started
@@ -303,7 +306,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
                                 strategy=strategy, model_name=model_name, max_live_requests=max_live_requests,
                                 replicas=replicas, routing=routing, security=security,
-                                step_deadline=step_deadline)
+                                step_deadline=step_deadline, stream_interval=stream_interval)
         for s in previous:
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
@@ -339,7 +342,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
                 cluster = start_cluster(config, host=host, port=bound_port, worker_host=worker_host,
                                         metrics_port=metrics_port, strategy=strategy, model_name=model_name,
                                         max_live_requests=max_live_requests, replicas=replicas, routing=routing,
-                                        security=security, step_deadline=step_deadline)
+                                        security=security, step_deadline=step_deadline,
+                                        stream_interval=stream_interval)
             except Exception as e:
                 print(f"shardserve: starting the engine again failed: {e!r}", file=sys.stderr, flush=True)
                 code = 1

@@ -99,3 +99,8 @@ def test_folder_without_weights_names_the_flag_not_the_keyword(tmp_path, tiny_mo
     shutil.copytree(tiny_model("llama", num_heads=4, num_kv_heads=2), folder,
                     ignore=shutil.ignore_patterns("*.safetensors"))
     assert_one_line_error(shardserve("generate", "hi", "--model", str(folder)), "--load-format dummy")
+
+
+def test_serve_with_a_zero_stream_interval_names_the_flag():
+    assert_one_line_error(shardserve("serve", "--port", "0", "--stream-interval", "0", "--device", "cpu"),
+                          "--stream-interval 0")

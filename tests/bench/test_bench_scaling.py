@@ -33,24 +33,30 @@ def test_scaling_runs_every_config_with_equal_outputs_and_writes_every_file(tiny
          "--dtype", "float32", "--max-model-len", "128", "--num-kv-blocks", "64", "--ray-address", "local",
          "--configs", "1x1,2x1,1x2", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
          "--prefixes", "2", "--prefix-len", "48", "--per-prefix", "4", "--suffix-len", "4",
-         "--prefix-output-len", "3", "--concurrency", "2", "--out-dir", str(out)],
+         "--prefix-output-len", "3", "--concurrency", "2", "--routing", "cache-aware,round-robin",
+         "--shared-configs", "1x1,2x1", "--shared-kv-blocks", "40", "--client-procs", "2", "--out-dir", str(out)],
         capture_output=True, text=True, timeout=900, env=env, cwd=str(REPO),
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-5000:]
     records = json.loads((out / "scaling.json").read_text())
-    assert [(r["replicas"], r["tp"], r["workload"]["kind"]) for r in records] == [
-        (1, 1, "offline"), (1, 1, "shared-prefix"), (2, 1, "offline"), (2, 1, "shared-prefix"),
-        (1, 2, "offline"), (1, 2, "shared-prefix")]
+    assert [(r["replicas"], r["tp"], r["workload"]["kind"], r["workload"]["routing"],
+             r["workload"].get("kv_blocks_per_replica")) for r in records] == [
+        (1, 1, "offline", "cache-aware", None), (1, 1, "shared-prefix", "cache-aware", [64]),
+        (1, 1, "shared-prefix", "cache-aware", [40]), (2, 1, "offline", "cache-aware", None),
+        (2, 1, "shared-prefix", "cache-aware", [40, 40]), (2, 1, "shared-prefix", "round-robin", [40, 40]),
+        (1, 2, "offline", "cache-aware", None)]  # one replica's whole cache, then capped for the A/B
     for r in records:
-        assert all(f in r for f in SCHEMA) and r["benchmark"] == "scaling"
-        assert r["notes"]["outputs_match_first"] is True and r["speedup_vs_1"] > 0
+        assert all(f in r for f in SCHEMA) and r["benchmark"] == "scaling" and r["speedup_vs_1"] > 0
+        assert 0 < r["control_plane_share"] < 1 and r["notes"]["client_procs"] == 2
+    assert all(r["notes"]["outputs_match_first"] is True for r in records if r["workload"]["kind"] == "offline")
     shared = [r for r in records if r["workload"]["kind"] == "shared-prefix"]
-    assert all(r["notes"]["cache_hit_rate"] > 0 for r in shared)  # prefixes are reused (how much depends on timing: two in flight may both miss)
+    # prefixes are reused (how much depends on timing: two in flight may both miss)
+    assert all(r["notes"]["cache_hit_rate"] > 0 for r in shared if r["workload"]["routing"] == "cache-aware")
     assert records[0]["speedup_vs_1"] == 1.0
     table = list(csv.DictReader((out / "scaling.csv").open()))
-    assert [row["config"] for row in table] == ["1x1", "1x1", "2x1", "2x1", "1x2", "1x2"]
+    assert [row["config"] for row in table] == ["1x1", "1x1", "1x1", "2x1", "2x1", "2x1", "1x2"]
     assert (out / "scaling.png").stat().st_size > 0 and "| config |" in (out / "scaling.md").read_text()
-    assert "scaling" in run.stderr and "36/36" in run.stderr  # the progress bar reached the end
+    assert "scaling" in run.stderr and "44/44" in run.stderr  # the progress bar reached the end: 3 x 4 + 4 x 8
 
 
 def test_routing_bench_router_part_runs_for_8_and_64_replicas(capsys):

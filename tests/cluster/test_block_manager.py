@@ -212,3 +212,21 @@ def test_events_report_stored_then_evicted_hashes_in_order_and_match_the_routers
     admit(bm, b)
     assert sorted(bm.take_events()) == sorted((h, False) for h, _ in stored)
     assert bm.take_events() == []
+
+
+def test_limit_blocks_holds_the_rest_least_valuable_first_and_gives_them_back():
+    bm = BlockManager(8, BS)
+    bm.events = []
+    a = seq("a", list(range(8)))  # two full blocks, cached once computed
+    admit(bm, a)
+    computed(bm, a)
+    bm.free(a)
+    assert bm.limit_blocks(4) == 4  # 6 free blocks hold nothing: 4 of those are held
+    assert bm.num_free_blocks == 4 and bm.num_cached_blocks == 2
+    assert len(bm.find_cached_prefix(seq("b", list(range(9))))) == 2
+    assert bm.limit_blocks(1) == 1 and bm.num_cached_blocks == 1  # then cached ones, the tail first: the head stays
+    assert (bm.take_events()[-1][1]) is False
+    b = seq("b", list(range(100, 106)))
+    assert not bm.allocate(b, [], 6)  # two blocks needed, one usable
+    assert bm.limit_blocks(8) == 8 and bm.all_free()
+    assert bm.allocate(b, [], 6)

@@ -17,6 +17,7 @@ BS = 16
 class FakeReplica:
     id: str
     serving: bool = True
+    recovering: bool = False
     load: ReplicaLoad = field(default_factory=lambda: ReplicaLoad(num_kv_blocks=100, num_free_blocks=100))
 
 
@@ -75,6 +76,18 @@ def test_unhealthy_and_far_overloaded_replicas_get_nothing_new():
     rs[1].serving = rs[2].serving = False
     with pytest.raises(LookupError):
         router.route(h)
+
+
+def test_with_none_serving_the_least_loaded_recovering_replica_takes_the_request():
+    rs = replicas(3)
+    router = Router(rs, "round-robin")
+    for r in rs:
+        r.serving = False
+    rs[0].recovering = rs[2].recovering = True
+    rs[0].load.outstanding_tokens = 500
+    assert router.route([]) == (2, 0) and router.num_routed == [0, 0, 1]
+    rs[1].serving = True  # a serving replica comes first again
+    assert router.route([]) == (1, 0)
 
 
 def test_least_loaded_and_round_robin_ignore_the_cache():

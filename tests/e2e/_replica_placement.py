@@ -1,7 +1,8 @@
 """Run by test_placement.py in a process of its own: replicas on a simulated 3-node Ray cluster (three raylets on
 loopback, 1 CPU each: room for exactly one TP=2 group of 0.5-CPU ranks per node).
 
-argv: the tiny model's folder. Prints one JSON line: the nodes, each replica's rank nodes (3 replicas, STRICT_PACK),
+argv: the tiny model's folder. Prints one JSON line: the nodes, each replica's rank nodes (--replicas auto, which
+on CPU is one per node: 3; STRICT_PACK),
 the replica every answer named, and a TP=2 group started with --placement spread's strategy.
 """
 
@@ -31,7 +32,7 @@ def main(model_dir: str) -> None:
     config = build_engine_config(model=model_dir, device="cpu", dtype="float32", tensor_parallel_size=2,
                                  num_kv_blocks=32, max_model_len=64, max_num_batched_tokens=64)
     try:
-        running = start_cluster(config, host="127.0.0.1", port=0, replicas=3, routing="round-robin")
+        running = start_cluster(config, host="127.0.0.1", port=0, replicas="auto", routing="round-robin")
         try:
             with Client(running.address, timeout=120) as client:
                 report["answered_by"] = [client.generate([5 + i, 6, 7], max_tokens=2).replica for i in range(6)]

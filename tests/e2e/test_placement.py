@@ -58,7 +58,7 @@ def replica_report(tiny_llama_dir) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_three_replicas_each_keep_their_tp_group_on_one_node_and_take_distinct_nodes(replica_report):
+def test_replicas_auto_fills_the_three_nodes_each_group_on_one_node(replica_report):
     replicas = replica_report["replicas"]
     assert len(replica_report["nodes"]) == 3 and len(replicas) == 3
     assert all(len(r["nodes"]) == 2 and len(set(r["nodes"])) == 1 for r in replicas)  # STRICT_PACK: one node

@@ -104,6 +104,12 @@ def test_unrelated_requests_spread_over_every_replica(served):
     results = _generate_all(thread.address, [_unrelated(i) for i in range(12)])
     counts = {r.id: sum(1 for x in results if x.replica == r.id) for r in thread.controller.replicas}
     assert all(n >= 2 for n in counts.values()), counts
+    with Client(thread.address, timeout=30) as client:  # GetServerStats: the sums and each replica's own
+        stats = client.server_stats()
+    assert [r.id for r in stats.replicas] == list(counts) and {r.state for r in stats.replicas} == {"serving"}
+    assert all(r.requests_routed >= counts[r.id] and r.kv_blocks_total == 128 for r in stats.replicas)
+    assert sum(r.generation_tokens_total for r in stats.replicas) == stats.generation_tokens_total > 0
+    assert sum(r.requests_finished for r in stats.replicas) == stats.requests_finished
 
 
 def test_outputs_equal_one_replicas_and_name_their_replica(served, tiny_llama_dir, e2e_config):
@@ -112,6 +118,21 @@ def test_outputs_equal_one_replicas_and_name_their_replica(served, tiny_llama_di
     results = _generate_all(thread.address, prompts)
     assert [r.token_ids for r in results] == _reference(e2e_config(tiny_llama_dir, num_kv_blocks=128), prompts)
     assert {r.replica for r in results} <= {f"test/{i}" for i in range(NUM_REPLICAS)}
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_messages_of_at_least_that_many(served):
+    thread, _ = served
+    prompt = _unrelated(300)
+    with Client(thread.address, timeout=60) as client:
+        whole = client.generate(prompt, temperature=0, max_tokens=14, ignore_eos=True).token_ids
+        thread.controller.config.stream_interval = 4  # read per stream
+        try:
+            sizes = [len(d.token_ids) for d in client.stream(prompt, temperature=0, max_tokens=14, ignore_eos=True)
+                     if d.token_ids]
+        finally:
+            thread.controller.config.stream_interval = 1
+    assert sum(sizes) == len(whole) == 14 and sizes[0] == 1  # the first token is not held back
+    assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 5, sizes  # then >= 4 a message (the last: the rest)
 
 
 def test_a_replica_whose_worker_dies_stops_receiving_requests(served):
@@ -128,3 +149,5 @@ def test_a_replica_whose_worker_dies_stops_receiving_requests(served):
     assert len({r.replica for r in results}) == NUM_REPLICAS - 1  # the others still share the load
     with Client(thread.address, timeout=30) as client:
         assert client.health() == "SERVING"
+        failed = client.server_stats().replicas[1]
+    assert failed.id == victim.id and failed.state == "failed" and failed.kv_blocks_total == 0

@@ -1,0 +1,75 @@
+"""The controller's CPU per streamed token, with the GPU taken out:
+
+    python -m shardserve.bench.stream_cost --replicas 2 --stream-intervals 1,4,8
+
+A real Controller (gRPC server on 127.0.0.1) whose replicas are Engines over bench/routing.py's SimulatedExecutor
+(a decode step takes --step-ms of wall time, computes nothing), read by bench/scaling_client.py's client processes
+(other processes: their CPU does not count). Per --stream-interval: output tok/s, the controller process's CPU per
+output token (all its threads: engine loops, event loop, gRPC) and the event loop thread's own part. One process
+caps at about 1 / (CPU per token) tokens/s: the ceiling the two-GPU scaling runs met (docs/performance.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import random
+import time
+
+from shardserve.bench.routing import VOCAB, SimulatedExecutor
+from shardserve.bench.scaling_client import ClientPool
+from shardserve.cluster.controller import Controller, ControllerConfig, ServedModel
+from shardserve.cluster.engine import Engine
+from shardserve.proto.config import EngineConfig
+
+
+def measure(base: ControllerConfig, interval: int, pool: ClientPool, prompts: list[list[int]], output_len: int) -> dict:
+    async def run() -> dict:
+        controller = Controller(dataclasses.replace(base, stream_interval=interval))
+        address = await controller.start()
+        try:
+            assert await controller.wait_ready(60)
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, pool.run, address, prompts[:8], 4, 8)  # warm-up
+            cpu0, loop0 = time.process_time(), time.thread_time()
+            r = await loop.run_in_executor(None, pool.run, address, prompts, output_len, len(prompts))
+            cpu, loop_cpu = time.process_time() - cpu0, time.thread_time() - loop0
+        finally:
+            await controller.shutdown(0)
+        tokens = sum(len(t) for t in r["tokens"])
+        return dict(stream_interval=interval, output_tok_s=tokens / r["wall_s"], cpu_us_per_token=cpu / tokens * 1e6,
+                    loop_cpu_us_per_token=loop_cpu / tokens * 1e6, controller_cores=cpu / r["wall_s"],
+                    client_cpu_max=r["client_cpu_max"])
+
+    return asyncio.run(run())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description="the controller's CPU per streamed token (simulated replicas)")
+    parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--stream-intervals", default="1,4,8")
+    parser.add_argument("--step-ms", type=float, default=5.0, help="simulated step time (Qwen3-0.6B, batch 128: ~5)")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--client-procs", type=int, default=2)
+    args = parser.parse_args()
+    engine = EngineConfig(model="simulated", device="cpu", block_size=16, max_model_len=4096, max_num_seqs=128,
+                          max_num_batched_tokens=8192, async_scheduling=True)
+    base = ControllerConfig(
+        engine=engine, model=ServedModel("simulated", "simulated", VOCAB, []), port=0,
+        build_engine=lambda cfg: Engine(cfg, SimulatedExecutor(8192, args.step_ms, 0.0), vocab_size=VOCAB),
+        num_replicas=args.replicas, max_live_requests=1 << 20, routing="round-robin")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+    with ClientPool(args.client_procs) as pool:
+        for interval in (int(x) for x in args.stream_intervals.split(",")):
+            m = measure(base, interval, pool, prompts, args.output_len)
+            print(f"stream interval {interval}: {m['output_tok_s']:,.0f} tok/s, controller "
+                  f"{m['cpu_us_per_token']:.1f} us CPU per token (event loop {m['loop_cpu_us_per_token']:.1f}), {m['controller_cores']:.2f} cores, "
+                  f"busiest client process {m['client_cpu_max']:.0%}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
