@@ -12,8 +12,8 @@
 # Wheels as for bench/gpu_run.sh (ray & co. in .whl/). Output ($OUT): scaling_<model>/ (scaling.csv, .md, .png,
 # .json: bench scaling's outputs, written after every configuration), client_check.txt, log.txt, env.txt,
 # summary.txt. BUDGET_S (default 370) bounds the whole run; each model has its own timeout. Knobs: MODELS, CONFIGS,
-# KV_BLOCKS (the shared-prefix runs' blocks per replica), CLIENT_CHECK=0, CLIENT_PROCS, SHARDSERVE_COMMIT=<hash>
-# (names the tree in the records).
+# KV_BLOCKS (the shared-prefix runs' blocks per replica), CLIENT_CHECK=0, CLIENT_PROCS, LIMIT_QWEN3 / LIMIT_LLAMA (each
+# model's seconds), EXTRA (more `bench scaling` flags, given last: they win), SHARDSERVE_COMMIT=<hash> (names the tree).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -70,7 +70,7 @@ make_tiny_model('$WORK/llama8b', 'llama', num_heads=4, num_kv_heads=2)" >> "$LOG
   KV_BLOCKS=${KV_BLOCKS:-40}; CHECK="--num-prompts 32 --output-len 16"; CHECK_PROCS=1,2
 else
   MODELS=${MODELS:-"qwen3 llama8b"}
-  declare -A NAME=([qwen3]=qwen3-0.6b [llama8b]=llama-3-8b) LIMIT=([qwen3]=140 [llama8b]=400)
+  declare -A NAME=([qwen3]=qwen3-0.6b [llama8b]=llama-3-8b) LIMIT=([qwen3]=${LIMIT_QWEN3:-140} [llama8b]=${LIMIT_LLAMA:-400})
   PORT=6391
   # a raylet per GPU: placement crosses a node boundary (the environment notes: seen working on this host)
   env CUDA_VISIBLE_DEVICES=0 $PY -c "$RAY_CLI" start --head --node-ip-address 127.0.0.1 --port $PORT --num-gpus 1 --num-cpus 6 \
@@ -122,7 +122,7 @@ for model in $MODELS; do
   if (( limit < 60 )); then say "$model: skipped (${left}s of the budget left)"; continue; fi
   CMD="$PY -m shardserve.cli bench scaling --model ${NAME[$model]} $DEV --ray-address $RAY_ADDRESS_ARG
        --placement spread --configs $CONFIGS --shared-configs 1x1,2x1 --routing cache-aware,round-robin
-       --shared-kv-blocks $KV_BLOCKS $LOAD --client-procs $CLIENT_PROCS --out-dir $OUT/scaling_$model"
+       --shared-kv-blocks $KV_BLOCKS $LOAD --client-procs $CLIENT_PROCS --out-dir $OUT/scaling_$model ${EXTRA:-}"
   say "$model: start (limit ${limit}s): $(echo $CMD)"
   t0=$(date +%s)
   timeout -k 15 "$limit" $CMD > "$OUT/scaling_$model.txt" 2>&1
