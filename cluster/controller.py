@@ -14,7 +14,9 @@ new; health is NOT_SERVING while no replica is SERVING, FAILED once none is serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import random
 import time
 import uuid
 
@@ -64,6 +66,9 @@ class Controller:
         self._failure: BaseException | None = None
         self.num_rejected = 0
         self.num_aborted = 0
+        # Unseeded requests get their seed here, at admission, and the client is told it (Started.seed): a stream
+        # resumed on another replica or a restarted controller then continues the same draw.
+        self._seeds = random.Random(config.engine.seed)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -184,7 +189,9 @@ class Controller:
             req_id = req_id if req_id is not None else uuid.uuid4().hex
             if req_id in self._live:
                 raise ValueError(f"request id {req_id!r} is already in use")
-            live = LiveRequest(req_id, asyncio.Queue())
+            if params.seed is None:
+                params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+            live = LiveRequest(req_id, asyncio.Queue(), seed=params.seed)
             self._live[req_id] = live  # first: the id is taken while the prompt is tokenized
             self._idle.clear()
             try:

@@ -113,7 +113,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             yield pb.GenerateResponse(
                 started=pb.GenerateResponse.Started(request_id=live.req_id,
-                                                    prompt_token_count=live.num_prompt_tokens)
+                                                    prompt_token_count=live.num_prompt_tokens, seed=live.seed)
             )
             while True:
                 item = await live.queue.get()
