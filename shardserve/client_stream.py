@@ -64,7 +64,19 @@ class _Collector:
         self.token_ids: list[int] = []
         self.logprobs: list[PositionLogprobs] | None = None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.had_prompt_logprobs = False  # they came (a resumed call does not ask for them again)
         self.result: GenerationResult | None = None
+
+    def track(self, msg: pb.GenerateResponse) -> None:
+        """Only what resuming needs (the id, the seed, the tokens): for a caller that folds the messages itself."""
+        kind = msg.WhichOneof("kind")
+        if kind == "delta":
+            self.token_ids += msg.delta.token_ids
+            self.had_prompt_logprobs = self.had_prompt_logprobs or bool(msg.delta.prompt_logprobs)
+        elif kind == "started":
+            self.request_id = msg.started.request_id
+            if msg.started.HasField("seed"):
+                self.seed = msg.started.seed
 
     def feed(self, msg: pb.GenerateResponse) -> StreamDelta | None:
         kind = msg.WhichOneof("kind")
@@ -79,6 +91,7 @@ class _Collector:
             prompt_lps = None
             if msg.delta.prompt_logprobs:
                 prompt_lps = self.prompt_logprobs = [None, *_logprobs(msg.delta.prompt_logprobs)]
+                self.had_prompt_logprobs = True
             self.text.append(msg.delta.text)
             self.token_ids += msg.delta.token_ids
             return StreamDelta(msg.delta.text, list(msg.delta.token_ids), lps, prompt_lps)
@@ -140,11 +153,12 @@ class _StreamState:
         """Sends the request again with what the stream has: its tokens, its seed; not its prompt logprobs again."""
         self.num_resumes += 1
         c = self._collector
-        self._call = self._reopen(list(c.token_ids), c.seed, c.prompt_logprobs is not None)
+        self._call = self._reopen(list(c.token_ids), c.seed, c.had_prompt_logprobs)
 
-    def _resumed(self) -> None:
-        """A message came on a resumed call: the resume worked, the next break starts a new budget."""
-        if self._resume_until is not None:
+    def _resumed(self, msg: pb.GenerateResponse) -> None:
+        """A message came: once a delta came on a resumed call, the resume worked and the next break starts a new
+        budget (a Started alone is no progress: a server that keeps breaking before a token is not retried forever)."""
+        if self._resume_until is not None and msg.WhichOneof("kind") == "delta":
             self._resume_until, self._resume_wait_s = None, RESUME_BACKOFF_S[0]
 
     @property
@@ -175,7 +189,7 @@ class Stream(_StreamState):
         while True:
             try:
                 for msg in self._call:
-                    self._resumed()
+                    self._resumed(msg)
                     delta = self._collector.feed(msg)
                     if delta is not None:
                         yield delta
@@ -202,7 +216,7 @@ class AsyncStream(_StreamState):
             while True:
                 try:
                     while (msg := await self._call.read()) is not grpc.aio.EOF:  # read(), as wait_started uses it
-                        self._resumed()
+                        self._resumed(msg)
                         delta = self._collector.feed(msg)
                         if delta is not None:
                             yield delta
@@ -220,10 +234,23 @@ class AsyncStream(_StreamState):
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
         """The stream's GenerateResponse messages as they arrive (Started, Deltas, Finished), for a caller that
-        encodes them itself (the HTTP gateway): the deltas and .result are then left to it, and so is resuming."""
+        encodes them itself (the HTTP gateway): the deltas and .result are then left to it. A broken stream resumes
+        as __aiter__'s does; the resumed call's own Started is not passed on (the caller has the first)."""
+        import asyncio
+
         try:
-            while (msg := await self._call.read()) is not grpc.aio.EOF:
-                yield msg
+            while True:
+                try:
+                    while (msg := await self._call.read()) is not grpc.aio.EOF:
+                        self._resumed(msg)
+                        if self.num_resumes and msg.WhichOneof("kind") == "started":
+                            continue
+                        self._collector.track(msg)
+                        yield msg
+                    return
+                except grpc.RpcError as error:
+                    await asyncio.sleep(self._broken(error))  # backoff: the server is restarting its group, or itself
+                    self._resume()
         finally:
             self._call.cancel()
 
