@@ -285,6 +285,9 @@ class Controller:
             live = self._live.get(delta.request_id)
             if live is None:  # cancelled by its client, or cut off by a drain
                 continue
+            if delta.error is not None:  # e.g. too big for the cache of a group that came back smaller
+                self._end(delta.request_id, ServerOverloaded(delta.error), outcome="error")
+                continue
             if delta.token_ids:
                 live.first_token_at = live.first_token_at or now
                 live.last_token_at = now
