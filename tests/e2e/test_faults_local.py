@@ -1,6 +1,7 @@
 """A worker that dies or stops mid-generation costs no request: the controller (in a thread) drives TP=2 local
 worker processes over real gRPC and gloo; SIGKILL or SIGSTOP one rank with 16 streams running and every stream
-finishes with the tokens of an undisturbed run (greedy and seeded), after a pause while a new group starts.
+finishes with the tokens of an undisturbed run (greedy and seeded), after a pause while a new group starts. A group
+that comes back with a smaller KV cache ends the requests it cannot hold with RESOURCE_EXHAUSTED.
 No Ray: each group, the first and every restart, is new local processes started by the replica's factory (Ray's is in
 test_faults_ray.py)."""
 
@@ -109,3 +110,35 @@ def test_an_idle_server_replaces_a_dead_group_before_any_request_needs_it(served
         wait_for(lambda: client.health() == "SERVING", "a new group serving", 180)
         assert controller.controller.status()["group_restarts"] == 1 and len(groups.groups) == 2
         assert client.generate([1, 2, 3], max_tokens=8, ignore_eos=True).usage.completion_tokens == 8
+
+
+def test_a_stream_the_smaller_cache_of_the_new_group_cannot_hold_ends_with_resource_exhausted(tiny_llama_dir,
+                                                                                                 e2e_config):
+    """The group comes back with 8 KV blocks instead of 64: a live request needing more (prompt + max_tokens: 38
+    blocks of 16) ends at once with RESOURCE_EXHAUSTED and the reason, not a hang; a small one (4 blocks) finishes."""
+    import dataclasses
+
+    import grpc
+
+    groups = LocalGroups(deadline_floor_s=2.0)
+    smaller = lambda cfg: groups(dataclasses.replace(cfg, num_kv_blocks=8) if groups.groups else cfg)  # noqa: E731
+    controller = local_controller(e2e_config(tiny_llama_dir, tensor_parallel_size=2, max_model_len=1024), smaller)
+    try:
+        assert controller.call(controller.controller.wait_ready(120))
+        with Client(controller.address, timeout=300) as client:
+            big = client.stream([1, 2, 3], max_tokens=600, ignore_eos=True, temperature=0, resume=False)
+            small = client.stream([4, 5, 6], max_tokens=60, ignore_eos=True, temperature=0, resume=False)
+            big_tokens, small_tokens = iter(big), iter(small)
+            next(big_tokens), next(small_tokens)  # both under way
+            os.kill(groups.groups[0].processes[1].pid, signal.SIGKILL)
+            with pytest.raises(grpc.RpcError) as error:
+                for _ in big_tokens:
+                    pass
+            assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "holds 8 blocks" in error.value.details() and "needs 38" in error.value.details()
+            for _ in small_tokens:
+                pass
+            assert small.result.usage.completion_tokens == 60 and len(groups.groups) == 2
+    finally:
+        controller.close()
+        groups.stop_all()
