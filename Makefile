@@ -4,6 +4,9 @@
 #   make test-gpu  tests marked gpu (on a CUDA host without an index: make test-gpu PY=python3 SETUP=)
 #   make proto     regenerate the gRPC stubs in proto/
 #   make bench     offline throughput on the default model (BENCH_ARGS="--compare hf" to add transformers)
+#   make soak      10,000 requests of every kind against `shardserve serve` (default model, TP=3, CPU) with 3 worker
+#                  ranks SIGKILLed: nothing lost, right codes, no leaked blocks, flat memory (SOAK_ARGS adds flags;
+#                  the record goes to SOAK_OUT)
 
 # torch's CPU wheel on the development machines is built for Python 3.11.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
@@ -14,8 +17,10 @@ SETUP ?= $(STAMP)
 PIP_FLAGS := --disable-pip-version-check $(if $(CI),--progress-bar off -q,)
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
+SOAK_ARGS ?=
+SOAK_OUT ?= soak.json
 
-.PHONY: venv demo test test-gpu proto bench
+.PHONY: venv demo test test-gpu proto bench soak
 
 venv: $(SETUP)
 
@@ -44,3 +49,7 @@ proto: $(SETUP)
 
 bench: $(SETUP)
 	$(PY) -m shardserve.cli bench offline $(BENCH_ARGS)
+
+soak: $(SETUP)
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m shardserve.cli bench soak --device cpu --tp 3 --requests 10000 \
+		--kills 3 --json-out $(SOAK_OUT) $(SOAK_ARGS)

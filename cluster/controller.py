@@ -14,7 +14,9 @@ new; health is NOT_SERVING while no replica is SERVING, FAILED once none is serv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import random
 import sys
 import time
 import uuid
@@ -70,6 +72,9 @@ class Controller:
         self._failure: BaseException | None = None
         self.num_rejected = 0
         self.num_aborted = 0
+        # Unseeded requests get their seed here, at admission, and the client is told it (Started.seed): a stream
+        # resumed on another replica or a restarted controller then continues the same draw.
+        self._seeds = random.Random(config.engine.seed)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> str:
@@ -187,7 +192,9 @@ class Controller:
             req_id = req_id if req_id is not None else uuid.uuid4().hex
             if req_id in self._live:
                 raise ValueError(f"request id {req_id!r} is already in use")
-            live = LiveRequest(req_id, asyncio.Queue())
+            if params.seed is None:
+                params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+            live = LiveRequest(req_id, asyncio.Queue(), seed=params.seed)
             self._live[req_id] = live  # first: the id is taken while the prompt is tokenized
             self._idle.clear()
             try:
@@ -309,6 +316,9 @@ class Controller:
             self.metrics.observe_delta(delta)
             live = self._live.get(delta.request_id)
             if live is None:  # cancelled by its client, or cut off by a drain
+                continue
+            if delta.error is not None:  # e.g. too big for the cache of a group that came back smaller
+                self._end(delta.request_id, ServerOverloaded(delta.error), outcome="error")
                 continue
             if delta.token_ids:
                 live.first_token_at = live.first_token_at or now

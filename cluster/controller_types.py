@@ -73,5 +73,6 @@ class LiveRequest:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_prompt_tokens: int = 0
+    seed: int | None = None  # its sampling seed: the request's, or the one drawn at admission (told in Started)
     replica: Replica | None = None  # where it runs
     cost: int = 0  # what it adds to its replica's outstanding tokens

@@ -35,7 +35,7 @@ from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
 from shardserve.cluster.request import Request
 from shardserve.proto.config import EngineConfig
-from shardserve.proto.plan import StepPlan, StepResult
+from shardserve.proto.plan import StepPlan, StepResult, cdiv
 
 MAX_PLANS_IN_FLIGHT = 2  # async scheduling: step N+1 is planned and submitted while step N runs
 
@@ -165,6 +165,20 @@ class Engine:
         self._in_flight.clear()
         self.async_scheduling = self._resolve_async_scheduling(self.config, executor)
         self.num_restarts += 1
+        self._end_what_cannot_fit()
+
+    def _end_what_cannot_fit(self) -> None:
+        """After a restart: a live request that needs more blocks than the new cache has (a group that came back
+        with less memory) could never be scheduled again; it ends now, its final delta carrying the reason."""
+        num_blocks, block_size = self.block_manager.num_blocks, self.config.block_size
+        for seq in list(self.scheduler.requests.values()):
+            needed = cdiv(len(seq.prompt_token_ids) + seq.params.max_tokens - 1, block_size)
+            if needed > num_blocks:
+                self.scheduler.finish(seq, "abort")
+                delta = self._on_finished(seq)
+                delta.error = (f"the KV cache of the restarted worker group holds {num_blocks} blocks of {block_size} "
+                               f"tokens; this request (prompt + max_tokens) needs {needed}")
+                self._pending_deltas.append(delta)
 
     def has_unfinished(self) -> bool:
         """True while there is work: live requests, deltas to report, or submitted plans to collect."""

@@ -125,7 +125,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             yield pb.GenerateResponse(
                 started=pb.GenerateResponse.Started(request_id=live.req_id,
-                                                    prompt_token_count=live.num_prompt_tokens)
+                                                    prompt_token_count=live.num_prompt_tokens, seed=live.seed)
             )
             interval, sent = self.controller.config.stream_interval, 0
             while True:

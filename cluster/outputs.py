@@ -92,3 +92,4 @@ class RequestDelta:
     num_generated: int = 0  # generated tokens so far, this delta included
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the request's first delta, when asked for
     queue_time_s: float | None = None  # on the request's first delta: from admission to its first plan
+    error: str | None = None  # on a final delta: why the request could not go on (the server: RESOURCE_EXHAUSTED)

@@ -125,12 +125,14 @@ class Usage(_message.Message):
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "delta", "finished")
     class Started(_message.Message):
-        __slots__ = ("request_id", "prompt_token_count")
+        __slots__ = ("request_id", "prompt_token_count", "seed")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
+        SEED_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         prompt_token_count: int
-        def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ...) -> None: ...
+        seed: int
+        def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
     class Delta(_message.Message):
         __slots__ = ("text", "token_ids", "logprobs", "prompt_logprobs")
         TEXT_FIELD_NUMBER: _ClassVar[int]

@@ -17,13 +17,15 @@ A server started with --auth-token-file wants `token=...`; one with TLS wants `t
 its certificate; `tls=True` alone trusts the system's roots), and with mutual TLS also `tls_client_cert=` and
 `tls_client_key=` (PEM file paths or bytes).
 
-Resuming (`resume=True`, the default for greedy requests and for requests with a seed): when an admitted stream
-breaks with UNAVAILABLE (the server lost the request: a failed worker group that could not come back, a restarted
-controller or server, a drain's cut-off), the stream sends the request again with the tokens it has received
-(`resume_token_ids`), retrying for up to `resume_timeout_s`, and goes on where it stopped: the caller sees a pause,
-and the tokens are those of an unbroken request (the server draws each token from the seed and its index). Not
-resumed: unseeded sampled requests (a new seed would change the rest), a request refused before it was admitted
-(a server starting or draining answers UNAVAILABLE at once), any other status.
+Resuming (the default; `resume=False` turns it off): when an admitted stream breaks with UNAVAILABLE (the server
+lost the request: a failed worker group that could not come back, a restarted controller or server, a drain's
+cut-off), the stream sends the request again with the tokens it has received (`resume_token_ids`) and its seed,
+retrying for up to `resume_timeout_s`, and goes on where it stopped: the caller sees a pause, and the tokens are
+those of an unbroken request (the server draws each token from the seed and its index). An unseeded request's seed
+is the one the server drew for it at admission and told in the Started message; a server that tells none leaves
+such a stream unresumed (unless `resume=True`: it then continues with a new draw). Prompt logprobs are not asked
+for again. Not resumed: a request refused before it was admitted (a server starting or draining answers
+UNAVAILABLE at once), any other status.
 
 Logprobs come as LLM gives them (vLLM's shape): one dict per position, {token id: Logprob(logprob, rank,
 decoded_token)}, the chosen token first.
@@ -41,8 +43,7 @@ from shardserve.client_stream import (  # noqa: F401 (the result types are part 
     Stream,
     StreamDelta,
     Usage,
-    _reopener,
-    _resumable,
+    reopener,
 )
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
@@ -100,12 +101,12 @@ class Client:
     def stream(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,
                resume: bool | None = None, resume_timeout_s: float = 120.0, **sampling) -> Stream:
         """metadata (every call takes it): gRPC call metadata, (key, value) pairs, e.g. (("authorization", "Bearer
-        ..."),). resume: send the request again with the tokens received when the stream breaks with UNAVAILABLE
-        (default: for greedy and seeded requests; see the module docstring)."""
+        ..."),). resume: send the request again with the tokens received (and the seed) when the stream breaks with
+        UNAVAILABLE (default: every request whose rest is then exact; see the module docstring)."""
         request = build_request(prompt, request_id, sampling)
         t = self._t(timeout)
         return Stream(self._stub.Generate(request, timeout=t, metadata=metadata),
-                      _reopener(self._stub, request, t, metadata) if _resumable(sampling, resume) else None,
+                      reopener(self._stub, request, t, metadata, sampling, resume),
                       resume_timeout_s)
 
     def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,
@@ -181,7 +182,7 @@ class AsyncClient:
         request = build_request(prompt, request_id, sampling)
         t = self._t(timeout)
         return AsyncStream(self._stub.Generate(request, timeout=t, metadata=metadata),
-                           _reopener(self._stub, request, t, metadata) if _resumable(sampling, resume) else None,
+                           reopener(self._stub, request, t, metadata, sampling, resume),
                            resume_timeout_s)
 
     async def generate(self, prompt, *, request_id: str | None = None, timeout: float | None = None, metadata=None,

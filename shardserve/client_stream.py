@@ -59,16 +59,31 @@ class _Collector:
     def __init__(self) -> None:
         self.request_id = ""
         self.prompt_tokens = 0
+        self.seed: int | None = None  # the seed the server told (its own draw for an unseeded request)
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[PositionLogprobs] | None = None
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
+        self.had_prompt_logprobs = False  # they came (a resumed call does not ask for them again)
         self.result: GenerationResult | None = None
+
+    def track(self, msg: pb.GenerateResponse) -> None:
+        """Only what resuming needs (the id, the seed, the tokens): for a caller that folds the messages itself."""
+        kind = msg.WhichOneof("kind")
+        if kind == "delta":
+            self.token_ids += msg.delta.token_ids
+            self.had_prompt_logprobs = self.had_prompt_logprobs or bool(msg.delta.prompt_logprobs)
+        elif kind == "started":
+            self.request_id = msg.started.request_id
+            if msg.started.HasField("seed"):
+                self.seed = msg.started.seed
 
     def feed(self, msg: pb.GenerateResponse) -> StreamDelta | None:
         kind = msg.WhichOneof("kind")
         if kind == "started":
             self.request_id, self.prompt_tokens = msg.started.request_id, msg.started.prompt_token_count
+            if msg.started.HasField("seed"):
+                self.seed = msg.started.seed
         elif kind == "delta":
             lps = _logprobs(msg.delta.logprobs) if msg.delta.logprobs else None
             if lps is not None:
@@ -76,6 +91,7 @@ class _Collector:
             prompt_lps = None
             if msg.delta.prompt_logprobs:
                 prompt_lps = self.prompt_logprobs = [None, *_logprobs(msg.delta.prompt_logprobs)]
+                self.had_prompt_logprobs = True
             self.text.append(msg.delta.text)
             self.token_ids += msg.delta.token_ids
             return StreamDelta(msg.delta.text, list(msg.delta.token_ids), lps, prompt_lps)
@@ -93,13 +109,6 @@ class _Collector:
                 prompt_logprobs=self.prompt_logprobs,
             )
         return None
-
-
-def _resumable(sampling: dict, resume: bool | None) -> bool:
-    """resume=None: greedy (temperature 0) or seeded requests, whose tokens do not depend on where they resume."""
-    if resume is not None:
-        return resume
-    return sampling.get("temperature") == 0 or sampling.get("seed") is not None
 
 
 class _StreamState:
@@ -123,6 +132,8 @@ class _StreamState:
             return None
         if not self._collector.request_id:  # refused before it was admitted (starting, draining): not a break
             return None
+        if not self._reopen.can_resume(self._collector.seed):  # sampled, and the server told no seed
+            return None
         now = time.monotonic()
         if self._resume_until is None:
             self._resume_until = now + self._resume_timeout_s
@@ -131,14 +142,33 @@ class _StreamState:
         wait_s, self._resume_wait_s = self._resume_wait_s, min(2 * self._resume_wait_s, RESUME_BACKOFF_S[1])
         return min(wait_s, self._resume_until - now)
 
-    def _resumed(self) -> None:
-        """A message came on a resumed call: the resume worked, the next break starts a new budget."""
-        if self._resume_until is not None:
+    def _broken(self, error: grpc.RpcError) -> float:
+        """The call broke: seconds to wait before resume(); re-raises the error when the stream does not resume."""
+        wait_s = self._next_try_s(error)
+        if wait_s is None:
+            raise error
+        return wait_s
+
+    def _resume(self) -> None:
+        """Sends the request again with what the stream has: its tokens, its seed; not its prompt logprobs again."""
+        self.num_resumes += 1
+        c = self._collector
+        self._call = self._reopen(list(c.token_ids), c.seed, c.had_prompt_logprobs)
+
+    def _resumed(self, msg: pb.GenerateResponse) -> None:
+        """A message came: once a delta came on a resumed call, the resume worked and the next break starts a new
+        budget (a Started alone is no progress: a server that keeps breaking before a token is not retried forever)."""
+        if self._resume_until is not None and msg.WhichOneof("kind") == "delta":
             self._resume_until, self._resume_wait_s = None, RESUME_BACKOFF_S[0]
 
     @property
     def request_id(self) -> str:
         return self._collector.request_id
+
+    @property
+    def seed(self) -> int | None:
+        """The request's seed as the server told it (for an unseeded request: the one it drew), once started."""
+        return self._collector.seed
 
     @property
     def result(self) -> GenerationResult | None:
@@ -159,18 +189,14 @@ class Stream(_StreamState):
         while True:
             try:
                 for msg in self._call:
-                    self._resumed()
+                    self._resumed(msg)
                     delta = self._collector.feed(msg)
                     if delta is not None:
                         yield delta
                 return
             except grpc.RpcError as error:
-                wait_s = self._next_try_s(error)
-                if wait_s is None:
-                    raise
-                time.sleep(wait_s)  # backoff: the server is restarting its group, or itself
-                self.num_resumes += 1
-                self._call = self._reopen(list(self._collector.token_ids))
+                time.sleep(self._broken(error))  # backoff: the server is restarting its group, or itself
+                self._resume()
 
     def wait_started(self) -> str:
         """Reads up to the Started message; returns the request id."""
@@ -190,18 +216,14 @@ class AsyncStream(_StreamState):
             while True:
                 try:
                     while (msg := await self._call.read()) is not grpc.aio.EOF:  # read(), as wait_started uses it
-                        self._resumed()
+                        self._resumed(msg)
                         delta = self._collector.feed(msg)
                         if delta is not None:
                             yield delta
                     return
                 except grpc.RpcError as error:
-                    wait_s = self._next_try_s(error)
-                    if wait_s is None:
-                        raise
-                    await asyncio.sleep(wait_s)  # backoff: the server is restarting its group, or itself
-                    self.num_resumes += 1
-                    self._call = self._reopen(list(self._collector.token_ids))
+                    await asyncio.sleep(self._broken(error))  # backoff: the server is restarting its group, or itself
+                    self._resume()
         finally:
             self._call.cancel()  # a no-op once the stream has finished
 
@@ -212,23 +234,63 @@ class AsyncStream(_StreamState):
 
     async def messages(self) -> AsyncIterator[pb.GenerateResponse]:
         """The stream's GenerateResponse messages as they arrive (Started, Deltas, Finished), for a caller that
-        encodes them itself (the HTTP gateway): the deltas and .result are then left to it, and so is resuming."""
+        encodes them itself (the HTTP gateway): the deltas and .result are then left to it. A broken stream resumes
+        as __aiter__'s does; the resumed call's own Started is not passed on (the caller has the first)."""
+        import asyncio
+
         try:
-            while (msg := await self._call.read()) is not grpc.aio.EOF:
-                yield msg
+            while True:
+                try:
+                    while (msg := await self._call.read()) is not grpc.aio.EOF:
+                        self._resumed(msg)
+                        if self.num_resumes and msg.WhichOneof("kind") == "started":
+                            continue
+                        self._collector.track(msg)
+                        yield msg
+                    return
+                except grpc.RpcError as error:
+                    await asyncio.sleep(self._broken(error))  # backoff: the server is restarting its group, or itself
+                    self._resume()
         finally:
             self._call.cancel()
 
 
-def _reopen_request(request: pb.GenerateRequest, received: list[int]) -> pb.GenerateRequest:
-    """The request sent again: a new id (the old one may still be known to the server), the tokens received."""
+def _reopen_request(request: pb.GenerateRequest, received: list[int], seed: int | None,
+                    had_prompt_logprobs: bool) -> pb.GenerateRequest:
+    """The request sent again: a new id (the old one may still be known to the server), the tokens received, the
+    seed the server told (an unseeded request continues its draw), no prompt logprobs when they came already."""
     again = pb.GenerateRequest()
     again.CopyFrom(request)
     again.ClearField("request_id")
+    if seed is not None and not again.HasField("seed"):
+        again.seed = seed
+    if had_prompt_logprobs:
+        again.ClearField("prompt_logprobs")
     del again.resume_token_ids[:]
     again.resume_token_ids.extend(received)
     return again
 
 
-def _reopener(stub, request: pb.GenerateRequest, timeout: float | None, metadata=None):
-    return lambda received: stub.Generate(_reopen_request(request, received), timeout=timeout, metadata=metadata)
+class _Reopener:
+    """Sends a broken stream's request again (the blocking or the async stub). needs_seed: an unseeded sampled
+    request resumed by default: only with the seed the server told (a new draw would change the rest)."""
+
+    def __init__(self, stub, request: pb.GenerateRequest, timeout: float | None, metadata, needs_seed: bool) -> None:
+        self.stub, self.request, self.timeout, self.metadata, self.needs_seed = stub, request, timeout, metadata, needs_seed
+
+    def can_resume(self, seed: int | None) -> bool:
+        return seed is not None or not self.needs_seed
+
+    def __call__(self, received: list[int], seed: int | None, had_prompt_logprobs: bool):
+        return self.stub.Generate(_reopen_request(self.request, received, seed, had_prompt_logprobs),
+                                  timeout=self.timeout, metadata=self.metadata)
+
+
+def reopener(stub, request: pb.GenerateRequest, timeout: float | None, metadata, sampling: dict,
+             resume: bool | None) -> _Reopener | None:
+    """How a stream resumes: None with resume=False; resume=None resumes greedy and seeded requests, and sampled
+    ones with the seed the server told in Started (every server that tells it); resume=True resumes all."""
+    if resume is False:
+        return None
+    exact = sampling.get("temperature") == 0 or sampling.get("seed") is not None
+    return _Reopener(stub, request, timeout, metadata, needs_seed=resume is None and not exact)

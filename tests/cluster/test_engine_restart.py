@@ -132,3 +132,26 @@ def test_resumed_tokens_that_cannot_be_are_refused(resumed, why):
                     vocab_size=VOCAB)
     with pytest.raises(ValueError, match=why):
         engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=12), resumed=resumed)
+
+
+def test_a_request_the_smaller_cache_of_the_new_group_cannot_hold_ends_with_the_reason_and_the_others_finish():
+    """A group that comes back with fewer KV blocks: a live request that needs more than the new cache holds would
+    wait forever (or fail the loop); it ends at the restart with an error delta, and the rest go on."""
+    first = FakeExecutor(64, BS, VOCAB, fail_at_step=3)
+    engine = Engine(EngineConfig(model="fake", block_size=BS, max_model_len=256), first, vocab_size=VOCAB)
+    engine.add_request("big", [1] * 8, SamplingParams(temperature=0, max_tokens=100))  # 27 blocks of 4
+    engine.add_request("small", [2, 3, 4], SamplingParams(temperature=0, max_tokens=6))
+    with pytest.raises(WorkerError):
+        for _ in range(3):
+            engine.step()
+    engine.restart(FakeExecutor(16, BS, VOCAB))
+    finals = {}
+    for _ in range(100):
+        if not engine.has_unfinished():
+            break
+        finals.update({d.request_id: d for d in engine.step() if d.finished})
+    assert set(finals) == {"big", "small"}
+    assert finals["big"].finish_reason == "abort" and "holds 16 blocks" in finals["big"].error
+    assert "needs 27" in finals["big"].error
+    assert finals["small"].error is None and finals["small"].finish_reason == "length"
+    assert engine.block_manager.all_free()

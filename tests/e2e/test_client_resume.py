@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from shardserve.client import Client
-from tests.e2e.test_faults_local import NUM_STREAMS, LocalGroups, _run_streams
+from tests.e2e._local_groups import NUM_STREAMS, LocalGroups, run_streams, wait_for
 
 
 @pytest.fixture
@@ -40,9 +40,9 @@ def two_replicas(tiny_llama_dir, e2e_config):
 
 def test_streams_broken_by_a_failed_replica_resume_on_the_other_with_the_same_tokens(two_replicas):
     controller, groups = two_replicas
-    undisturbed = _run_streams(controller.address)
+    undisturbed = run_streams(controller.address)
     victim = groups.groups[0].processes[1]
-    disturbed = _run_streams(controller.address, fault=lambda: os.kill(victim.pid, signal.SIGKILL))
+    disturbed = run_streams(controller.address, fault=lambda: os.kill(victim.pid, signal.SIGKILL))
     assert disturbed == undisturbed
     replicas = controller.controller.status()["replicas"]
     assert sorted(replicas.values()) == ["failed", "serving"]
@@ -67,3 +67,44 @@ def test_without_resume_the_broken_stream_surfaces_unavailable(two_replicas):
                 codes.append(e.code())
     assert grpc.StatusCode.UNAVAILABLE in codes and "finished" in codes
     assert all(s.num_resumes == 0 for s in streams)
+
+
+def test_unseeded_sampled_streams_resume_with_the_seed_the_server_drew_and_prompt_logprobs_come_once(two_replicas):
+    """Unseeded sampled streams (the server draws their seed at admission and tells it in Started) broken by a
+    failed replica resume by default with that seed: each ends with the tokens the same request with that seed
+    gives undisturbed. A stream that asked for prompt logprobs gets them on its first delta only."""
+    import threading
+
+    controller, groups = two_replicas
+    n, max_tokens = 8, 48
+    streams: list = [None] * n
+    deltas: list[list] = [[] for _ in range(n)]
+    errors: list[BaseException] = []
+
+    def consume(i: int) -> None:
+        try:
+            with Client(controller.address, timeout=300) as client:
+                streams[i] = client.stream([5 + i, 17, 29 + 3 * i], max_tokens=max_tokens, ignore_eos=True,
+                                           temperature=0.9, prompt_logprobs=1)
+                for delta in streams[i]:
+                    deltas[i].append(delta)
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: all(len(d) >= 3 for d in deltas) or errors, "every stream under way")
+    assert max(sum(len(x.token_ids) for x in d) for d in deltas) < max_tokens, "the streams finished before the fault"
+    os.kill(groups.groups[0].processes[1].pid, signal.SIGKILL)
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert any(s.num_resumes for s in streams), "no stream was on the failed replica"
+    with Client(controller.address, timeout=300) as client:
+        for i, stream in enumerate(streams):
+            assert stream.seed is not None and [d.prompt_logprobs is not None for d in deltas[i]].count(True) == 1
+            again = client.generate([5 + i, 17, 29 + 3 * i], max_tokens=max_tokens, ignore_eos=True,
+                                    temperature=0.9, seed=stream.seed)
+            assert stream.result.token_ids == again.token_ids, (i, stream.num_resumes)
+            assert len(stream.result.prompt_logprobs) == 3

@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from shardserve.client import Client
-from tests.e2e.test_faults_local import MAX_TOKENS, NUM_STREAMS, _run_streams
+from tests.e2e._local_groups import MAX_TOKENS, NUM_STREAMS, run_streams
 
 
 @pytest.fixture(scope="module")
@@ -31,12 +31,12 @@ def _ranks(ray, name: str) -> dict[str, int]:
 
 def test_sigkill_of_a_worker_actor_with_16_streams_loses_no_request_and_changes_no_token(cluster, ray_session):
     ray = ray_session
-    undisturbed = _run_streams(cluster.address)
+    undisturbed = run_streams(cluster.address)
     assert all(len(tokens) == MAX_TOKENS for tokens in undisturbed)
     before = _ranks(ray, cluster.name)
     assert len(before) == 2
     victim = next(pid for actor, pid in before.items() if actor.endswith("-rank1"))
-    disturbed = _run_streams(cluster.address, fault=lambda: os.kill(victim, signal.SIGKILL))
+    disturbed = run_streams(cluster.address, fault=lambda: os.kill(victim, signal.SIGKILL))
     assert disturbed == undisturbed
     status = cluster.status()
     assert status["group_restarts"] == 1 and status["state"] == "serving"

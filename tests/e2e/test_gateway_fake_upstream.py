@@ -31,6 +31,7 @@ class FakeGeneration(pb_grpc.GenerationServicer):
     def __init__(self) -> None:
         self.metadata: list[dict] = []
         self.peers: list[str] = []  # each gateway process has its own channel: its own peer address
+        self.resumed: list[tuple[list[int], int]] = []  # (resume_token_ids, seed) of each request sent again
 
     def Generate(self, request, context):
         self.metadata.append(dict(context.invocation_metadata()))
@@ -40,6 +41,9 @@ class FakeGeneration(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
         if name in grpc.StatusCode.__members__:
             context.abort(grpc.StatusCode[name], f"fake {name}")
+        if name == "MIDSTREAM_RESUME":  # breaks with UNAVAILABLE after one token; the request sent again finishes
+            yield from self._break_then_finish(request, context)
+            return
         yield pb.GenerateResponse(started=pb.GenerateResponse.Started(request_id=request.request_id,
                                                                       prompt_token_count=3))
         yield pb.GenerateResponse(delta=pb.GenerateResponse.Delta(text="ok", token_ids=[7]))
@@ -47,6 +51,19 @@ class FakeGeneration(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode[name.removeprefix("MIDSTREAM_")], "cut off")
         yield pb.GenerateResponse(finished=pb.GenerateResponse.Finished(
             finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(prompt_tokens=3, completion_tokens=1)))
+
+    def _break_then_finish(self, request, context):
+        if not request.resume_token_ids:
+            yield pb.GenerateResponse(started=pb.GenerateResponse.Started(request_id="first", prompt_token_count=3,
+                                                                          seed=42))
+            yield pb.GenerateResponse(delta=pb.GenerateResponse.Delta(text="ok", token_ids=[7]))
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the server lost the request")
+        self.resumed.append((list(request.resume_token_ids), request.seed))
+        yield pb.GenerateResponse(started=pb.GenerateResponse.Started(request_id="again", prompt_token_count=3,
+                                                                      seed=request.seed))
+        yield pb.GenerateResponse(delta=pb.GenerateResponse.Delta(text=" again", token_ids=[8]))
+        yield pb.GenerateResponse(finished=pb.GenerateResponse.Finished(
+            finish_reason=pb.FINISH_REASON_LENGTH, usage=pb.Usage(prompt_tokens=3, completion_tokens=2)))
 
     def GetModelInfo(self, request, context):
         return pb.ModelInfo(model="fake", max_model_len=64, block_size=16)
@@ -95,6 +112,21 @@ def test_an_error_after_the_stream_began_arrives_as_its_last_event(fake):
     events = [line for line in reply.text.split("\n\n") if line]
     assert json.loads(events[-2].removeprefix("data: "))["error"]["code"] == "unavailable"
     assert events[-1] == "data: [DONE]"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_upstream_stream_broken_with_unavailable_resumes_with_its_tokens_and_seed(fake, stream):
+    """The gateway's upstream stream resumes as the Python client's does: sent again with the tokens it had and the
+    seed the server told; the HTTP client sees one whole completion."""
+    with openai.OpenAI(base_url=f"{fake[2]}/v1", api_key="x", max_retries=0) as client:
+        if stream:
+            chunks = list(client.completions.create(model="fake", prompt="MIDSTREAM_RESUME", stream=True))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            assert chunks[-1].choices[0].finish_reason == "length"
+        else:
+            text = client.completions.create(model="fake", prompt="MIDSTREAM_RESUME").choices[0].text
+    assert text == "ok again"
+    assert fake[0].resumed[-1] == ([7], 42)
 
 
 def test_the_authorization_header_reaches_the_server_as_grpc_metadata(fake):

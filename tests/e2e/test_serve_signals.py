@@ -42,7 +42,7 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _wait_for(predicate, what: str, timeout_s: float) -> None:
+def wait_for(predicate, what: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
@@ -126,22 +126,22 @@ def test_sigterm_to_the_process_group_drains_exits_0_and_leaves_no_process(tiny_
         assert proc.returncode == 0, "".join(serve.stderr)[-3000:]
         assert set(results) <= {"length", grpc.StatusCode.UNAVAILABLE} and len(results) == 4
         for sid in (proc.pid, *ray_sessions):
-            _wait_for(lambda sid=sid: not session_members(sid), f"session {sid} to be empty", 30)
+            wait_for(lambda sid=sid: not session_members(sid), f"session {sid} to be empty", 30)
     finally:
         serve.kill()
 
 
 def test_a_killed_controller_is_started_again_and_resuming_clients_lose_nothing(tiny_llama_dir):
     from shardserve.proto.transport import free_port
-    from tests.e2e.test_faults_local import _run_streams
+    from tests.e2e._local_groups import run_streams
 
     serve = Serve(tiny_llama_dir, "--port", str(free_port()))
     try:
         address = serve.wait_ready()
-        undisturbed = _run_streams(address)
+        undisturbed = run_streams(address)
         (controller,) = [pid for pid in session_members(serve.ray_sessions[0])
                          if _cmdline(pid).startswith("ray::Controller")]
-        disturbed = _run_streams(address, fault=lambda: os.kill(controller, signal.SIGKILL))  # clients resume
+        disturbed = run_streams(address, fault=lambda: os.kill(controller, signal.SIGKILL))  # clients resume
         assert disturbed == undisturbed
         assert "starting it again (1/3)" in "".join(serve.stderr)
         os.killpg(serve.proc.pid, signal.SIGTERM)
