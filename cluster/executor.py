@@ -109,9 +109,11 @@ class GrpcExecutor:
         rpc_timeout_s: float = 10.0,
         stop_workers: Callable[[float], None] | None = None,
         secret: str = "",
+        tls=None,
     ) -> None:
         """secret: the workers' launch secret (WorkerGroup.secret, LocalWorkers.secret), sent with every call;
-        the workers refuse any call without it (UNAUTHENTICATED).
+        the workers refuse any call without it (UNAUTHENTICATED). tls: proto.auth.WorkerTLS when the workers serve
+        over mutual TLS.
         stop_workers(timeout_s): stops workers this executor owns (local processes); called by shutdown, and
         as soon as a step fails (a healthy rank may be stuck in a collective with the failed one). A Ray group is
         stopped by its owner instead, and stays up after a failure for health checks to report it."""
@@ -131,7 +133,7 @@ class GrpcExecutor:
         self._early: list[deque] = [deque() for _ in endpoints]  # replies to later steps that arrived first
         self._replies: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: list[_StepStream] = []
-        self._channels = [worker_channel(ep, secret) for ep in self.endpoints]
+        self._channels = [worker_channel(ep, secret, tls) for ep in self.endpoints]
         self._stubs = [pb_grpc.WorkerStub(ch) for ch in self._channels]
         self.last_forward_ms = 0.0  # the slowest rank's forward_ms in the last collected step
         self.forward_ms_total = 0.0  # ... summed over every collected step (a control-plane share's numerator)

@@ -1,5 +1,6 @@
 """Who may call a shardserve gRPC server: a metadata value checked on every call (the worker plane's per-launch
-secret, the client API's bearer token), and TLS credentials from PEM files.
+secret, the client API's bearer token), and TLS credentials from PEM files (the client API's; the worker plane's
+optional mutual TLS, WorkerTLS).
 
 Server side, a server interceptor answers UNAUTHENTICATED before the service sees the call unless the call's
 metadata carries the expected value (compared with hmac.compare_digest, so its time does not depend on how much of
@@ -12,6 +13,7 @@ from __future__ import annotations
 import hmac
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -185,3 +187,39 @@ def channel_credentials(root_cert: str | bytes | None = None, client_cert: str |
     if (client_cert is None) != (client_key is None):
         raise ValueError("a client certificate needs its key, and a key its certificate")
     return grpc.ssl_channel_credentials(_read(root_cert), _read(client_key), _read(client_cert))
+
+
+# ---- the worker plane's TLS (optional) ------------------------------------------------------------------------
+WORKER_TLS_NAME = "shardserve-worker"  # the name the controller checks in a worker's certificate
+
+
+@dataclass(frozen=True)
+class WorkerTLS:
+    """Mutual TLS between the controller and its workers, from PEM files at the same paths on every node (like the
+    model's weights): each Worker server presents cert/key and accepts only callers whose certificate `ca` signed;
+    the controller presents the same pair and accepts only servers whose certificate `ca` signed for
+    `server_name` (checked by name, not address: workers come and go on addresses Ray hands out). The files are
+    read where they are used (the worker on its node, the controller on its own), never sent over Ray."""
+
+    cert: str
+    key: str
+    ca: str
+    server_name: str = WORKER_TLS_NAME
+
+    def check_readable(self) -> None:
+        """ValueError naming the first file this node cannot read (serve calls it before starting anything)."""
+        for what, path in (("certificate", self.cert), ("key", self.key), ("CA certificate", self.ca)):
+            try:
+                with open(path, "rb") as f:
+                    f.read(1)
+            except OSError as exc:
+                raise ValueError(f"the worker TLS {what} {path} cannot be read: {exc.strerror}") from None
+
+    def server(self) -> grpc.ServerCredentials:
+        return server_credentials(self.cert, self.key, client_ca=self.ca)
+
+    def channel(self) -> grpc.ChannelCredentials:
+        return channel_credentials(self.ca, client_cert=self.cert, client_key=self.key)
+
+    def channel_options(self) -> list[tuple[str, str]]:
+        return [("grpc.ssl_target_name_override", self.server_name)]

@@ -22,9 +22,13 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def worker_channel(endpoint: str, secret: str) -> grpc.Channel:
-    """A channel to a Worker server whose every call carries the launch's secret (proto/auth.py)."""
+def worker_channel(endpoint: str, secret: str, tls=None) -> grpc.Channel:
+    """A channel to a Worker server whose every call carries the launch's secret (proto/auth.py); over mutual TLS
+    when tls (proto.auth.WorkerTLS) is given."""
     from shardserve.proto.auth import WORKER_SECRET_KEY, AddMetadata
 
-    channel = grpc.insecure_channel(endpoint, options=MESSAGE_OPTIONS)
+    if tls is None:
+        channel = grpc.insecure_channel(endpoint, options=MESSAGE_OPTIONS)
+    else:
+        channel = grpc.secure_channel(endpoint, tls.channel(), options=MESSAGE_OPTIONS + tls.channel_options())
     return grpc.intercept_channel(channel, AddMetadata(WORKER_SECRET_KEY, secret))

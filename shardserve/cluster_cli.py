@@ -58,6 +58,14 @@ def add_cluster_parsers(sub) -> None:
     api.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
     api.add_argument("--tls-client-ca", default=None, metavar="PEM",
                      help="mutual TLS: clients must present a certificate this CA signed")
+    plane = serve.add_argument_group("worker plane TLS (docs/security.md): the same paths on every node")
+    plane.add_argument("--worker-tls-cert", default=None, metavar="PEM",
+                       help="mutual TLS between the controller and its workers: the certificate both present")
+    plane.add_argument("--worker-tls-key", default=None, metavar="PEM", help="the private key of --worker-tls-cert")
+    plane.add_argument("--worker-tls-ca", default=None, metavar="PEM",
+                       help="the CA that signed --worker-tls-cert: each side accepts only certificates it signed")
+    plane.add_argument("--worker-tls-server-name", default="shardserve-worker", metavar="NAME",
+                       help="the name the controller checks in the workers' certificate (its subjectAltName)")
     api.add_argument("--max-request-bytes", type=int, default=None, metavar="N",
                      help="a request message larger than this is refused with RESOURCE_EXHAUSTED (default 4 MiB)")
     api.add_argument("--max-prompt-bytes", type=int, default=None, metavar="N",
@@ -118,6 +126,21 @@ def api_security(args: argparse.Namespace):
                        max_prompt_bytes=args.max_prompt_bytes)
 
 
+def worker_tls(args: argparse.Namespace):
+    """The serve command's proto.auth.WorkerTLS, or None (a ValueError naming the flags when only some are given or
+    a file cannot be read here)."""
+    from shardserve.proto.auth import WorkerTLS
+
+    files = (args.worker_tls_cert, args.worker_tls_key, args.worker_tls_ca)
+    if not any(files):
+        return None
+    if not all(files):
+        raise ValueError("--worker-tls-cert, --worker-tls-key and --worker-tls-ca go together: give all three")
+    tls = WorkerTLS(*files, server_name=args.worker_tls_server_name)
+    tls.check_readable()
+    return tls
+
+
 def _check_port_free(host: str, port: int | None, flag: str) -> None:
     """A port another process holds is refused before Ray starts (a ValueError: one line naming the flag)."""
     import socket
@@ -151,6 +174,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.replicas != "auto" and not (args.replicas.isdigit() and int(args.replicas) >= 1):
         raise ValueError(f"--replicas {args.replicas}: give a number >= 1 or 'auto'")
     security = api_security(args)
+    plane_tls = worker_tls(args)
     config = build_engine_config(**engine_kwargs(args))
     strategy = args.placement_strategy
     if args.placement == "spread":
@@ -166,7 +190,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host,
                  http_workers=args.http_workers, security=security,
                  step_deadline=StepDeadline(floor_s=args.step_timeout_floor, factor=args.step_timeout_factor),
-                 stream_interval=args.stream_interval)
+                 stream_interval=args.stream_interval, worker_tls=plane_tls)
 
 
 def cmd_client(args: argparse.Namespace) -> int:

@@ -60,6 +60,7 @@ class WorkerGroup:
     actors: list[Any]  # Ray actor handles, rank order
     node_ids: list[str] = field(default_factory=list)  # Ray node of each rank
     secret: str = field(default="", repr=False)  # this launch's worker-plane secret (proto/auth.py)
+    tls: Any = None  # proto.auth.WorkerTLS: the worker plane's mutual TLS, or None
     _shut_down: bool = False
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -71,7 +72,7 @@ class WorkerGroup:
         if self._shut_down:
             return
         self._shut_down = True
-        _shutdown_workers(self.endpoints, timeout_s, self.secret)
+        _shutdown_workers(self.endpoints, timeout_s, self.secret, self.tls)
         for actor in self.actors:
             try:
                 ray.kill(actor, no_restart=True)
@@ -87,12 +88,14 @@ def launch_worker_group(
     name_prefix: str | None = None,
     placement_timeout_s: float = 60.0,
     startup_timeout_s: float = 120.0,
+    tls=None,
 ) -> WorkerGroup:
     """Places config.tensor_parallel_size WorkerActors in one placement group and starts their gRPC servers.
 
     The workers are serving but not initialised: GrpcExecutor(config, group.endpoints, group.init_method) runs
     Init, LoadWeights, ProfileMemory and AllocateKVCache. Raises PlacementError when the group cannot be placed
-    within placement_timeout_s. Call ensure_ray() first.
+    within placement_timeout_s. Call ensure_ray() first. tls (proto.auth.WorkerTLS): the worker plane over mutual
+    TLS (the workers read the files on their nodes).
     """
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
@@ -131,7 +134,7 @@ def launch_worker_group(
                         placement_group=pg, placement_group_bundle_index=rank
                     ),
                     runtime_env={"env_vars": dict(MULTICAST_OFF_ENV)},
-                ).remote(worker_host, num_threads, secret=secret)
+                ).remote(worker_host, num_threads, secret=secret, tls=tls)
             )
         endpoints = ray.get([a.endpoint.remote() for a in actors], timeout=startup_timeout_s)
         node_ids = ray.get([a.node_id.remote() for a in actors], timeout=startup_timeout_s)
@@ -146,10 +149,10 @@ def launch_worker_group(
     if worker_host.startswith("127.") or worker_host == "localhost":
         rendezvous_ip = worker_host  # a loopback-only deployment keeps the rendezvous on loopback too
     init_method = f"tcp://{rendezvous_ip}:{rendezvous_port}"
-    return WorkerGroup(endpoints, init_method, pg, actors, node_ids, secret)
+    return WorkerGroup(endpoints, init_method, pg, actors, node_ids, secret, tls)
 
 
-def _shutdown_workers(endpoints: list[str], timeout_s: float, secret: str) -> None:
+def _shutdown_workers(endpoints: list[str], timeout_s: float, secret: str, tls=None) -> None:
     """Sends Shutdown to every worker at once and waits up to timeout_s; unreachable workers are skipped."""
     import grpc
 
@@ -157,7 +160,7 @@ def _shutdown_workers(endpoints: list[str], timeout_s: float, secret: str) -> No
     from shardserve.proto import worker_pb2_grpc as pb_grpc
     from shardserve.proto.transport import worker_channel
 
-    channels = [worker_channel(ep, secret) for ep in endpoints]
+    channels = [worker_channel(ep, secret, tls) for ep in endpoints]
     try:
         calls = [pb_grpc.WorkerStub(ch).Shutdown.future(pb.ShutdownRequest(), timeout=timeout_s) for ch in channels]
         for call in calls:

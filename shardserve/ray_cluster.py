@@ -46,7 +46,8 @@ class GroupExecutor(GrpcExecutor):
 
     def __init__(self, config: EngineConfig, group, deadline: StepDeadline | None = None) -> None:
         self.group = group  # shardserve.launcher.WorkerGroup
-        super().__init__(config, group.endpoints, group.init_method, secret=group.secret, deadline=deadline)
+        super().__init__(config, group.endpoints, group.init_method, secret=group.secret, tls=group.tls,
+                         deadline=deadline)
 
     @property
     def node_ids(self) -> list[str]:
@@ -71,13 +72,14 @@ class RayGroupFactory:
     worker_host: str = "127.0.0.1"
     strategy: str = "STRICT_PACK"
     step_deadline: StepDeadline | None = None  # the settings; each group measures its own step times
+    tls: Any = None  # proto.auth.WorkerTLS: the worker plane over mutual TLS, or None
 
     def __call__(self, config: EngineConfig):
         from shardserve.engine_factory import build_engine
         from shardserve.launcher import launch_worker_group
 
         group = launch_worker_group(config, self.worker_host, self.strategy,
-                                    name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}")
+                                    name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}", tls=self.tls)
         try:
             deadline = self.step_deadline.fresh() if self.step_deadline is not None else None
             return build_engine(config, lambda c: GroupExecutor(c, group, deadline))
@@ -174,11 +176,12 @@ def start_cluster(
     security=None,
     step_deadline: StepDeadline | None = None,
     stream_interval: int = 1,
+    worker_tls=None,
 ) -> RunningCluster:
     """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
     shardserve.launcher.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
     any of it fails. security: the client API's token, TLS and size limit (cluster/api_security.py ApiSecurity;
-    None = none, the default limit)."""
+    None = none, the default limit). worker_tls: proto.auth.WorkerTLS, the worker plane over mutual TLS."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -192,7 +195,7 @@ def start_cluster(
         controller_config = ControllerConfig(
             engine=config,
             model=served,
-            build_engine=RayGroupFactory(name, worker_host, strategy, step_deadline),
+            build_engine=RayGroupFactory(name, worker_host, strategy, step_deadline, worker_tls),
             host=host,
             port=port,
             metrics_port=metrics_port,
@@ -266,7 +269,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
           http_host: str | None = None, http_workers: int = 1, replicas: int | str = 1,
           routing: str = "cache-aware", security=None, step_deadline: StepDeadline | None = None,
-          stream_interval: int = 1) -> int:
+          stream_interval: int = 1, worker_tls=None) -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails for good (exits 1): a controller
     actor that died, or whose groups could not be restarted, is started again (with fresh groups) on the same
     address, up to CONTROLLER_RESTARTS times. http_port: also the HTTP gateway (shardserve/gateway.py), started
@@ -306,7 +309,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
                                 strategy=strategy, model_name=model_name, max_live_requests=max_live_requests,
                                 replicas=replicas, routing=routing, security=security,
-                                step_deadline=step_deadline, stream_interval=stream_interval)
+                                step_deadline=step_deadline, stream_interval=stream_interval,
+                                worker_tls=worker_tls)
         for s in previous:
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
@@ -343,7 +347,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
                                         metrics_port=metrics_port, strategy=strategy, model_name=model_name,
                                         max_live_requests=max_live_requests, replicas=replicas, routing=routing,
                                         security=security, step_deadline=step_deadline,
-                                        stream_interval=stream_interval)
+                                        stream_interval=stream_interval, worker_tls=worker_tls)
             except Exception as e:
                 print(f"shardserve: starting the engine again failed: {e!r}", file=sys.stderr, flush=True)
                 code = 1

@@ -13,11 +13,13 @@ from shardserve.proto.transport import free_port, host_port
 
 
 class WorkerActor:
-    def __init__(self, worker_host: str = "127.0.0.1", num_threads: int | None = None, *, secret: str) -> None:
+    def __init__(self, worker_host: str = "127.0.0.1", num_threads: int | None = None, *, secret: str,
+                 tls=None) -> None:
         """Starts the Worker server bound to worker_host on an ephemeral port: 127.0.0.1 on one machine; "node"
         binds each worker to its own node's address (what a multi-node cluster wants), "0.0.0.0" to every
         interface. num_threads: torch's intra-op threads (on CPU, the host's cores / TP ranks on it).
-        secret: the launch's worker-plane secret (an actor argument: never logged, not kept on the actor)."""
+        secret: the launch's worker-plane secret (an actor argument: never logged, not kept on the actor).
+        tls: proto.auth.WorkerTLS (file paths, read on this node) for mutual TLS with the controller, or None."""
         from shardserve.worker.distributed import prepare_worker_process
         from shardserve.worker.worker_service import serve_worker
 
@@ -25,7 +27,7 @@ class WorkerActor:
         if worker_host == "node":
             worker_host = self.node_ip()
         self.worker_host = worker_host
-        self._server, self._address = serve_worker(worker_host, 0, secret=secret)
+        self._server, self._address = serve_worker(worker_host, 0, secret=secret, tls=tls)
 
     def endpoint(self) -> str:
         """The Worker server's "host:port" (the node's address when bound to every interface)."""

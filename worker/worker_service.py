@@ -163,13 +163,15 @@ def _device_name(config: EngineConfig | None) -> str:
     return torch.cuda.get_device_name()
 
 
-def serve_worker(host: str = "127.0.0.1", port: int = 0, max_workers: int = 8, *, secret: str) -> tuple[grpc.Server, str]:
+def serve_worker(host: str = "127.0.0.1", port: int = 0, max_workers: int = 8, *, secret: str,
+                 tls=None) -> tuple[grpc.Server, str]:
     """Starts a Worker server on host:port (0 = an ephemeral port); returns it and its bound "host:port".
 
     secret: the launch's worker-plane secret (proto/auth.py); every call without it in its metadata, Health
     included, ends with UNAUTHENTICATED before the servicer sees it, so only the controller that launched this
     worker can drive it. Threads: the Step stream holds one for its whole life; the rest serve Health and the
-    lifecycle calls.
+    lifecycle calls. tls (proto.auth.WorkerTLS): mutual TLS, only callers with a certificate its CA signed
+    complete a handshake.
     """
     if not secret:
         raise ValueError("a worker server needs its launch's secret")
@@ -179,7 +181,8 @@ def serve_worker(host: str = "127.0.0.1", port: int = 0, max_workers: int = 8, *
     servicer = WorkerServicer(on_shutdown=lambda: threading.Thread(target=server.stop, args=(1.0,), daemon=True).start(),
                               bind_host=host)
     pb_grpc.add_WorkerServicer_to_server(servicer, server)
-    bound_port = server.add_insecure_port(host_port(host, port))
+    address = host_port(host, port)
+    bound_port = server.add_insecure_port(address) if tls is None else server.add_secure_port(address, tls.server())
     if bound_port == 0:
         raise RuntimeError(f"could not bind the worker server to {host_port(host, port)}")
     server.start()
