@@ -169,6 +169,10 @@ class Controller:
                 "group_restarts": sum(r.num_restarts for r in self.replicas)}
 
     # ---- requests -------------------------------------------------------------------------------------------
+    def _unavailable(self) -> ServerUnavailable:
+        cause = f" ({self._failure})" if self.state is State.FAILED and self._failure else ""
+        return ServerUnavailable(f"the server is {self.state.value}{cause}, not accepting requests")
+
     def _route(self, token_ids: list[int]) -> Replica:
         hashes = (prompt_block_hashes(token_ids, self.config.engine.block_size, ROUTE_BLOCKS)
                   if self.router.policy == "cache-aware" else ())
@@ -185,7 +189,7 @@ class Controller:
         stream already has (Engine.add_request)."""
         try:
             if self.state is not State.SERVING:
-                raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
+                raise self._unavailable()
             if len(self._live) >= self.config.max_live_requests:
                 raise ServerOverloaded(f"{len(self._live)} requests are live, the limit is "
                                        f"{self.config.max_live_requests}: retry later")
@@ -200,7 +204,7 @@ class Controller:
             try:
                 text, token_ids = await self._prompts.encode(prompt)
                 if self.state is not State.SERVING:
-                    raise ServerUnavailable(f"the server is {self.state.value}, not accepting requests")
+                    raise self._unavailable()
                 live.replica = replica = self._route(token_ids)
                 max_new = params.max_tokens if params.max_tokens is not None else self.config.engine.max_model_len - len(token_ids)
                 live.cost = len(token_ids) + max(0, max_new)  # counted now: the next request's route sees it
