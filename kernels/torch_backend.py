@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
 from shardserve.kernels.kv_fp8 import dequantize_fp8, is_fp8, quantize_fp8
+from shardserve.kernels.torch_paged_decode import DecodeIndex, build_decode_index, paged_decode
 
 
 def store_kv(
@@ -46,6 +47,10 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     store_kv = staticmethod(store_kv)
+
+    def __init__(self) -> None:
+        # the in-place decode's index for the step being run: every layer gets the same metadata object
+        self._decode_index: tuple[AttentionMetadata, DecodeIndex] | None = None
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,7 +88,11 @@ class TorchAttentionBackend(AttentionBackend):
         out[start : start + q_len] = result.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int], scales) -> None:
-        """One query per sequence: sequences of similar length are attended together (padding at most ~2x)."""
+        """One query per sequence. A float32 cache on the CPU is read in place (torch_paged_decode.py); otherwise
+        sequences of similar length are gathered and attended together (padding at most ~2x)."""
+        if k_cache.dtype == torch.float32 and q.dtype == torch.float32 and q.device.type == "cpu":
+            self._decode_in_place(q, out, k_cache, v_cache, meta, scale, seqs, starts)
+            return
         by_length = sorted(seqs, key=lambda i: meta.seq_lens_cpu[i], reverse=True)
         group: list[int] = []
         for i in by_length:
@@ -92,6 +101,19 @@ class TorchAttentionBackend(AttentionBackend):
                 group = []
             group.append(i)
         self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts, scales)
+
+    def _decode_in_place(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
+        if self._decode_index is None or self._decode_index[0] is not meta:  # the step's first layer
+            rows = meta.block_tables if len(seqs) == meta.num_seqs else meta.block_tables[torch.tensor(seqs)]
+            index = build_decode_index(rows, [meta.seq_lens_cpu[i] for i in seqs], k_cache.shape[1], q.shape[1],
+                                       k_cache.shape[2])
+            self._decode_index = (meta, index)
+        index = self._decode_index[1]
+        if len(seqs) == len(q):  # a decode-only batch: its tokens are its sequences, in order
+            out.copy_(paged_decode(q, k_cache, v_cache, index, scale))
+            return
+        token_idx = torch.tensor([starts[i] for i in seqs])
+        out.index_copy_(0, token_idx, paged_decode(q.index_select(0, token_idx), k_cache, v_cache, index, scale))
 
     def _decode_group(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int],
                       scales) -> None:
