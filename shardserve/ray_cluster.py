@@ -25,6 +25,7 @@ from shardserve.cluster.executor import GrpcExecutor
 from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.config import model_facts
 from shardserve.proto.config import EngineConfig
+from shardserve.replica_hosts import RayReplicaHosts, use_replica_hosts
 
 
 @dataclass
@@ -174,6 +175,7 @@ def start_cluster(
     security=None,
     step_deadline: StepDeadline | None = None,
     stream_interval: int = 1,
+    replica_hosts: str = "auto",
 ) -> RunningCluster:
     """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
     shardserve.launcher.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
@@ -187,6 +189,7 @@ def start_cluster(
     name = f"shardserve-{uuid.uuid4().hex[:8]}"
     served = served_model(config, _model_name(config, model_name))
     num_replicas = auto_replicas(config) if replicas == "auto" else int(replicas)
+    hosts = RayReplicaHosts(name, config.device) if use_replica_hosts(replica_hosts, num_replicas) else None
     controller = None
     try:
         controller_config = ControllerConfig(
@@ -201,6 +204,7 @@ def start_cluster(
             num_replicas=num_replicas,
             routing=routing,
             stream_interval=stream_interval,
+            replica_hosts=hosts,
         )
         if security is not None:
             controller_config.security = security
@@ -266,7 +270,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
           http_host: str | None = None, http_workers: int = 1, replicas: int | str = 1,
           routing: str = "cache-aware", security=None, step_deadline: StepDeadline | None = None,
-          stream_interval: int = 1) -> int:
+          stream_interval: int = 1, replica_hosts: str = "auto") -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails for good (exits 1): a controller
     actor that died, or whose groups could not be restarted, is started again (with fresh groups) on the same
     address, up to CONTROLLER_RESTARTS times. http_port: also the HTTP gateway (shardserve/gateway.py), started
@@ -306,7 +310,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         cluster = start_cluster(config, host=host, port=port, worker_host=worker_host, metrics_port=metrics_port,
                                 strategy=strategy, model_name=model_name, max_live_requests=max_live_requests,
                                 replicas=replicas, routing=routing, security=security,
-                                step_deadline=step_deadline, stream_interval=stream_interval)
+                                step_deadline=step_deadline, stream_interval=stream_interval,
+                                replica_hosts=replica_hosts)
         for s in previous:
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
@@ -343,7 +348,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
                                         metrics_port=metrics_port, strategy=strategy, model_name=model_name,
                                         max_live_requests=max_live_requests, replicas=replicas, routing=routing,
                                         security=security, step_deadline=step_deadline,
-                                        stream_interval=stream_interval)
+                                        stream_interval=stream_interval, replica_hosts=replica_hosts)
             except Exception as e:
                 print(f"shardserve: starting the engine again failed: {e!r}", file=sys.stderr, flush=True)
                 code = 1
