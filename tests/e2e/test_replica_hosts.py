@@ -4,8 +4,8 @@
 Proves: each replica's engine runs in a process that is neither the controller's nor another replica's; the greedy
 tokens equal one in-process engine's and every answer names its replica; the per-replica stats and the cache reset
 that `bench scaling` uses work through the hosts; a SIGKILLed host fails only its replica: the streams it ran end
-with UNAVAILABLE and resume on the other replica with the tokens of an undisturbed run, and the server keeps
-serving."""
+with UNAVAILABLE and resume on the other replica with the tokens of an undisturbed run, its TP group's actors die
+with it, and the server keeps serving."""
 
 from __future__ import annotations
 
@@ -29,10 +29,14 @@ def cluster(ray_session, tiny_llama_dir, e2e_config):
     running.shutdown(drain_timeout_s=0)
 
 
-def _hosts(ray, name: str) -> dict[str, int]:
-    """Live replica host actors of this cluster: actor name -> pid."""
+def _actors(ray, name: str, kind: str) -> dict[str, int]:
+    """Live actors of this cluster whose name holds kind ("-host", "-rank"): actor name -> pid."""
     return {a["Name"]: a["Pid"] for a in ray._private.state.actors().values()
-            if (a["Name"] or "").startswith(name) and "-host" in a["Name"] and a["State"] == "ALIVE"}
+            if (a["Name"] or "").startswith(name) and kind in a["Name"] and a["State"] == "ALIVE"}
+
+
+def _hosts(ray, name: str) -> dict[str, int]:
+    return _actors(ray, name, "-host")
 
 
 def test_each_replica_runs_in_a_host_process_of_its_own(cluster, ray_session):
@@ -70,6 +74,7 @@ def test_a_sigkilled_host_fails_only_its_replica_and_its_streams_resume_with_equ
     disturbed = run_streams(running.address, fault=lambda: os.kill(victim, signal.SIGKILL))
     assert disturbed == undisturbed
     wait_for(lambda: running.status()["replicas"][f"{running.name}/1"] == "failed", "replica 1 to fail")
+    wait_for(lambda: len(_actors(ray_session, running.name, "-rank")) == 1, "the dead host's rank to go with it")
     status = running.status()
     assert status["state"] == "serving" and status["replicas"][f"{running.name}/0"] == "serving"
     with Client(running.address, timeout=60) as client:
