@@ -92,11 +92,13 @@ class RemoteReplica:
                 self._hosts.start, self.id, self.engine_config, self._build, *self._settings)
             info = await host.start.remote()
         except BaseException as e:
-            log.exception("replica %s: starting its host failed", self.id)
-            self.state, self.error = ReplicaState.FAILED, e
+            if self.state is ReplicaState.STARTING:  # not stop()ped meanwhile (which ends the host itself)
+                log.exception("replica %s: starting its host failed", self.id)
+                self.state, self.error = ReplicaState.FAILED, e
             if host is not None:
                 self._hosts.kill(host)
-            self._host = None
+            if self._host is host:
+                self._host = None
             raise
         if self.state is not ReplicaState.STARTING or self._host is not host:  # stopped meanwhile
             self._hosts.kill(host)
