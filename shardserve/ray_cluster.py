@@ -72,13 +72,15 @@ class RayGroupFactory:
     worker_host: str = "127.0.0.1"
     strategy: str = "STRICT_PACK"
     step_deadline: StepDeadline | None = None  # the settings; each group measures its own step times
+    placement_group: Any = None  # a replica host's (shardserve/replica_hosts.py): every group of it goes there
 
     def __call__(self, config: EngineConfig):
         from shardserve.engine_factory import build_engine
         from shardserve.launcher import launch_worker_group
 
         group = launch_worker_group(config, self.worker_host, self.strategy,
-                                    name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}")
+                                    name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}",
+                                    placement_group=self.placement_group)
         try:
             deadline = self.step_deadline.fresh() if self.step_deadline is not None else None
             return build_engine(config, lambda c: GroupExecutor(c, group, deadline))
