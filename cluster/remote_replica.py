@@ -102,6 +102,8 @@ class RemoteReplica:
             raise
         if self.state is not ReplicaState.STARTING or self._host is not host:  # stopped meanwhile
             self._hosts.kill(host)
+            if self._host is host:
+                self._host = None
             return
         self.tokenizer = info["tokenizer"]
         self.load.num_kv_blocks = self.load.num_free_blocks = info["num_kv_blocks"]
