@@ -31,6 +31,7 @@ import time
 
 from shardserve.bench.record import BenchRecord, Stats
 from shardserve.bench.scaling_report import write_outputs
+from shardserve.replica_hosts import use_replica_hosts
 
 
 def add_scaling_parser(kinds, add_engine_args, run) -> None:
@@ -61,6 +62,9 @@ def add_scaling_parser(kinds, add_engine_args, run) -> None:
                    help="pack: each TP group on one node (STRICT_PACK); spread: a group may span nodes (SPREAD)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="the server's --stream-interval: tokens a stream gathers per message after its first")
+    p.add_argument("--replica-hosts", default="auto", choices=["auto", "process", "controller"],
+                   help="the server's --replica-hosts: each replica's engine in a process of its own (process; auto: "
+                        "at > 1 replica) or in the controller's (controller), for A/B runs")
     p.add_argument("--client-procs", type=int, default=4,
                    help="load-generator processes, each with its own gRPC channel (bench/scaling_client.py)")
     p.add_argument("--out-dir", default=None, help="write scaling.csv/.md/.png/.json here")
@@ -138,7 +142,7 @@ def run_config(config, replicas: int, args: argparse.Namespace, workloads, bar, 
     start = time.perf_counter()
     cluster = start_cluster(config, host="127.0.0.1", port=0, replicas=replicas, routing=policies[0],
                             strategy="SPREAD" if args.placement == "spread" else "STRICT_PACK",
-                            stream_interval=args.stream_interval)
+                            stream_interval=args.stream_interval, replica_hosts=args.replica_hosts)
     runs = []
     try:
         started_s = time.perf_counter() - start
@@ -248,6 +252,7 @@ def _record(args: argparse.Namespace, base, r: dict) -> dict:
         record.num_gpus = r["replicas"] * r["tp"]
     record.notes.update(efficiency=r["efficiency"], outputs_match_first=r["outputs_match_first"],
                         outputs_match_fraction=r["outputs_match_fraction"],
+                        replica_hosts="process" if use_replica_hosts(args.replica_hosts, r["replicas"]) else "controller",
                         start_s=r["start_s"], wall_s=r["wall_s"], client_procs=r["client_procs"],
                         client_cpu_max=r["client_cpu_max"],
                         client_cpu_us_per_token=r["client_cpu_s"] / max(1, sum(len(t) for t in r["tokens"])) * 1e6)

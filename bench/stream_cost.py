@@ -4,7 +4,9 @@
 
 A real Controller (gRPC server on 127.0.0.1) whose replicas are Engines over bench/routing.py's SimulatedExecutor
 (a decode step takes --step-ms of wall time, computes nothing), read by bench/scaling_client.py's client processes
-(other processes: their CPU does not count). Per --stream-interval: output tok/s, the controller process's CPU per
+(other processes: their CPU does not count). With --replica-hosts process each replica's engine runs in a Ray actor
+of its own (shardserve/replica_hosts.py; a local Ray is started), so the controller's CPU is routing, streaming and
+the hosts' reports only. Per --stream-interval: output tok/s, the controller process's CPU per
 output token (all its threads: engine loops, event loop, gRPC) and the event loop thread's own part. One process
 caps at about 1 / (CPU per token) tokens/s: the ceiling the two-GPU scaling runs met (docs/performance.md).
 """
@@ -16,12 +18,23 @@ import asyncio
 import dataclasses
 import random
 import time
+import uuid
 
 from shardserve.bench.routing import VOCAB, SimulatedExecutor
 from shardserve.bench.scaling_client import ClientPool
 from shardserve.cluster.controller import Controller, ControllerConfig, ServedModel
 from shardserve.cluster.engine import Engine
 from shardserve.proto.config import EngineConfig
+
+
+@dataclasses.dataclass
+class SimulatedEngine:
+    """An Engine over a SimulatedExecutor (picklable: a replica host builds it in its own process)."""
+
+    step_ms: float
+
+    def __call__(self, cfg: EngineConfig) -> Engine:
+        return Engine(cfg, SimulatedExecutor(8192, self.step_ms, 0.0), vocab_size=VOCAB)
 
 
 def measure(base: ControllerConfig, interval: int, pool: ClientPool, prompts: list[list[int]], output_len: int) -> dict:
@@ -54,13 +67,22 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--client-procs", type=int, default=2)
+    parser.add_argument("--replica-hosts", choices=["controller", "process"], default="controller",
+                        help="the replicas' engines in the controller process, or each in a Ray actor of its own")
     args = parser.parse_args()
     engine = EngineConfig(model="simulated", device="cpu", block_size=16, max_model_len=4096, max_num_seqs=128,
                           max_num_batched_tokens=8192, async_scheduling=True)
     base = ControllerConfig(
         engine=engine, model=ServedModel("simulated", "simulated", VOCAB, []), port=0,
-        build_engine=lambda cfg: Engine(cfg, SimulatedExecutor(8192, args.step_ms, 0.0), vocab_size=VOCAB),
+        build_engine=SimulatedEngine(args.step_ms), name=f"stream-cost-{uuid.uuid4().hex[:6]}",
         num_replicas=args.replicas, max_live_requests=1 << 20, routing="round-robin")
+    if args.replica_hosts == "process":
+        import ray
+
+        from shardserve.replica_hosts import RayReplicaHosts
+
+        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+        base.replica_hosts = RayReplicaHosts(base.name, "cpu")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     with ClientPool(args.client_procs) as pool:

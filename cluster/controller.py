@@ -29,6 +29,7 @@ from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, Unkno
 from shardserve.cluster.generation_service import set_health, start_server
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.prompt_encoder import PromptEncoder, default_max_prompt_bytes
+from shardserve.cluster.remote_replica import RemoteReplica
 from shardserve.cluster.replica import Replica, ReplicaState
 from shardserve.cluster.router import POLICIES, ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.sampling_params import SamplingParams
@@ -52,10 +53,12 @@ class Controller:
         self.address: str | None = None
         self.metrics_address: str | None = None
         self.has_chat_template = False
+        # With replica hosts, each replica's engine runs in a process of its own (cluster/remote_replica.py).
+        make, extra = (Replica, {}) if config.replica_hosts is None else (RemoteReplica, {"hosts": config.replica_hosts})
         self.replicas = [
-            Replica(f"{config.name}/{i}", config.engine, config.build_engine, self._dispatch, self._on_replica_failure,
-                    config.health_check_interval_s, config.restart_tries, config.restart_backoff_s,
-                    self._on_replica_state)
+            make(f"{config.name}/{i}", config.engine, config.build_engine, self._dispatch, self._on_replica_failure,
+                 config.health_check_interval_s, config.restart_tries, config.restart_backoff_s,
+                 self._on_replica_state, **extra)
             for i in range(config.num_replicas)
         ]
         self._position = {r.id: i for i, r in enumerate(self.replicas)}
@@ -100,10 +103,10 @@ class Controller:
             return
         if self.state is not State.STARTING:  # shut down while loading
             return
-        engine = self.replicas[0].engine
-        self._prompts = PromptEncoder(engine.tokenizer, self.config.security.max_prompt_bytes
+        tokenizer = self.replicas[0].tokenizer
+        self._prompts = PromptEncoder(tokenizer, self.config.security.max_prompt_bytes
                                       or default_max_prompt_bytes(self.config.engine.max_model_len))
-        self.has_chat_template = has_chat_template(engine.tokenizer)
+        self.has_chat_template = has_chat_template(tokenizer)
         self.state = State.SERVING
         await self._set_health(True)
 
@@ -265,10 +268,10 @@ class Controller:
         return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
                        "uptime_s": time.time() - self._started_at, "replicas": replicas}
 
-    def worker_groups(self) -> list:
+    async def worker_groups(self) -> list:
         """Each replica's current worker group (the executor's `group`, where it has one; None otherwise): endpoints,
         actors, the group's secret. For operators and tests holding the Ray cluster, which can drive it anyway."""
-        return [getattr(r.engine.executor, "group", None) if r.engine is not None else None for r in self.replicas]
+        return [(await r.executor_facts())["group"] for r in self.replicas]
 
     async def replica_stats(self) -> list[dict]:
         """Per replica: id, state, requests routed to it, the nodes of its ranks (where the executor knows them),
@@ -277,10 +280,9 @@ class Controller:
         token counts (the prefix-cache hit rate) and finished requests."""
         out = []
         for i, r in enumerate(self.replicas):
-            executor = r.engine.executor if r.engine is not None else None
-            row = dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i],
-                       nodes=list(getattr(executor, "node_ids", ())), step_s=r.step_s_total,
-                       forward_s=getattr(executor, "forward_ms_total", 0.0) / 1e3)
+            facts = await r.executor_facts()
+            row = dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i], nodes=facts["nodes"],
+                       step_s=r.step_s_total, forward_s=facts["forward_s"])
             if r.serving:
                 s = await r.stats()
                 row.update(prompt_tokens=s.num_prompt_tokens, cached_prompt_tokens=s.num_cached_prompt_tokens,

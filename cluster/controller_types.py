@@ -58,6 +58,10 @@ class ControllerConfig:
     # After a stream's first tokens, it sends a message once it has this many new tokens (or its end): fewer
     # messages, each costing the server and client more than its tokens do, at the price of burstier arrival.
     stream_interval: int = 1
+    # Where each replica's Engine and EngineLoop run: None = threads of the controller process; else a factory of
+    # host processes (start(replica_id, engine, build_engine, health_s, restart_tries, backoff_s) -> a Ray actor
+    # handle running cluster/replica_host.py's ReplicaHost; kill(handle)): shardserve/replica_hosts.py.
+    replica_hosts: object | None = None
 
 
 @dataclass(slots=True)

@@ -201,6 +201,17 @@ class Replica:
     async def stats(self) -> EngineStats:
         return await asyncio.wrap_future(self.submit(lambda engine: engine.stats()))
 
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer if self.engine is not None else None
+
+    async def executor_facts(self) -> dict:
+        """The current group's facts: its rank nodes, its workers' own time in the steps so far (forward_s) and
+        its launcher.WorkerGroup (None where the executor has none)."""
+        executor = self.engine.executor if self.engine is not None else None
+        return dict(nodes=list(getattr(executor, "node_ids", ())), group=getattr(executor, "group", None),
+                    forward_s=getattr(executor, "forward_ms_total", 0.0) / 1e3)
+
     # ---- health ---------------------------------------------------------------------------------------------
     async def _watch_workers(self) -> None:
         """Asks every rank of the current group for its health now and then (between two steps, on the engine

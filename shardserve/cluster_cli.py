@@ -41,6 +41,10 @@ def add_cluster_parsers(sub) -> None:
     serve.add_argument("--stream-interval", type=int, default=1,
                        help="after a stream's first tokens, send a message once it has this many new tokens (or "
                             "its end): fewer, larger messages when the server's CPU is the limit")
+    serve.add_argument("--replica-hosts", default="auto", choices=["auto", "process", "controller"],
+                       help="where each replica's scheduler and engine loop run: process (a Ray actor of its own "
+                       "beside the controller, so replicas' host work uses several cores), controller (threads of "
+                       "the controller process), auto (process when there is more than one replica)")
     serve.add_argument("--served-model-name", default=None, help="the name GetModelInfo reports")
     serve.add_argument("--http-port", type=int, default=None,
                        help="also serve the OpenAI-compatible HTTP gateway on this port (0 = any free port)")
@@ -190,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host,
                  http_workers=args.http_workers, security=security,
                  step_deadline=StepDeadline(floor_s=args.step_timeout_floor, factor=args.step_timeout_factor),
-                 stream_interval=args.stream_interval, worker_tls=plane_tls)
+                 stream_interval=args.stream_interval, worker_tls=plane_tls, replica_hosts=args.replica_hosts)
 
 
 def cmd_client(args: argparse.Namespace) -> int:

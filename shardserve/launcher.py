@@ -61,6 +61,7 @@ class WorkerGroup:
     node_ids: list[str] = field(default_factory=list)  # Ray node of each rank
     secret: str = field(default="", repr=False)  # this launch's worker-plane secret (proto/auth.py)
     tls: Any = None  # proto.auth.WorkerTLS: the worker plane's mutual TLS, or None
+    owns_placement_group: bool = True  # False: a replica host's, kept for the next group (launch_worker_group)
     _shut_down: bool = False
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -78,7 +79,31 @@ class WorkerGroup:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead
                 pass
-        remove_placement_group(self.placement_group)
+        if self.owns_placement_group:
+            remove_placement_group(self.placement_group)
+
+
+def place_group(config: EngineConfig, strategy: str = "STRICT_PACK", name: str = "shardserve-pg",
+                extra_cpus: float = 0.0, timeout_s: float = 60.0):
+    """A placement group with one bundle per rank (bundle 0 with extra_cpus more: a replica host's), ready.
+    Raises PlacementError when it cannot be placed within timeout_s."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = GPU_RANK_BUNDLE if config.device == "cuda" else CPU_RANK_BUNDLE
+    bundles = [dict(bundle) for _ in range(config.tensor_parallel_size)]
+    bundles[0]["CPU"] += extra_cpus
+    pg = placement_group(bundles, strategy=strategy, name=name)
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"could not place {config.tensor_parallel_size} bundles of {bundle} with {strategy} within "
+            f"{timeout_s:.0f} s (cluster resources: {ray.cluster_resources()}, available: "
+            f"{ray.available_resources()}); STRICT_PACK needs one node with all of them"
+        ) from None
+    return pg
 
 
 def launch_worker_group(
@@ -88,17 +113,19 @@ def launch_worker_group(
     name_prefix: str | None = None,
     placement_timeout_s: float = 60.0,
     startup_timeout_s: float = 120.0,
+    placement_group=None,
     tls=None,
 ) -> WorkerGroup:
     """Places config.tensor_parallel_size WorkerActors in one placement group and starts their gRPC servers.
 
     The workers are serving but not initialised: GrpcExecutor(config, group.endpoints, group.init_method) runs
     Init, LoadWeights, ProfileMemory and AllocateKVCache. Raises PlacementError when the group cannot be placed
-    within placement_timeout_s. Call ensure_ray() first. tls (proto.auth.WorkerTLS): the worker plane over mutual
-    TLS (the workers read the files on their nodes).
+    within placement_timeout_s. Call ensure_ray() first. placement_group: one placed already (place_group: a replica
+    host's, bundle i for rank i), used and left in place by the group's shutdown; None: a new one, removed by it. tls (proto.auth.WorkerTLS): the worker
+    plane over mutual TLS (the workers read the files on their nodes).
     """
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from shardserve.proto.auth import new_secret
@@ -107,16 +134,8 @@ def launch_worker_group(
     tp = config.tensor_parallel_size
     prefix = name_prefix or f"shardserve-{uuid.uuid4().hex[:8]}"
     bundle = GPU_RANK_BUNDLE if config.device == "cuda" else CPU_RANK_BUNDLE
-    pg = placement_group([dict(bundle) for _ in range(tp)], strategy=strategy, name=f"{prefix}-pg")
-    try:
-        ray.get(pg.ready(), timeout=placement_timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(pg)
-        raise PlacementError(
-            f"could not place {tp} bundles of {bundle} with {strategy} within {placement_timeout_s:.0f} s "
-            f"(cluster resources: {ray.cluster_resources()}, available: {ray.available_resources()}); "
-            "STRICT_PACK needs one node with all of them"
-        ) from None
+    owned = placement_group is None
+    pg = place_group(config, strategy, f"{prefix}-pg", timeout_s=placement_timeout_s) if owned else placement_group
 
     num_threads = cpu_threads_per_rank(config.device, tp)  # STRICT_PACK: the group's ranks share one node
     remote_cls = ray.remote(WorkerActor)
@@ -144,12 +163,13 @@ def launch_worker_group(
     except BaseException:
         for actor in actors:
             ray.kill(actor, no_restart=True)
-        remove_placement_group(pg)
+        if owned:
+            remove_placement_group(pg)
         raise
     if worker_host.startswith("127.") or worker_host == "localhost":
         rendezvous_ip = worker_host  # a loopback-only deployment keeps the rendezvous on loopback too
     init_method = f"tcp://{rendezvous_ip}:{rendezvous_port}"
-    return WorkerGroup(endpoints, init_method, pg, actors, node_ids, secret, tls)
+    return WorkerGroup(endpoints, init_method, pg, actors, node_ids, secret, tls, owns_placement_group=owned)
 
 
 def _shutdown_workers(endpoints: list[str], timeout_s: float, secret: str, tls=None) -> None:

@@ -25,6 +25,7 @@ from shardserve.cluster.executor import GrpcExecutor
 from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.config import model_facts
 from shardserve.proto.config import EngineConfig
+from shardserve.replica_hosts import RayReplicaHosts, use_replica_hosts
 
 
 @dataclass
@@ -73,13 +74,15 @@ class RayGroupFactory:
     strategy: str = "STRICT_PACK"
     step_deadline: StepDeadline | None = None  # the settings; each group measures its own step times
     tls: Any = None  # proto.auth.WorkerTLS: the worker plane over mutual TLS, or None
+    placement_group: Any = None  # a replica host's (shardserve/replica_hosts.py): every group of it goes there
 
     def __call__(self, config: EngineConfig):
         from shardserve.engine_factory import build_engine
         from shardserve.launcher import launch_worker_group
 
         group = launch_worker_group(config, self.worker_host, self.strategy,
-                                    name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}", tls=self.tls)
+                                    name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}", tls=self.tls,
+                                    placement_group=self.placement_group)
         try:
             deadline = self.step_deadline.fresh() if self.step_deadline is not None else None
             return build_engine(config, lambda c: GroupExecutor(c, group, deadline))
@@ -177,6 +180,7 @@ def start_cluster(
     step_deadline: StepDeadline | None = None,
     stream_interval: int = 1,
     worker_tls=None,
+    replica_hosts: str = "auto",
 ) -> RunningCluster:
     """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
     shardserve.launcher.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
@@ -190,6 +194,7 @@ def start_cluster(
     name = f"shardserve-{uuid.uuid4().hex[:8]}"
     served = served_model(config, _model_name(config, model_name))
     num_replicas = auto_replicas(config) if replicas == "auto" else int(replicas)
+    hosts = RayReplicaHosts(name, config.device) if use_replica_hosts(replica_hosts, num_replicas) else None
     controller = None
     try:
         controller_config = ControllerConfig(
@@ -204,6 +209,7 @@ def start_cluster(
             num_replicas=num_replicas,
             routing=routing,
             stream_interval=stream_interval,
+            replica_hosts=hosts,
         )
         if security is not None:
             controller_config.security = security
@@ -269,7 +275,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
           http_host: str | None = None, http_workers: int = 1, replicas: int | str = 1,
           routing: str = "cache-aware", security=None, step_deadline: StepDeadline | None = None,
-          stream_interval: int = 1, worker_tls=None) -> int:
+          stream_interval: int = 1, worker_tls=None, replica_hosts: str = "auto") -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails for good (exits 1): a controller
     actor that died, or whose groups could not be restarted, is started again (with fresh groups) on the same
     address, up to CONTROLLER_RESTARTS times. http_port: also the HTTP gateway (shardserve/gateway.py), started
@@ -310,7 +316,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
                                 strategy=strategy, model_name=model_name, max_live_requests=max_live_requests,
                                 replicas=replicas, routing=routing, security=security,
                                 step_deadline=step_deadline, stream_interval=stream_interval,
-                                worker_tls=worker_tls)
+                                worker_tls=worker_tls, replica_hosts=replica_hosts)
         for s in previous:
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
@@ -347,7 +353,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
                                         metrics_port=metrics_port, strategy=strategy, model_name=model_name,
                                         max_live_requests=max_live_requests, replicas=replicas, routing=routing,
                                         security=security, step_deadline=step_deadline,
-                                        stream_interval=stream_interval, worker_tls=worker_tls)
+                                        stream_interval=stream_interval, worker_tls=worker_tls,
+                                        replica_hosts=replica_hosts)
             except Exception as e:
                 print(f"shardserve: starting the engine again failed: {e!r}", file=sys.stderr, flush=True)
                 code = 1

@@ -2,7 +2,7 @@
 loopback, 1 CPU each: room for exactly one TP=2 group of 0.5-CPU ranks per node).
 
 argv: the tiny model's folder. Prints one JSON line: the nodes, each replica's rank nodes (--replicas auto, which
-on CPU is one per node: 3; STRICT_PACK),
+on CPU is one per node: 3; STRICT_PACK) and each replica host's node,
 the replica every answer named, and a TP=2 group started with --placement spread's strategy.
 """
 
@@ -37,6 +37,9 @@ def main(model_dir: str) -> None:
             with Client(running.address, timeout=120) as client:
                 report["answered_by"] = [client.generate([5 + i, 6, 7], max_tokens=2).replica for i in range(6)]
             report["replicas"] = ray.get(running.controller.replica_stats.remote())
+            report["hosts"] = {a["Name"]: a["Address"]["NodeID"] for a in ray._private.state.actors().values()
+                               if (a["Name"] or "").startswith(f"{running.name}-host") and a["State"] == "ALIVE"}
+            report["name"] = running.name
         finally:
             running.shutdown(drain_timeout_s=0)
         running = start_cluster(config, host="127.0.0.1", port=0, replicas=1, strategy="SPREAD")

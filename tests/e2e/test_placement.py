@@ -65,6 +65,13 @@ def test_replicas_auto_fills_the_three_nodes_each_group_on_one_node(replica_repo
     assert sorted(r["nodes"][0] for r in replicas) == replica_report["nodes"]  # one replica per node
 
 
+def test_each_replica_host_runs_on_its_tp_groups_node(replica_report):
+    hosts, name = replica_report["hosts"], replica_report["name"]
+    assert len(hosts) == 3
+    for r in replica_report["replicas"]:
+        assert hosts[f"{name}-host{r['id'].rsplit('/', 1)[1]}"] == r["nodes"][0]
+
+
 def test_every_replica_serves_and_names_itself(replica_report):
     ids = sorted(r["id"] for r in replica_report["replicas"])
     assert sorted(set(replica_report["answered_by"])) == ids  # round-robin: all three answered
