@@ -211,12 +211,12 @@ class Controller:
                 live.replica = replica = self._route(token_ids)
                 max_new = params.max_tokens if params.max_tokens is not None else self.config.engine.max_model_len - len(token_ids)
                 live.cost = len(token_ids) + max(0, max_new)  # counted now: the next request's route sees it
-                replica.note_admitted(live.cost)
+                replica.load.admitted(live.cost)
                 live.num_prompt_tokens = len(token_ids)
                 await replica.admit(req_id, token_ids, params, text, resumed or ())
             except BaseException as e:
                 if self._live.get(req_id) is live and live.cost:
-                    live.replica.note_finished(live.cost)
+                    live.replica.load.finished(live.cost)
                 self._forget(req_id)
                 if isinstance(e, asyncio.CancelledError) and live.replica is not None:  # the client left while
                     live.replica.abort(req_id)  # we waited: undo the add
@@ -364,7 +364,7 @@ class Controller:
         if outcome == "abort":
             self.num_aborted += 1
         if live.cost:
-            live.replica.note_finished(live.cost)
+            live.replica.load.finished(live.cost)
         base = live.admitted_at
         self.metrics.observe_finished(
             outcome,

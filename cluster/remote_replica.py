@@ -240,14 +240,6 @@ class RemoteReplica:
 
         self._loop.create_task(settle())
 
-    def note_admitted(self, num_tokens: int) -> None:
-        self.load.num_live += 1
-        self.load.outstanding_tokens += num_tokens
-
-    def note_finished(self, num_tokens: int) -> None:
-        self.load.num_live -= 1
-        self.load.outstanding_tokens -= num_tokens
-
     async def stats(self) -> EngineStats:
         if self._host is None:
             raise RuntimeError(f"replica {self.id} is {self.state.value}")

@@ -58,6 +58,15 @@ class ReplicaLoad:
     num_kv_blocks: int = 0
     num_free_blocks: int = 0  # after the last step
 
+    def admitted(self, num_tokens: int) -> None:
+        """A request of num_tokens (its cost: prompt + max new tokens) was routed here."""
+        self.num_live += 1
+        self.outstanding_tokens += num_tokens
+
+    def finished(self, num_tokens: int) -> None:
+        self.num_live -= 1
+        self.outstanding_tokens -= num_tokens
+
 
 class Replica:
     def __init__(
@@ -189,14 +198,6 @@ class Replica:
     def abort(self, req_id: str) -> Future:
         """Engine.abort on the engine thread: a Future of whether the request was live there."""
         return self.submit(lambda engine: engine.abort(req_id))
-
-    def note_admitted(self, num_tokens: int) -> None:
-        self.load.num_live += 1
-        self.load.outstanding_tokens += num_tokens
-
-    def note_finished(self, num_tokens: int) -> None:
-        self.load.num_live -= 1
-        self.load.outstanding_tokens -= num_tokens
 
     async def stats(self) -> EngineStats:
         return await asyncio.wrap_future(self.submit(lambda engine: engine.stats()))
