@@ -102,16 +102,16 @@ def test_stop_strings_and_special_tokens_in_the_text_as_vllm(llm):
 
     chat = llm.apply_chat_template([{"role": "user", "content": "Say yes."}])
     eos = llm.get_tokenizer().eos_token
-    plain = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200), use_tqdm=False)[0].outputs[0]
+    params = [SamplingParams(temperature=0, max_tokens=200),  # one batch: the same greedy tokens, four renderings
+              SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False, include_stop_str_in_output=True),
+              SamplingParams(temperature=0, max_tokens=200, include_stop_str_in_output=True),
+              SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False)]
+    plain, with_eos, skipped, eos_not_kept = (o.outputs[0] for o in llm.generate([chat] * 4, params, use_tqdm=False))
     assert plain.finish_reason == "stop" and eos not in plain.text
-    raw = SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False, include_stop_str_in_output=True)
-    with_eos = llm.generate([chat], raw, use_tqdm=False)[0].outputs[0]
+    assert with_eos.token_ids == plain.token_ids == skipped.token_ids == eos_not_kept.token_ids
     assert with_eos.text == plain.text + eos  # the eos token's own text, kept
-    skipped = SamplingParams(temperature=0, max_tokens=200, include_stop_str_in_output=True)
-    assert llm.generate([chat], skipped, use_tqdm=False)[0].outputs[0].text == plain.text  # special: skipped
-    prompt_with_special = llm.generate([chat], SamplingParams(temperature=0, max_tokens=200, skip_special_tokens=False),
-                                       use_tqdm=False)[0].outputs[0]
-    assert prompt_with_special.text == plain.text  # eos ends it without include_stop_str_in_output
+    assert skipped.text == plain.text  # special: skipped
+    assert eos_not_kept.text == plain.text  # eos ends it without include_stop_str_in_output
 
 
 def test_outputs_have_vllms_shape(llm):
