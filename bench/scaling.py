@@ -4,7 +4,8 @@ For each configuration that fits (replicas x TP: 1x1, 2x1, 1x2, 4x1, 2x2, ... up
 CPUs with --device cpu; or --configs), `serve`'s own start_cluster runs it (--placement: each TP group on one node,
 or spread) and, after a short untimed warm-up, two fixed workloads go through the gRPC API from --client-procs
 load-generator processes (bench/scaling_client.py: one Python client caps near 25,000 tok/s):
-- offline: --num-prompts random prompts, all submitted at once (greedy, ignore_eos): output tok/s;
+- offline: --num-prompts random prompts, all submitted at once (greedy, ignore_eos), each answered in one message
+  (final_only; --offline-stream: token by token): output tok/s;
 - shared-prefix: --prefixes prefixes of --prefix-len tokens, --per-prefix requests each (a short unique tail), at
   --concurrency in flight: output tok/s, TTFT/TPOT p50/p99 and the prefix-cache hit rate (cached prompt tokens /
   prompt tokens, summed over the replicas). Before each such run the replicas' prefix caches are emptied
@@ -45,6 +46,9 @@ def add_scaling_parser(kinds, add_engine_args, run) -> None:
                    help="routing policies (cache-aware, least-loaded, round-robin), comma-separated: the first "
                         "routes the offline run; the shared-prefix run goes once per policy at > 1 replica")
     p.add_argument("--num-prompts", type=int, default=64, help="offline workload: prompts")
+    p.add_argument("--offline-stream", action="store_true",
+                   help="offline workload: stream each answer token by token (default: final-only answers, one "
+                        "message per request, as batch work reads them)")
     p.add_argument("--input-len", type=int, default=256, help="offline workload: prompt tokens each")
     p.add_argument("--output-len", type=int, default=128, help="offline workload: output tokens each")
     p.add_argument("--prefixes", type=int, default=16, help="shared-prefix workload: distinct prefixes")
@@ -95,9 +99,11 @@ def _percentiles_ms(values: list[float]) -> Stats | None:
     return Stats.of([v * 1e3 for v in values])
 
 
-def _run_requests(pool, address: str, prompts: list[list[int]], max_tokens: int, concurrency: int, bar) -> dict:
-    """Streams every prompt (greedy, ignore_eos) with `concurrency` in flight over the pool's client processes."""
-    r = pool.run(address, prompts, max_tokens, concurrency, on_done=bar.update)
+def _run_requests(pool, address: str, prompts: list[list[int]], max_tokens: int, concurrency: int, bar,
+                  final_only: bool = False) -> dict:
+    """Sends every prompt (greedy, ignore_eos) with `concurrency` in flight over the pool's client processes,
+    streamed, or answered in one message each (final_only)."""
+    r = pool.run(address, prompts, max_tokens, concurrency, on_done=bar.update, final_only=final_only)
     r["output_tok_s"] = sum(len(t) for t in r["tokens"]) / r["wall_s"]
     r["ttft"], r["tpot"] = _percentiles_ms(r.pop("ttft_s")), _percentiles_ms(r.pop("tpot_s"))
     return r
@@ -149,7 +155,8 @@ def run_config(config, replicas: int, args: argparse.Namespace, workloads, bar, 
         # warm-up, not timed: kernels compile at their first shapes (a cache later configurations would find warm)
         pool.run(cluster.address, offline[:2 * replicas] + shared_prompts[:replicas], 4, 4 * replicas)
         before = ray.get(cluster.controller.replica_stats.remote())
-        run = _run_requests(pool, cluster.address, offline, args.output_len, len(offline), bar)
+        run = _run_requests(pool, cluster.address, offline, args.output_len, len(offline), bar,
+                            final_only=not args.offline_stream)
         after = ray.get(cluster.controller.replica_stats.remote())
         runs.append(dict(run, workload="offline", routing=policies[0],
                          control_plane_share=_control_plane(before, after)))
@@ -242,6 +249,8 @@ def _record(args: argparse.Namespace, base, r: dict) -> dict:
                      per_prefix=args.per_prefix, suffix_len=args.suffix_len, output_len=args.prefix_output_len,
                      max_concurrency=args.concurrency, kv_blocks_per_replica=r["kv_blocks_per_replica"]))
     workload["routing"] = r["routing"]
+    if r["workload"] == "offline":
+        workload["answers"] = "streamed" if args.offline_stream else "final-only"
     config = dataclasses.replace(base, tensor_parallel_size=r["tp"])
     record = BenchRecord.for_engine("scaling", args.model, config, workload=workload,
                                     output_tokens_per_s=r["output_tok_s"], speedup_vs_1=r["speedup"],

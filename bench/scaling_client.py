@@ -21,14 +21,14 @@ from multiprocessing.connection import Connection, wait
 
 
 def _serve_jobs(conn: Connection) -> None:
-    """A client process: for each job (address, prompts, max_tokens, concurrency), open a channel, say "ready",
-    wait for "go", stream every prompt, send per-request results back; None ends it."""
+    """A client process: for each job (address, prompts, max_tokens, concurrency, final_only), open a channel, say
+    "ready", wait for "go", send every prompt, send per-request results back; None ends it."""
     while (job := conn.recv()) is not None:
         conn.send(("done", asyncio.run(_run_job(conn, *job))))
 
 
 async def _run_job(conn: Connection, address: str, prompts: list[list[int]], max_tokens: int,
-                   concurrency: int) -> dict:
+                   concurrency: int, final_only: bool) -> dict:
     from shardserve.client import AsyncClient
 
     results: list = [None] * len(prompts)
@@ -43,9 +43,10 @@ async def _run_job(conn: Connection, address: str, prompts: list[list[int]], max
             async with slots:
                 start = time.perf_counter()
                 first = None
-                stream = client.stream(prompts[i], temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                stream = client.stream(prompts[i], temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                       final_only=final_only)
                 async for delta in stream:
-                    if delta.token_ids and first is None:
+                    if delta.token_ids and first is None and not final_only:
                         first = time.perf_counter()
                 results[i] = (stream.result.token_ids, None if first is None else first - start,
                               time.perf_counter() - (first or start))
@@ -84,16 +85,17 @@ class ClientPool:
                 proc.kill()
 
     def run(self, address: str, prompts: list[list[int]], max_tokens: int, concurrency: int,
-            on_done=lambda n: None) -> dict:
-        """Streams every prompt (greedy, ignore_eos) with `concurrency` in flight over all the processes; returns
-        wall_s, tokens (per prompt, in order), ttft_s and tpot_s lists, and the client's CPU: client_cpu_s (all
-        processes), client_cpu_max (the busiest one's share of the wall time)."""
+            on_done=lambda n: None, final_only: bool = False) -> dict:
+        """Sends every prompt (greedy, ignore_eos) with `concurrency` in flight over all the processes, streamed
+        token by token or (final_only) answered in one message each; returns wall_s, tokens (per prompt, in
+        order), ttft_s and tpot_s lists (streamed only), and the client's CPU: client_cpu_s (all processes),
+        client_cpu_max (the busiest one's share of the wall time)."""
         n = len(self.conns)
         shares = [list(range(k, len(prompts), n)) for k in range(n)]
         active = [k for k in range(n) if shares[k]]
         for k in active:
             conc = concurrency // n + (1 if k < concurrency % n else 0)
-            self.conns[k].send((address, [prompts[i] for i in shares[k]], max_tokens, conc))
+            self.conns[k].send((address, [prompts[i] for i in shares[k]], max_tokens, conc, final_only))
         for k in active:
             self._expect(k, "ready", on_done)
         start = time.perf_counter()

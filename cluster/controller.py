@@ -201,7 +201,7 @@ class Controller:
                 raise ValueError(f"request id {req_id!r} is already in use")
             if params.seed is None:
                 params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
-            live = LiveRequest(req_id, asyncio.Queue(), seed=params.seed)
+            live = LiveRequest(req_id, asyncio.Queue(), seed=params.seed, final_only=params.final_only)
             self._live[req_id] = live  # first: the id is taken while the prompt is tokenized
             self._idle.clear()
             try:
@@ -327,7 +327,8 @@ class Controller:
                 self._end(delta.request_id, ServerOverloaded(delta.error), outcome="error")
                 continue
             if delta.token_ids:
-                live.first_token_at = live.first_token_at or now
+                if not live.final_only:  # its one delta says when it ended, not when its first token came
+                    live.first_token_at = live.first_token_at or now
                 live.last_token_at = now
             live.queue.put_nowait(StreamItem(delta))
             if delta.finished:

@@ -80,3 +80,4 @@ class LiveRequest:
     seed: int | None = None  # its sampling seed: the request's, or the one drawn at admission (told in Started)
     replica: Replica | None = None  # where it runs
     cost: int = 0  # what it adds to its replica's outstanding tokens
+    final_only: bool = False  # its tokens come in one delta at the end (SamplingParams.final_only)

@@ -228,7 +228,8 @@ class Engine:
                 seq.first_scheduled_at = time.perf_counter()
 
     def _apply(self, plan: StepPlan, result: StepResult, deltas: list[RequestDelta]) -> None:
-        """Applies a result: appends the tokens, runs the stop checks, adds a delta per request that got a token."""
+        """Applies a result: appends the tokens, runs the stop checks, adds a delta per request that got a token
+        (a final_only request: only when it ends, its one delta carrying every token)."""
         if result.prompt_logprobs:
             self._apply_prompt_logprobs(result)
         for seq in self.scheduler.update(plan, result):
@@ -241,7 +242,7 @@ class Engine:
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 deltas.append(self._on_finished(seq))
-            else:
+            elif not seq.params.final_only:  # a final-only request's tokens wait for its last delta
                 deltas.append(self._delta(seq, final=False))
 
     def _apply_prompt_logprobs(self, result: StepResult) -> None:

@@ -101,14 +101,15 @@ class ControllerMetrics:
 
     def observe_finished(self, outcome: str, first_token_s: float | None, last_token_s: float | None,
                          num_generated: int) -> None:
-        """A request ended. Times are seconds since its admission (None when no token came)."""
+        """A request ended. Times are seconds since its admission (None when no token came; a final-only
+        request has no first-token time: its tokens came all at once)."""
         self.requests.labels(outcome).inc()
         if first_token_s is not None:
             self.ttft.observe(first_token_s)
-            if last_token_s is not None:
-                self.e2e.observe(last_token_s)
             if num_generated > 1 and last_token_s is not None:
                 self.tpot.observe((last_token_s - first_token_s) / (num_generated - 1))
+        if last_token_s is not None:
+            self.e2e.observe(last_token_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,6 +48,8 @@ class SamplingParams:
         None, f"N in [0, {MAX_LOGPROBS}]: each prompt token's logprob plus the top N (the first token's is None)")
     skip_special_tokens: bool = _param(True, "leave special tokens (eos, chat markers) out of the output text")
     include_stop_str_in_output: bool = _param(False, "keep the stop string that ended the request in the text")
+    final_only: bool = _param(False, "no per-token stream: the whole answer comes in one message when the request "
+                                     "ends (offline and batch work: spares the server a message per token)")
     n: int = _param(1, "outputs per prompt: only 1 is supported", cli=False)
     best_of: int | None = _param(None, "candidates per prompt: not supported (None or 1)", cli=False)
 
@@ -100,7 +102,7 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise bad(name, f"an integer in [0, {MAX_LOGPROBS}] or None")
-        for name in ("skip_special_tokens", "include_stop_str_in_output"):
+        for name in ("skip_special_tokens", "include_stop_str_in_output", "final_only"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")
         if self.n != 1 or self.best_of not in (None, 1):

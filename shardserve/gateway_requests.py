@@ -90,6 +90,8 @@ class Gateway:
             prompts = [body.chat()] if chat else body.prompts()
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             sampling = body.sampling()
+            if not body.stream:
+                sampling["final_only"] = True  # upstream: one message per choice when it ends, not one per token
             choices = [Choice(chat, rid, info.model, i, top_logprobs=sampling.get("logprobs"),
                               usage_field=body.include_usage, token_ids=body.return_token_ids)
                        for i in range(len(prompts))]

@@ -19,7 +19,7 @@ NAMES = [f.name for f in fields(SamplingParams)]
 GIVEN = dict(temperature=0.5, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
              frequency_penalty=-0.5, seed=42, max_tokens=30, min_tokens=3, stop=["END", "\n\n"],
              stop_token_ids=[5, 9], ignore_eos=True, logprobs=4, prompt_logprobs=2, skip_special_tokens=False,
-             include_stop_str_in_output=True, n=1, best_of=1)
+             include_stop_str_in_output=True, final_only=True, n=1, best_of=1)
 API_ONLY = {f.name for f in fields(SamplingParams) if not f.metadata["cli"]}  # no flag: n, best_of
 
 
@@ -49,7 +49,8 @@ def test_flags_parse_to_the_values_they_name():
                  "--repetition-penalty", "1.1", "--presence-penalty", "0.5", "--frequency-penalty", "-0.5",
                  "--seed", "42", "--max-tokens", "30", "--min-tokens", "3", "--stop", "END", "--stop", "\n\n",
                  "--stop-token-ids", "5", "--stop-token-ids", "9", "--ignore-eos", "--logprobs", "4",
-                 "--prompt-logprobs", "2", "--no-skip-special-tokens", "--include-stop-str-in-output")
+                 "--prompt-logprobs", "2", "--no-skip-special-tokens", "--include-stop-str-in-output",
+                 "--final-only")
     assert sampling_kwargs(args) == {k: v for k, v in GIVEN.items() if k not in API_ONLY}
 
 

@@ -48,7 +48,10 @@ def test_scaling_runs_every_config_with_equal_outputs_and_writes_every_file(tiny
     for r in records:
         assert all(f in r for f in SCHEMA) and r["benchmark"] == "scaling" and r["speedup_vs_1"] > 0
         assert 0 < r["control_plane_share"] < 1 and r["notes"]["client_procs"] == 2
-    assert all(r["notes"]["outputs_match_first"] is True for r in records if r["workload"]["kind"] == "offline")
+    offline = [r for r in records if r["workload"]["kind"] == "offline"]
+    assert all(r["notes"]["outputs_match_first"] is True for r in offline)
+    # offline answers come in one message each (final_only): no first-token time; shared-prefix ones stream
+    assert all(r["workload"]["answers"] == "final-only" and r["ttft_ms"] is None for r in offline)
     shared = [r for r in records if r["workload"]["kind"] == "shared-prefix"]
     # prefixes are reused (how much depends on timing: two in flight may both miss)
     assert all(r["notes"]["cache_hit_rate"] > 0 for r in shared if r["workload"]["routing"] == "cache-aware")

@@ -255,3 +255,29 @@ def test_metrics_have_vllms_names_types_and_the_model_name_label(gated, address)
     for name in ("e2e_request_latency_seconds", "request_queue_time_seconds", "time_to_first_token_seconds"):
         assert value[(f"shardserve:{name}_count", None)] >= 2, name
     assert 0 <= value[("shardserve:kv_cache_usage_perc", None)] <= 1
+
+
+def test_final_only_answers_in_one_message_with_what_the_stream_gives(address):
+    """final_only: Started, one Delta with every token, its text and logprobs, then Finished; the same greedy
+    answer as the streamed request's, a stop string held back alike."""
+    from shardserve.proto import generation_pb2 as pb
+    from shardserve.proto import generation_pb2_grpc as pb_grpc
+
+    prompt = "The capital of France is"
+    with Client(address, timeout=120) as client:
+        streamed = client.generate(prompt, temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+        stop = streamed.text.split()[2]
+        stopped = client.generate(prompt, temperature=0, max_tokens=12, stop=[stop])
+        whole = client.generate(prompt, temperature=0, max_tokens=12, ignore_eos=True, logprobs=2, final_only=True)
+        whole_stopped = client.generate(prompt, temperature=0, max_tokens=12, stop=[stop], final_only=True)
+    assert whole.token_ids == streamed.token_ids and whole.text == streamed.text
+    assert [list(p) for p in whole.logprobs] == [list(p) for p in streamed.logprobs]
+    assert whole_stopped.text == stopped.text and whole_stopped.stop_reason == stop == stopped.stop_reason
+    assert stop not in whole_stopped.text
+
+    with grpc.insecure_channel(address) as channel:
+        messages = list(pb_grpc.GenerationStub(channel).Generate(
+            pb.GenerateRequest(text=prompt, temperature=0, max_tokens=12, ignore_eos=True, final_only=True),
+            timeout=120))
+    assert [m.WhichOneof("kind") for m in messages] == ["started", "delta", "finished"]
+    assert list(messages[1].delta.token_ids) == streamed.token_ids and messages[1].delta.text == streamed.text
