@@ -13,7 +13,8 @@
 # .json: bench scaling's outputs, written after every configuration), client_check.txt, log.txt, env.txt,
 # summary.txt. BUDGET_S (default 370) bounds the whole run; each model has its own timeout. Knobs: MODELS, CONFIGS,
 # KV_BLOCKS (the shared-prefix runs' blocks per replica), CLIENT_CHECK=0, CLIENT_PROCS, LIMIT_QWEN3 / LIMIT_LLAMA (each
-# model's seconds), EXTRA (more `bench scaling` flags, given last: they win), SHARDSERVE_COMMIT=<hash> (names the tree).
+# model's seconds), EXTRA (more `bench scaling` flags, given last: they win), EXTRA_B (flags of a second pass of
+# every model, after the first, into scaling_<model>_b/), SHARDSERVE_COMMIT=<hash> (names the tree).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -115,21 +116,25 @@ BEST=$(sed -n 's/^\([0-9]*\) client process(es): \([0-9,]*\) output.*/\2 \1/p' "
 CLIENT_PROCS=${CLIENT_PROCS:-${BEST:-4}}
 say "client processes: $CLIENT_PROCS"
 
-# ---- the scaling runs, one model after the other (each uses both GPUs) ---------------------------------------
-for model in $MODELS; do
-  left=$(( BUDGET_S - $(elapsed) - 10 ))
-  limit=${LIMIT[$model]}; (( limit > left )) && limit=$left
-  if (( limit < 60 )); then say "$model: skipped (${left}s of the budget left)"; continue; fi
-  CMD="$PY -m shardserve.cli bench scaling --model ${NAME[$model]} $DEV --ray-address $RAY_ADDRESS_ARG
-       --placement spread --configs $CONFIGS --shared-configs 1x1,2x1 --routing cache-aware,round-robin
-       --shared-kv-blocks $KV_BLOCKS $LOAD --client-procs $CLIENT_PROCS --out-dir $OUT/scaling_$model ${EXTRA:-}"
-  say "$model: start (limit ${limit}s): $(echo $CMD)"
-  t0=$(date +%s)
-  timeout -k 15 "$limit" $CMD > "$OUT/scaling_$model.txt" 2>&1
-  rc=$?
-  say "$model: exit $rc after $(( $(date +%s) - t0 ))s"
-  grep -v "scaling:.*req/s\]\?$" "$OUT/scaling_$model.txt" | tail -40 >> "$LOG"
-done
+# ---- the scaling runs, one model after the other (each uses both GPUs); with EXTRA_B, each model once more ----
+scaling_pass() {  # $1: the out-dir suffix, $2: more flags
+  for model in $MODELS; do
+    left=$(( BUDGET_S - $(elapsed) - 10 ))
+    limit=${LIMIT[$model]}; (( limit > left )) && limit=$left
+    if (( limit < 60 )); then say "$model$1: skipped (${left}s of the budget left)"; continue; fi
+    CMD="$PY -m shardserve.cli bench scaling --model ${NAME[$model]} $DEV --ray-address $RAY_ADDRESS_ARG
+         --placement spread --configs $CONFIGS --shared-configs 1x1,2x1 --routing cache-aware,round-robin
+         --shared-kv-blocks $KV_BLOCKS $LOAD --client-procs $CLIENT_PROCS --out-dir $OUT/scaling_$model$1 $2"
+    say "$model$1: start (limit ${limit}s): $(echo $CMD)"
+    t0=$(date +%s)
+    timeout -k 15 "$limit" $CMD > "$OUT/scaling_$model$1.txt" 2>&1
+    rc=$?
+    say "$model$1: exit $rc after $(( $(date +%s) - t0 ))s"
+    grep -v "scaling:.*req/s\]\?$" "$OUT/scaling_$model$1.txt" | tail -40 >> "$LOG"
+  done
+}
+scaling_pass "" "${EXTRA:-}"
+[ -n "${EXTRA_B:-}" ] && scaling_pass _b "${EXTRA:-} $EXTRA_B"
 
 [ "$SMOKE" != 1 ] && $PY -c "$RAY_CLI" stop --force >> "$LOG" 2>&1
 
@@ -139,8 +144,10 @@ done
   $PY - "$OUT" $MODELS <<'EOF'
 import json, os, sys
 out = sys.argv[1]
-for model in sys.argv[2:]:
+for model in [m + b for m in sys.argv[2:] for b in ("", "_b")]:
     path = os.path.join(out, f"scaling_{model}", "scaling.json")
+    if model.endswith("_b") and not os.path.isdir(os.path.dirname(path)):
+        continue
     if not os.path.exists(path):
         print(f"{model}: no records")
         continue
