@@ -39,7 +39,7 @@ demo: $(SETUP)
 
 # pytest's exit code is make's: a failure, and also "no tests ran" (exit 5), fail the target.
 test: $(SETUP)
-	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=15 $(PYTEST_ARGS)
 
 test-gpu: $(SETUP)
 	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/gpu $(PYTEST_ARGS)

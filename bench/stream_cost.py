@@ -1,13 +1,14 @@
 """The controller's CPU per streamed token, with the GPU taken out:
 
-    python -m shardserve.bench.stream_cost --replicas 2 --stream-intervals 1,4,8
+    python -m shardserve.bench.stream_cost --replicas 2 --stream-intervals 1,4,8,final
 
 A real Controller (gRPC server on 127.0.0.1) whose replicas are Engines over bench/routing.py's SimulatedExecutor
 (a decode step takes --step-ms of wall time, computes nothing), read by bench/scaling_client.py's client processes
 (other processes: their CPU does not count). With --replica-hosts process each replica's engine runs in a Ray actor
 of its own (shardserve/replica_hosts.py; a local Ray is started), so the controller's CPU is routing, streaming and
-the hosts' reports only. Per --stream-interval: output tok/s, the controller process's CPU per
-output token (all its threads: engine loops, event loop, gRPC) and the event loop thread's own part. One process
+the hosts' reports only. Per --stream-interval (or "final": final_only requests, answered in one message each):
+output tok/s, the controller process's CPU per output token (all its threads: engine loops, event loop, gRPC) and
+the event loop thread's own part. One process
 caps at about 1 / (CPU per token) tokens/s: the ceiling the two-GPU scaling runs met (docs/performance.md).
 """
 
@@ -37,16 +38,20 @@ class SimulatedEngine:
         return Engine(cfg, SimulatedExecutor(8192, self.step_ms, 0.0), vocab_size=VOCAB)
 
 
-def measure(base: ControllerConfig, interval: int, pool: ClientPool, prompts: list[list[int]], output_len: int) -> dict:
+def measure(base: ControllerConfig, interval: str, pool: ClientPool, prompts: list[list[int]], output_len: int) -> dict:
+    """interval: tokens per stream message, or "final": final_only requests (one message each)."""
+    final_only = interval == "final"
+
     async def run() -> dict:
-        controller = Controller(dataclasses.replace(base, stream_interval=interval))
+        controller = Controller(dataclasses.replace(base, stream_interval=1 if final_only else int(interval)))
         address = await controller.start()
         try:
             assert await controller.wait_ready(60)
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(None, pool.run, address, prompts[:8], 4, 8)  # warm-up
             cpu0, loop0 = time.process_time(), time.thread_time()
-            r = await loop.run_in_executor(None, pool.run, address, prompts, output_len, len(prompts))
+            r = await loop.run_in_executor(None, lambda: pool.run(address, prompts, output_len, len(prompts),
+                                                                  final_only=final_only))
             cpu, loop_cpu = time.process_time() - cpu0, time.thread_time() - loop0
         finally:
             await controller.shutdown(0)
@@ -61,7 +66,8 @@ def measure(base: ControllerConfig, interval: int, pool: ClientPool, prompts: li
 def main() -> None:
     parser = argparse.ArgumentParser(description="the controller's CPU per streamed token (simulated replicas)")
     parser.add_argument("--replicas", type=int, default=2)
-    parser.add_argument("--stream-intervals", default="1,4,8")
+    parser.add_argument("--stream-intervals", default="1,4,8,final",
+                        help="tokens per stream message to try; final: final_only requests, one message each")
     parser.add_argument("--step-ms", type=float, default=5.0, help="simulated step time (Qwen3-0.6B, batch 128: ~5)")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--input-len", type=int, default=64)
@@ -86,7 +92,7 @@ def main() -> None:
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
     with ClientPool(args.client_procs) as pool:
-        for interval in (int(x) for x in args.stream_intervals.split(",")):
+        for interval in args.stream_intervals.split(","):
             m = measure(base, interval, pool, prompts, args.output_len)
             print(f"stream interval {interval}: {m['output_tok_s']:,.0f} tok/s, controller "
                   f"{m['cpu_us_per_token']:.1f} us CPU per token (event loop {m['loop_cpu_us_per_token']:.1f}), {m['controller_cores']:.2f} cores, "

@@ -343,8 +343,8 @@ class Controller:
             asyncio.ensure_future(self._set_health(any(r.serving for r in self.replicas)))
 
     def _on_replica_failure(self, replica: Replica, error: BaseException) -> None:
-        """A replica failed for good: its live requests end with UNAVAILABLE; the server fails once no replica is
-        serving or recovering."""
+        """A replica failed for good, or lost its host process (RECOVERING then: a new one is starting): its live
+        requests end with UNAVAILABLE; the server fails once no replica is serving or recovering."""
         self._failure = error
         self.router.forget(self._position[replica.id])
         for live in [live for live in self._live.values() if live.replica is replica]:

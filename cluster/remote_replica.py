@@ -10,7 +10,9 @@ What crosses to the host: admissions and aborts, gathered per turn of the event 
 (admit_many, abort_many); submit(fn) pickles fn. What comes back: one long-poll call at a time (next_events), each
 carrying every step report, state change and failure queued since the last, so the controller's cost per step is
 the report's dispatch plus a share of one call. A host that dies (its call raises) turns the replica FAILED: its
-live streams end with UNAVAILABLE, and the others keep serving.
+live streams end with UNAVAILABLE (their clients resume them on the other replicas) and the replica turns
+RECOVERING while a new host starts in the background (restart_tries tries with backoff, as for a lost TP group;
+admissions to it wait meanwhile); when every try fails, or restart_tries is 0, it turns FAILED.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ class RemoteReplica:
         self._pump: asyncio.Task | None = None
         self._admits: list[tuple[tuple, asyncio.Future]] = []
         self._aborts: list[tuple[str, Future]] = []
+        self._host_restarts = 0  # hosts replaced after dying (num_restarts adds the current host's group restarts)
+        self._host_back: asyncio.Event | None = None  # set while a host serves (or the replica has failed)
 
     @property
     def state(self) -> ReplicaState:
@@ -105,15 +109,70 @@ class RemoteReplica:
             if self._host is host:
                 self._host = None
             return
+        self._serve(host, info)
+
+    def _serve(self, host, info: dict) -> None:
+        self._host = host
         self.tokenizer = info["tokenizer"]
         self.load.num_kv_blocks = self.load.num_free_blocks = info["num_kv_blocks"]
-        self.state = ReplicaState.SERVING
+        self.state, self.error = ReplicaState.SERVING, None
+        self._host_back = self._host_back or asyncio.Event()
+        self._host_back.set()
         self._pump = asyncio.create_task(self._read_events(host))
+
+    def _host_lost(self, host, error: BaseException) -> None:
+        """The host process died, its engine and every request on it with it: the controller ends those requests
+        (on_failure: UNAVAILABLE, so their clients resume them elsewhere; the replica is RECOVERING by then, so the
+        server does not count it as failed) and a new host starts in the background."""
+        tries = self._settings[1]
+        if tries <= 0:
+            return self.fail(error)
+        self._host = None
+        self._host_back.clear()
+        self.state, self.error = ReplicaState.RECOVERING, error
+        self._fail_admits(error)
+        self._on_failure(self, error)
+        self._on_state(self)
+        asyncio.create_task(self._replace_host(host, error))
+
+    async def _replace_host(self, lost, error: BaseException) -> None:
+        _, tries, wait_s = self._settings
+        await asyncio.to_thread(self._hosts.kill, lost)  # its placement group too: the new host needs the room
+        for attempt in range(1, tries + 1):
+            if self.state is not ReplicaState.RECOVERING:  # stopped meanwhile
+                return
+            host = None
+            try:
+                host = await asyncio.to_thread(
+                    self._hosts.start, self.id, self.engine_config, self._build, *self._settings)
+                info = await host.start.remote()
+            except Exception as e:
+                log.exception("replica %s: starting a new host, try %d of %d, failed", self.id, attempt, tries)
+                error = e
+                if host is not None:
+                    await asyncio.to_thread(self._hosts.kill, host)
+                if attempt < tries:
+                    await asyncio.sleep(wait_s)  # backoff before the next try, as a lost TP group's restart
+                    wait_s = min(2 * wait_s, 15.0)
+                continue
+            if self.state is not ReplicaState.RECOVERING:  # stopped meanwhile
+                await asyncio.to_thread(self._hosts.kill, host)
+                return
+            self._host_restarts += 1
+            self.num_restarts = self._host_restarts
+            log.warning("replica %s: a new host process serves it (host restart %d)", self.id, self._host_restarts)
+            self._serve(host, info)
+            self._on_state(self)
+            return
+        self.fail(ReplicaHostLost(f"the host process of replica {self.id} could not be restarted in {tries} "
+                                  f"tries: {error}"))
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         """Stops the host's engine loop and engine (its group), then ends the host process. Idempotent."""
         self.state = ReplicaState.STOPPED
         host, self._host = self._host, None
+        if self._host_back is not None:
+            self._host_back.set()  # admissions waiting for a new host go on, and fail
         if self._pump is not None and not self._pump.done():
             self._pump.cancel()
         if host is None:
@@ -128,11 +187,16 @@ class RemoteReplica:
         if self.state not in (ReplicaState.SERVING, ReplicaState.RECOVERING):
             return
         self.state, self.error = ReplicaState.FAILED, error
+        if self._host_back is not None:
+            self._host_back.set()  # admissions waiting for a new host go on, and fail
+        self._fail_admits(error)
+        self._on_failure(self, error)
+
+    def _fail_admits(self, error: BaseException) -> None:
         for _, future in self._admits:
             if not future.done():
                 future.set_exception(RuntimeError(f"replica {self.id} failed: {error}"))
         self._admits = []
-        self._on_failure(self, error)
 
     async def _read_events(self, host) -> None:
         while True:
@@ -141,9 +205,9 @@ class RemoteReplica:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the host process died (or its actor failed)
-                if self._host is host:
+                if self._host is host and self.state in (ReplicaState.SERVING, ReplicaState.RECOVERING):
                     log.error("replica %s: its host process is gone: %s", self.id, e)
-                    self.fail(ReplicaHostLost(f"the host process of replica {self.id} is gone: {e}"))
+                    self._host_lost(host, ReplicaHostLost(f"the host process of replica {self.id} is gone: {e}"))
                 return
             if self._host is not host:
                 return
@@ -154,7 +218,8 @@ class RemoteReplica:
                     self.step_s_total += report.step_s
                     self._on_step(self, report)
                 elif event[0] == "state":
-                    _, value, error, self.num_restarts = event
+                    _, value, error, group_restarts = event
+                    self.num_restarts = self._host_restarts + group_restarts
                     state = ReplicaState(value)
                     if state in (ReplicaState.RECOVERING, ReplicaState.SERVING) and self.state is not state \
                             and self.state in (ReplicaState.RECOVERING, ReplicaState.SERVING):
@@ -185,7 +250,10 @@ class RemoteReplica:
 
     async def admit(self, req_id: str, token_ids: list[int], params: SamplingParams, text: str | None = None,
                     resumed=()) -> None:
-        """Engine.add_request in the host; the admissions of one turn of the event loop travel as one call."""
+        """Engine.add_request in the host; the admissions of one turn of the event loop travel as one call. While a
+        new host starts (RECOVERING without a host) it waits for it."""
+        if self._host is None and self.state is ReplicaState.RECOVERING:
+            await self._host_back.wait()
         if self._host is None or self.state not in (ReplicaState.SERVING, ReplicaState.RECOVERING):
             raise RuntimeError(f"replica {self.id} is {self.state.value}")
         future = self._loop.create_future()

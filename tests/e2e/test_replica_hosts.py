@@ -3,9 +3,9 @@
 
 Proves: each replica's engine runs in a process that is neither the controller's nor another replica's; the greedy
 tokens equal one in-process engine's and every answer names its replica; the per-replica stats and the cache reset
-that `bench scaling` uses work through the hosts; a SIGKILLed host fails only its replica: the streams it ran end
-with UNAVAILABLE and resume on the other replica with the tokens of an undisturbed run, its TP group's actors die
-with it, and the server keeps serving."""
+that `bench scaling` uses work through the hosts; a SIGKILLed host is replaced: the streams it ran end with UNAVAILABLE and resume on the other replica with the
+tokens of an undisturbed run, its TP group's actors die with it, the server keeps serving, and a new host process
+with a new group serves the replica again."""
 
 from __future__ import annotations
 
@@ -66,17 +66,24 @@ def test_replica_stats_and_reset_caches_work_through_the_hosts(cluster, ray_sess
     assert len(groups) == 2 and all(g is not None and len(g.endpoints) == 1 for g in groups)
 
 
-def test_a_sigkilled_host_fails_only_its_replica_and_its_streams_resume_with_equal_tokens(cluster, ray_session):
+def test_a_sigkilled_host_is_replaced_and_its_streams_resume_with_equal_tokens(cluster, ray_session):
     running, _ = cluster
     ray_session.get(running.controller.reset_caches.remote("round-robin", None))
     undisturbed = run_streams(running.address)
     victim = _hosts(ray_session, running.name)[f"{running.name}-host1"]
     disturbed = run_streams(running.address, fault=lambda: os.kill(victim, signal.SIGKILL))
     assert disturbed == undisturbed
-    wait_for(lambda: running.status()["replicas"][f"{running.name}/1"] == "failed", "replica 1 to fail")
-    wait_for(lambda: len(_actors(ray_session, running.name, "-rank")) == 1, "the dead host's rank to go with it")
+    assert running.status()["replicas"][f"{running.name}/0"] == "serving"  # never disturbed
+    # a new host (a new process, with a new TP group) serves replica 1 again
+    wait_for(lambda: running.status()["replicas"][f"{running.name}/1"] == "serving"
+             and running.status()["group_restarts"] == 1, "replica 1 to serve again from a new host")
+    hosts = _hosts(ray_session, running.name)
+    assert sorted(hosts) == [f"{running.name}-host0", f"{running.name}-host1"]
+    assert hosts[f"{running.name}-host1"] != victim
+    wait_for(lambda: len(_actors(ray_session, running.name, "-rank")) == 2, "the dead host's rank gone, a new one up")
     status = running.status()
-    assert status["state"] == "serving" and status["replicas"][f"{running.name}/0"] == "serving"
-    with Client(running.address, timeout=60) as client:
-        answer = client.generate([5, 6, 7], max_tokens=2)
-        assert answer.replica == f"{running.name}/0" and len(answer.token_ids) == 2
+    assert status["state"] == "serving" and status["live_requests"] == 0
+    prompts = [_unrelated(200 + i) for i in range(4)]
+    outputs = _generate_all(running.address, prompts)  # round-robin: both replicas answer
+    assert {o.replica for o in outputs} == {f"{running.name}/0", f"{running.name}/1"}
+    assert all(len(o.token_ids) > 0 for o in outputs)
