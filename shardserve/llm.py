@@ -1,18 +1,29 @@
-"""LLM: offline generation in one process (TP=1) or with local worker processes (TP > 1).
+"""LLM: offline generation in one process (TP=1) or with local worker processes (TP > 1), on one TP group or
+(data_parallel_size=M) on M of them.
 
 Its settings resolve into an EngineConfig (shardserve/config.py), and shardserve/engine_factory.py wires the
 controller-side Engine (cluster/) to an Executor (worker/): the two talk only through StepPlan and StepResult
 (proto/plan.py), so the same Engine drives the in-process worker and gRPC workers (local processes or Ray actors). Requests are admitted as
 the server admits them (Engine.admit: cluster/admission.py).
+
+Data parallelism (data_parallel_size=M): M engines, each over its own group of local worker processes (on CUDA,
+group i's ranks see GPUs i*tp .. i*tp+tp-1), each with its own KV cache. Every request goes to one of them through
+the server's global scheduler (cluster/router.py, cache-aware: prompts sharing leading blocks follow each other,
+the rest by the fewest outstanding tokens), and generate() steps the M engines on M threads (a step waits on its
+workers with the GIL released), so the groups compute at once. Greedy outputs equal one engine's.
 """
 
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
 from shardserve.cluster.admission import Prompt, encode_prompt
+from shardserve.cluster.engine import Engine
+from shardserve.cluster.replica import ReplicaLoad
+from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.outputs import RequestDelta, RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.config import build_engine_config
@@ -20,17 +31,18 @@ from shardserve.engine_factory import build_engine
 from shardserve.proto.config import EngineConfig
 
 
-def create_executor(config: EngineConfig):
-    """TP=1 runs the model in this process. TP > 1 runs one local process per rank, each serving the Worker gRPC
-    service on loopback (joined by torch.distributed), driven by a GrpcExecutor that stops them with itself."""
-    if config.tensor_parallel_size == 1:
+def create_executor(config: EngineConfig, group: int = 0, groups: int = 1):
+    """TP=1 runs the model in this process. TP > 1 (or one of several groups) runs one local process per rank,
+    each serving the Worker gRPC service on loopback (joined by torch.distributed), driven by a GrpcExecutor that
+    stops them with itself."""
+    if config.tensor_parallel_size == 1 and groups == 1:
         from shardserve.worker.inprocess import InProcessExecutor
 
         return InProcessExecutor(config)
     from shardserve.cluster.executor import GrpcExecutor
     from shardserve.worker.local_workers import start_local_workers
 
-    workers = start_local_workers(config)
+    workers = start_local_workers(config, group=group, groups=groups)
     try:
         return GrpcExecutor(config, workers.endpoints, workers.init_method, stop_workers=workers.stop,
                             secret=workers.secret)
@@ -39,38 +51,89 @@ def create_executor(config: EngineConfig):
         raise
 
 
-def _check_local_devices(config: EngineConfig) -> None:
+def _check_local_devices(config: EngineConfig, groups: int) -> None:
     """LLM runs every rank on this host: CUDA ranks need that many GPUs here (one line, before loading anything)."""
     if config.device != "cuda":
         return
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have < config.tensor_parallel_size:
+    need = config.tensor_parallel_size * groups
+    if have < need:
         raise ValueError(
-            f"--device cuda (device='cuda') with --tp {config.tensor_parallel_size} needs "
-            f"{config.tensor_parallel_size} CUDA GPU(s) on this host; it has {have}"
+            f"--device cuda (device='cuda') with --tp {config.tensor_parallel_size} x {groups} group(s) needs "
+            f"{need} CUDA GPU(s) on this host; it has {have}"
         )
 
 
+class _Member:
+    """One engine of an LLM with data parallelism, as the router sees a replica."""
+
+    serving, recovering = True, False
+
+    def __init__(self, index: int, engine: Engine) -> None:
+        self.id = f"dp{index}"
+        self.engine = engine
+        self.load = ReplicaLoad()
+        self.load.num_kv_blocks = self.load.num_free_blocks = engine.block_manager.num_blocks
+
+
 class LLM:
-    def __init__(self, model: str | None = None, **settings) -> None:
+    def __init__(self, model: str | None = None, data_parallel_size: int = 1, **settings) -> None:
         """model and settings: EngineConfig's user settings (proto/config.py; the same as the CLI's engine flags,
         `shardserve generate --help` lists them), e.g. tensor_parallel_size=2, max_model_len=2048. An unknown
-        name is a TypeError."""
+        name is a TypeError. data_parallel_size: TP groups (engines, each with its own KV cache) to spread the
+        requests over."""
+        if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
         self.config = build_engine_config(model=model, **settings)
-        _check_local_devices(self.config)
-        self.engine = build_engine(self.config, create_executor)
+        _check_local_devices(self.config, data_parallel_size)
+        self.engines = []
+        try:
+            for group in range(data_parallel_size):
+                self.engines.append(build_engine(self.config, lambda c, g=group: create_executor(
+                    c, g, data_parallel_size)))
+        except BaseException:
+            self.shutdown()
+            raise
+        self.engine = self.engines[0]  # the one engine at data_parallel_size 1
         self.executor = self.engine.executor
         self.tokenizer = self.engine.tokenizer
+        self._router = Router([_Member(i, e) for i, e in enumerate(self.engines)]) if len(self.engines) > 1 else None
+        for engine in self.engines if self._router is not None else ():
+            engine.block_manager.events = []  # the router's index follows each cache (stored, evicted)
+        self._router_lock = threading.Lock()  # the engines' threads feed the router's index
+        self._engine_of: dict[str, tuple[int, int]] = {}  # request id -> (its engine's position, its cost)
         self._ids = itertools.count()
 
     # ---- requests -------------------------------------------------------------------------------------------
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None) -> str:
         req_id = str(next(self._ids))
-        self.engine.admit(req_id, prompt, params or SamplingParams())
+        params = params or SamplingParams()
+        if self._router is None:
+            self.engine.admit(req_id, prompt, params)
+            return req_id
+        text, token_ids = encode_prompt(prompt, self.tokenizer)
+        hashes = prompt_block_hashes(token_ids, self.config.block_size, ROUTE_BLOCKS)
+        with self._router_lock:
+            position, _ = self._router.route(hashes)
+        self.engines[position].add_request(req_id, token_ids, params, prompt=text)
+        cost = len(token_ids) + (params.max_tokens or 0)
+        self._router.replicas[position].load.admitted(cost)
+        self._engine_of[req_id] = (position, cost)
         return req_id
+
+    def _engine(self, req_id: str) -> Engine:
+        placed = self._engine_of.get(req_id)
+        return self.engine if placed is None else self.engines[placed[0]]
+
+    def _pop_output(self, req_id: str) -> RequestOutput:
+        output = self._engine(req_id).pop_output(req_id)
+        placed = self._engine_of.pop(req_id, None)
+        if placed is not None:
+            self._router.replicas[placed[0]].load.finished(placed[1])
+        return output
 
     def get_tokenizer(self):
         """The model's tokenizer (transformers), or None for a model without one (dummy weights)."""
@@ -107,13 +170,13 @@ class LLM:
                 req_ids.append(self.add_request(prompt, p))
         except Exception:
             for req_id in req_ids:
-                self.engine.abort(req_id)
+                self._engine(req_id).abort(req_id)
             self._drain()
             for req_id in req_ids:
-                self.engine.pop_output(req_id)
+                self._pop_output(req_id)
             raise
         self._run(req_ids, use_tqdm)
-        return [self.engine.pop_output(r) for r in req_ids]
+        return [self._pop_output(r) for r in req_ids]
 
     def chat(
         self,
@@ -127,19 +190,20 @@ class LLM:
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestDelta]:
         """Yields one request's deltas (text and token ids) as they are generated."""
         req_id = self.add_request(prompt, sampling_params)
+        engine = self._engine(req_id)
         try:
             while True:
-                for delta in self.engine.step():
+                for delta in self._step(engine):
                     if delta.request_id == req_id:
                         yield delta
                         if delta.finished:
-                            self.engine.pop_output(req_id)
+                            self._pop_output(req_id)
                             return
         finally:
-            if self.engine.has_request(req_id):
-                self.engine.abort(req_id)
+            if engine.has_request(req_id):
+                engine.abort(req_id)
                 self._drain()
-                self.engine.pop_output(req_id)
+                self._pop_output(req_id)
 
     def _run(self, req_ids: list[str], use_tqdm: bool) -> None:
         bar = None
@@ -147,30 +211,72 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(req_ids), desc="requests", unit="req", dynamic_ncols=True)
-        start, generated, done = time.perf_counter(), 0, 0
-        while self.engine.has_unfinished():
-            for delta in self.engine.step():
-                generated += len(delta.token_ids)
-                if delta.finished:
-                    done += 1
+        start, generated = time.perf_counter(), 0
+        lock = threading.Lock()
+
+        def steps(engine: Engine) -> None:
+            nonlocal generated
+            while engine.has_unfinished():
+                deltas = self._step(engine)
+                with lock:
+                    generated += sum(len(d.token_ids) for d in deltas)
                     if bar is not None:
-                        bar.update(1)
+                        bar.update(sum(d.finished for d in deltas))
+                        bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s",
+                                            refresh=False)
+
+        try:
+            self._on_every_engine(steps)
+        finally:
             if bar is not None:
-                bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s", refresh=False)
-        if bar is not None:
-            bar.close()
+                bar.close()
+
+    def _on_every_engine(self, fn) -> None:
+        """fn(engine) for every engine with work, each on a thread of its own when there are several (their steps
+        wait on their workers with the GIL released); the first error raises once all have ended."""
+        busy = [e for e in self.engines if e.has_unfinished()]
+        if len(busy) <= 1:
+            for engine in busy:
+                fn(engine)
+            return
+        errors: list[BaseException] = []
+
+        def run(engine: Engine) -> None:
+            try:
+                fn(engine)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(e,), name="shardserve-llm-engine", daemon=True) for e in busy]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            raise errors[0]
+
+    def _step(self, engine: Engine) -> list[RequestDelta]:
+        deltas = engine.step()
+        if self._router is not None:  # its cache's stored and evicted blocks, for the router's index
+            with self._router_lock:
+                self._router.apply_events(self.engines.index(engine), engine.block_manager.take_events())
+        return deltas
 
     def _drain(self) -> None:
         """Runs steps until aborted requests are gone from the workers too."""
-        while self.engine.has_unfinished():
-            self.engine.step()
+        def drain(engine: Engine) -> None:
+            while engine.has_unfinished():
+                self._step(engine)
+
+        self._on_every_engine(drain)
 
     # ---- lifetime -------------------------------------------------------------------------------------------
 
     def shutdown(self) -> None:
-        executor, self.executor = getattr(self, "executor", None), None
-        if executor is not None:
-            executor.shutdown()
+        engines, self.engines = getattr(self, "engines", []), []
+        self.executor = None
+        for engine in engines:
+            engine.executor.shutdown()
 
     def __enter__(self) -> "LLM":
         return self

@@ -12,6 +12,7 @@ On CUDA each rank picks its own device from its rank (ModelRunner); on CPU the r
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import threading
 import time
 import traceback
@@ -50,17 +51,21 @@ class LocalWorkers:
                 proc.join(timeout=2.0)
 
 
-def start_local_workers(config: EngineConfig, startup_timeout_s: float = 120.0) -> LocalWorkers:
+def start_local_workers(config: EngineConfig, startup_timeout_s: float = 120.0, group: int = 0,
+                        groups: int = 1) -> LocalWorkers:
     """Starts config.tensor_parallel_size worker processes (spawned, daemonic) and waits for their addresses.
     They serve but are not initialised: GrpcExecutor runs Init, LoadWeights, ProfileMemory and AllocateKVCache.
-    Raises RuntimeError when a rank fails or does not report in time (every started rank is stopped then)."""
+    Raises RuntimeError when a rank fails or does not report in time (every started rank is stopped then).
+    group of groups: one of several TP groups on this host (LLM's data parallelism): on CUDA its ranks see only
+    GPUs group * tp ... group * tp + tp - 1 (of those this process sees); on CPU the groups share the cores."""
     ctx = mp.get_context("spawn")
     tp = config.tensor_parallel_size
+    visible = _visible_gpus(group * tp, tp) if config.device == "cuda" and groups > 1 else None
     workers = LocalWorkers([], f"tcp://127.0.0.1:{free_port()}", [], new_secret())
     try:
         for rank in range(tp):
             parent_end, child_end = ctx.Pipe(duplex=True)
-            proc = ctx.Process(target=_serve_rank, args=(config.device, tp, child_end, workers.secret),
+            proc = ctx.Process(target=_serve_rank, args=(config.device, tp * groups, child_end, workers.secret, visible),
                                name=f"shardserve-tp{rank}", daemon=True)
             proc.start()
             child_end.close()
@@ -98,13 +103,24 @@ def _addresses(workers: LocalWorkers, timeout_s: float) -> list[str]:
     return [replies[rank] for rank in range(len(workers.processes))]
 
 
-def _serve_rank(device: str, tp: int, conn: Connection, secret: str) -> None:
+def _visible_gpus(first: int, count: int) -> str:
+    """CUDA_VISIBLE_DEVICES for GPUs first .. first + count - 1 of those this process sees."""
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in seen.split(",")] if seen else [str(i) for i in range(first + count)]
+    if len(ids) < first + count:
+        raise ValueError(f"GPUs {first}..{first + count - 1} asked for; this process sees {len(ids)}")
+    return ",".join(ids[first:first + count])
+
+
+def _serve_rank(device: str, ranks_on_host: int, conn: Connection, secret: str, visible: str | None = None) -> None:
     """One rank's process: serve the Worker service until Shutdown stops it or the parent goes away."""
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible  # before CUDA starts: this rank's group's GPUs only
     try:
         from shardserve.worker.distributed import cpu_threads_per_rank, prepare_worker_process
         from shardserve.worker.worker_service import serve_worker
 
-        prepare_worker_process(cpu_threads_per_rank(device, tp))
+        prepare_worker_process(cpu_threads_per_rank(device, ranks_on_host))
         server, address = serve_worker("127.0.0.1", 0, secret=secret)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
