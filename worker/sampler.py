@@ -211,6 +211,9 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+SEARCH_TOP_K = False  # top-k without top-p through the cut-off search too (else torch.topk's k-th value)
+
+
 def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The GPU draw: one Triton pass per row (kernels/sampling.py: Gumbel-max over hashed uniforms of the same
     per-row key). With top-p in the batch, top-k, top-p and min-p become one cut-off per row, searched without a
@@ -223,7 +226,7 @@ def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     device = logits.device
     keys = device_tensor(split_keys([row_key(r.spec.seed, r.output_index) for r in rows]), torch.int64, device)
     vocab = logits.shape[1]
-    search = any(r.spec.top_p < 1.0 for r in rows)
+    search = any(r.spec.top_p < 1.0 or (SEARCH_TOP_K and 0 < r.spec.top_k < vocab) for r in rows)
     # one copy to the device: 1 / temperature, then (searching) top-k (0: off), top-p, min-p
     params = [1.0 / r.spec.temperature for r in rows]
     if search:

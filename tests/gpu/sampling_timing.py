@@ -13,8 +13,9 @@ import sys
 
 import torch
 
-from shardserve.kernels import sampling_filter
+from shardserve.kernels import sampling, sampling_filter
 from shardserve.kernels.sampling import gumbel_sample, split_keys
+from shardserve.worker import sampler
 from shardserve.proto.plan import SamplingSpec
 from shardserve.worker.sampler import SamplingRow, _filter, row_key, sample_tokens
 
@@ -53,6 +54,8 @@ def main(path: str) -> None:
         logits_f32 = logits.float()
         inv_t = torch.full((batch,), 1 / 0.7, device="cuda")
         zeros, p = torch.zeros(batch, device="cuda"), torch.full((batch,), 0.9, device="cuda")
+        sample_tokens(logits, spec())  # the first call of a batch size (compiles, clocks up)
+        k50, ones = torch.full((batch,), 50.0, device="cuda"), torch.ones(batch, device="cuda")
         row = {
             "temperature_only": _ms(lambda: sample_tokens(logits, spec())),
             "top_p_sort": _ms(lambda: _sort_top_p(logits, nucleus), repeats=10),
@@ -62,19 +65,38 @@ def main(path: str) -> None:
             "top_k_50_top_p": _ms(lambda: sample_tokens(logits, spec(top_k=50, top_p=0.9))),
             "min_p_0.05": _ms(lambda: sample_tokens(logits, spec(min_p=0.05))),
             "top_p_float32_logits": _ms(lambda: sample_tokens(logits_f32, nucleus)),
+            "top_p_temperature_2": _ms(lambda: sample_tokens(logits, [SamplingRow(SamplingSpec(
+                temperature=2.0, top_p=0.9, seed=i), [1], 1) for i in range(batch)])),
+            "top_k_50_cut_off_kernel": _ms(lambda: sampling_filter.filter_thresholds(logits, inv_t, k50, ones, zeros)),
         }
+        sampler.SEARCH_TOP_K = True
+        row["top_k_50_through_the_search"] = _ms(lambda: sample_tokens(logits, spec(top_k=50)))
+        sampler.SEARCH_TOP_K = False
+        per_sm = sampling._PROGRAMS_PER_SM
+        for programs in (1, 2, 4, 16):  # the draw's programs per SM (the default: 8)
+            sampling._PROGRAMS_PER_SM = programs
+            row[f"temperature_only_{programs}_programs_per_sm"] = _ms(lambda: sample_tokens(logits, spec()))
+        sampling._PROGRAMS_PER_SM = per_sm
         exact = sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False)
-        for passes in (4, 5, 6):  # pass launches per search (7 by default): time, and rows whose cut-off moves
+        default_passes = sampling_filter._PASSES
+        for passes in (3, 4, 5, 6):  # pass launches per search: time, and rows whose cut-off moves
             sampling_filter._PASSES = passes
             row[f"rows_moved_at_{passes}_passes"] = int(
                 (sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False) != exact).sum())
             row[f"top_p_cut_off_kernel_{passes}_passes"] = _ms(
                 lambda: sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False))
-        sampling_filter._PASSES = 7
+        sampling_filter._PASSES = default_passes
         row["top_p_cut_off_kernel_no_count_search"] = _ms(
             lambda: sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False))
         out["ms"][str(batch)] = {k: round(v, 4) for k, v in row.items()}
         print(batch, out["ms"][str(batch)], flush=True)
+        if batch == 256:  # where the time of one top-p call goes, per kernel
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    sample_tokens(logits, nucleus)
+                torch.cuda.synchronize()
+            out["profile_top_p_256"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=15)
+            print(out["profile_top_p_256"], flush=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
 
