@@ -3,6 +3,9 @@ at batch 1, 32 and 256 x the Qwen3 vocabulary (151,936, bf16 logits), with CUDA 
 
     python tests/gpu/sampling_timing.py OUT.json     # on a CUDA host, from the project root
 
+Also: the draw at several programs per SM, top-k through the search, each cut-off launch's time at each batch
+(per_launch_ms) and a profiler table of one top-p call at batch 256.
+
 Not a test (no timing asserts); docs/performance.md records its figures with the command, machine, date and commit.
 """
 
@@ -41,6 +44,35 @@ def _sort_top_p(logits, rows):
     keys = torch.tensor(split_keys([row_key(r.spec.seed, r.output_index) for r in rows]), dtype=torch.int64,
                         device="cuda").view(-1, 2)
     return gumbel_sample(_filter(logits * inv_t.unsqueeze(1), rows), keys, torch.ones_like(inv_t))
+
+
+class _TimedKernel:
+    """A Triton kernel whose launches record CUDA events around them (per-launch times of one call)."""
+
+    def __init__(self, kernel, log: list) -> None:
+        self.kernel, self.log = kernel, log
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self.kernel[grid](*args, **kwargs)
+            end.record()
+            self.log.append((self.kernel.fn.__name__, start, end))
+        return launch
+
+
+def _per_launch_ms(*args, **kwargs) -> list:
+    """filter_thresholds' launches one by one: [(kernel, ms)] (each launch waited for: no overlap of launches)."""
+    log: list = []
+    stats, passes = sampling_filter._stats_kernel, sampling_filter._pass_kernel
+    sampling_filter._stats_kernel, sampling_filter._pass_kernel = _TimedKernel(stats, log), _TimedKernel(passes, log)
+    try:
+        sampling_filter.filter_thresholds(*args, **kwargs)
+        torch.cuda.synchronize()
+    finally:
+        sampling_filter._stats_kernel, sampling_filter._pass_kernel = stats, passes
+    return [(name, round(start.elapsed_time(end), 4)) for name, start, end in log]
 
 
 def main(path: str) -> None:
@@ -90,6 +122,12 @@ def main(path: str) -> None:
             lambda: sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False))
         out["ms"][str(batch)] = {k: round(v, 4) for k, v in row.items()}
         print(batch, out["ms"][str(batch)], flush=True)
+        out.setdefault("per_launch_ms", {})[str(batch)] = {
+            "top_p": _per_launch_ms(logits, inv_t, zeros, p, zeros, count_search=False),
+            "top_p_float32": _per_launch_ms(logits_f32, inv_t, zeros, p, zeros, count_search=False),
+            "top_k_50": _per_launch_ms(logits, inv_t, k50, ones, zeros),
+            "top_k_50_top_p": _per_launch_ms(logits, inv_t, k50, p, zeros)}
+        print(batch, out["per_launch_ms"][str(batch)], flush=True)
         if batch == 256:  # where the time of one top-p call goes, per kernel
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
