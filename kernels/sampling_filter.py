@@ -45,6 +45,9 @@ _PARTS = 32  # programs per row in every launch, at most (one per 4,096 entries,
 _PIVOTS = 16  # pivots per pass: the interval shrinks 17 times a pass
 _PASSES = 8  # pass launches per search: 17^8 = 7e9 intervals (a finished row skips a launch's work)
 _CAP = 512  # compacted entries per (row, part)
+_STATS_BLOCK = 2048  # entries per step of the stats launch (4 warps)
+_PASS_WARPS = 8  # warps per program of a pass launch
+_PASS_STAGES = None  # software-pipelining stages of a pass launch (None: Triton's default)
 
 __all__ = ["filter_thresholds", "filter_thresholds_ref", "_COUNT", "_MASS", "_DONE"]
 
@@ -62,8 +65,9 @@ def _stats_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     low = tl.full([BLOCK], float("inf"), tl.float32)
     count = tl.zeros([BLOCK], tl.float32)
-    for start in range(part * chunk, tl.minimum(part * chunk + chunk, vocab), BLOCK):
-        x = scaled(row_ptr, start + tl.arange(0, BLOCK), vocab, inv_t)
+    end = tl.minimum(part * chunk + chunk, vocab)
+    for start in range(part * chunk, end, BLOCK):
+        x = scaled(row_ptr, start + tl.arange(0, BLOCK), end, inv_t)
         finite = x > float("-inf")
         top = tl.maximum(top, x)
         low = tl.minimum(low, tl.where(finite, x, float("inf")))
@@ -122,7 +126,7 @@ def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p_
         acc_above = tl.zeros([BLOCK], tl.float32)
         n = tl.zeros([], tl.int32)
         for start in range(start_col, tl.where(do_compact, end_col, start_col), BLOCK):
-            x = scaled(row_ptr, start + tl.arange(0, BLOCK), vocab, inv_t)
+            x = scaled(row_ptr, start + tl.arange(0, BLOCK), end_col, inv_t)
             w = weight(x, top, mass)
             acc_above += tl.where(x >= hi, w, 0.0)
             acc_all += tl.where(x >= base, w, 0.0)
@@ -145,7 +149,7 @@ def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p_
         scan = (~compact) & ((~do_compact) | (~fits))
         acc_all_scan = tl.zeros([BLOCK], tl.float32)
         for start in range(start_col, tl.where(scan, end_col, start_col), BLOCK):
-            x = scaled(row_ptr, start + tl.arange(0, BLOCK), vocab, inv_t)
+            x = scaled(row_ptr, start + tl.arange(0, BLOCK), end_col, inv_t)
             w = weight(x, top, mass)
             acc_all_scan += tl.where(x >= base, w, 0.0)
             acc, acc_lo, acc_hi, vmin, vmax = _pivot_tile(x, w, lo, hi, piv, acc, acc_lo, acc_hi, vmin, vmax)
@@ -193,11 +197,12 @@ def filter_thresholds(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torc
     cand = torch.empty(n, num_parts, _CAP, dtype=torch.float32, device=logits.device)
     tickets = torch.zeros(n, dtype=torch.int32, device=logits.device)
     args = (logits, logits.stride(0), inv_temps, top_k, top_p, min_p, parts, pstate, states, tickets, out)
-    _stats_kernel[(n, num_parts)](*args, vocab, chunk, PARTS=num_parts, SLOTS=_SLOTS, CAP=_CAP, BLOCK=_BLOCK,
+    _stats_kernel[(n, num_parts)](*args, vocab, chunk, PARTS=num_parts, SLOTS=_SLOTS, CAP=_CAP, BLOCK=_STATS_BLOCK,
                                   num_warps=4)
+    stages = {} if _PASS_STAGES is None else {"num_stages": _PASS_STAGES}
     for _ in range(_PASSES * (2 if count_search else 1)):
         _pass_kernel[(n, num_parts)](*args, cand, vocab, chunk, PARTS=num_parts, K=_PIVOTS, SLOTS=_SLOTS,
-                                     PASSES=_PASSES, CAP=_CAP, BLOCK=_BLOCK, num_warps=8)
+                                     PASSES=_PASSES, CAP=_CAP, BLOCK=_BLOCK, num_warps=_PASS_WARPS, **stages)
     return out
 
 

@@ -24,9 +24,10 @@ _COUNT, _MASS, _DONE = 0.0, 1.0, 2.0  # phases
 
 
 @triton.jit
-def scaled(row_ptr, cols, vocab, inv_t):
-    """x = logit * (1 / T) as float32; -inf past the row's end (the same product the Gumbel kernel compares)."""
-    logit = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+def scaled(row_ptr, cols, end, inv_t):
+    """x = logit * (1 / T) as float32; -inf from `end` on (the part's end: the same product the Gumbel kernel
+    compares)."""
+    logit = tl.load(row_ptr + cols, mask=cols < end, other=float("-inf")).to(tl.float32)
     return logit * inv_t
 
 

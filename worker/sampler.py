@@ -224,7 +224,6 @@ def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     from shardserve.kernels.sampling_filter import filter_thresholds, filter_thresholds_ref
 
     device = logits.device
-    keys = device_tensor(split_keys([row_key(r.spec.seed, r.output_index) for r in rows]), torch.int64, device)
     vocab = logits.shape[1]
     search = any(r.spec.top_p < 1.0 or (SEARCH_TOP_K and 0 < r.spec.top_k < vocab) for r in rows)
     # one copy to the device: 1 / temperature, then (searching) top-k (0: off), top-p, min-p
@@ -243,6 +242,8 @@ def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     elif _uses_filters(rows):
         logits = _filter(logits * inv_temps.unsqueeze(1), rows)
         inv_temps = torch.ones_like(inv_temps)
+    # the keys' Python (~1 us a row) runs while the device searches the cut-offs
+    keys = device_tensor(split_keys([row_key(r.spec.seed, r.output_index) for r in rows]), torch.int64, device)
     return gumbel_sample(logits, keys.view(-1, 2), inv_temps, thresholds)
 
 

@@ -56,9 +56,10 @@ class _TimedKernel:
         def launch(*args, **kwargs):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            self.kernel[grid](*args, **kwargs)
+            compiled = self.kernel[grid](*args, **kwargs)
             end.record()
-            self.log.append((self.kernel.fn.__name__, start, end))
+            regs = (getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None))
+            self.log.append((self.kernel.fn.__name__, start, end, regs))
         return launch
 
 
@@ -72,7 +73,53 @@ def _per_launch_ms(*args, **kwargs) -> list:
         torch.cuda.synchronize()
     finally:
         sampling_filter._stats_kernel, sampling_filter._pass_kernel = stats, passes
-    return [(name, round(start.elapsed_time(end), 4)) for name, start, end in log]
+    return [(name, round(start.elapsed_time(end), 4)) for name, start, end, _ in log]
+
+
+def _registers(*args, **kwargs) -> dict:
+    """Registers and spills per thread of each kernel of filter_thresholds, as compiled."""
+    log: list = []
+    stats, passes = sampling_filter._stats_kernel, sampling_filter._pass_kernel
+    sampling_filter._stats_kernel, sampling_filter._pass_kernel = _TimedKernel(stats, log), _TimedKernel(passes, log)
+    try:
+        sampling_filter.filter_thresholds(*args, **kwargs)
+        torch.cuda.synchronize()
+    finally:
+        sampling_filter._stats_kernel, sampling_filter._pass_kernel = stats, passes
+    return {name: regs for name, _, _, regs in log}
+
+
+SWEEP = [  # (entries per pass step, warps per pass program, pipelining stages (None: default), stats step)
+    (512, 8, None, 2048), (512, 8, None, 512), (256, 8, None, 2048), (256, 4, None, 2048), (128, 4, None, 2048),
+    (512, 4, None, 2048), (256, 4, 1, 2048), (512, 8, 1, 2048), (128, 2, None, 2048), (1024, 8, None, 2048),
+]
+
+
+def sweep(logits, inv_t, zeros, p, rows) -> list:
+    """The cut-off search's launch settings at one batch: its time, each launch's, registers and spills."""
+    knobs = ("_BLOCK", "_PASS_WARPS", "_PASS_STAGES", "_STATS_BLOCK")
+    default = tuple(getattr(sampling_filter, k) for k in knobs)
+    want = sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False)
+    results = []
+    for setting in SWEEP:
+        for k, v in zip(knobs, setting):
+            setattr(sampling_filter, k, v)
+        try:
+            got = sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False)
+            results.append({
+                "block": setting[0], "warps": setting[1], "stages": setting[2], "stats_block": setting[3],
+                "ms": round(_ms(lambda: sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros,
+                                                                          count_search=False)), 4),
+                "sampler_top_p_ms": round(_ms(lambda: sample_tokens(logits, rows)), 4),
+                "rows_differing_from_default": int((got != want).sum()),
+                "per_launch_ms": _per_launch_ms(logits, inv_t, zeros, p, zeros, count_search=False),
+                "regs_spills": _registers(logits, inv_t, zeros, p, zeros, count_search=False)})
+        except Exception as e:  # a setting that does not compile or run: recorded, the sweep goes on
+            results.append({"setting": list(setting), "error": repr(e)[:300]})
+        print("sweep", results[-1], flush=True)
+    for k, v in zip(knobs, default):
+        setattr(sampling_filter, k, v)
+    return results
 
 
 def main(path: str) -> None:
@@ -128,6 +175,8 @@ def main(path: str) -> None:
             "top_k_50": _per_launch_ms(logits, inv_t, k50, ones, zeros),
             "top_k_50_top_p": _per_launch_ms(logits, inv_t, k50, p, zeros)}
         print(batch, out["per_launch_ms"][str(batch)], flush=True)
+        if batch in (32, 256):
+            out.setdefault("sweep", {})[str(batch)] = sweep(logits, inv_t, zeros, p, nucleus)
         if batch == 256:  # where the time of one top-p call goes, per kernel
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                 for _ in range(5):
