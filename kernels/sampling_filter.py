@@ -40,13 +40,18 @@ import triton.language as tl
 from shardserve.kernels.sampling_fold import (_COUNT, _DONE, _MASS, _PSTATE, _SLOTS, _STATE, fold_init,
                                               fold_pass, scaled, weight)
 
-_BLOCK = 512
-_PARTS = 32  # programs per row in every launch, at most (one per 4,096 entries, a power of two: 32 at 151,936)
+# Launch settings measured on an H200 at 256 x 151,936 (docs/performance.md): the passes are bound by latency, so
+# small programs (61 registers at 128 x 16 pivots and 4 warps, against 111 at 512 and 8 warps) that fit many to an SM
+# took half the time of large ones.
+_BLOCK = 128  # entries per step of a pass's pivot loops
+_COPY_BLOCK = 1024  # entries per step of the compaction loop
+_PARTS = 32  # programs per row in every launch, at most (one per 8 * _BLOCK entries, a power of two)
 _PIVOTS = 16  # pivots per pass: the interval shrinks 17 times a pass
-_PASSES = 8  # pass launches per search: 17^8 = 7e9 intervals (a finished row skips a launch's work)
+_PASSES = 6  # pass launches per search: 17^6 = 2.4e7 intervals (a finished row skips a launch's work)
 _CAP = 512  # compacted entries per (row, part)
-_STATS_BLOCK = 2048  # entries per step of the stats launch (4 warps)
-_PASS_WARPS = 8  # warps per program of a pass launch
+_STATS_BLOCK = 2048  # entries per step of the stats launch
+_STATS_WARPS = 4
+_PASS_WARPS = 4  # warps per program of a pass launch
 _PASS_STAGES = None  # software-pipelining stages of a pass launch (None: Triton's default)
 
 __all__ = ["filter_thresholds", "filter_thresholds_ref", "_COUNT", "_MASS", "_DONE"]
@@ -99,7 +104,8 @@ def _pivot_tile(x, w, lo, hi, piv, acc, acc_lo, acc_hi, vmin, vmax):
 @triton.jit
 def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, pstate_ptr,
                  state_ptr, ticket_ptr, out_ptr, cand_ptr, vocab, chunk, PARTS: tl.constexpr, K: tl.constexpr,
-                 SLOTS: tl.constexpr, PASSES: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+                 SLOTS: tl.constexpr, PASSES: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                 COPY_BLOCK: tl.constexpr):
     """Grid (rows, PARTS): one pass of the row's search over this part (its chunk, or its compacted entries), then
     the last part of the row folds the pass (fold_pass). A finished row does nothing."""
     row = tl.program_id(0).to(tl.int64)
@@ -121,12 +127,13 @@ def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p_
         cand = cand_ptr + (row * PARTS + part) * CAP
         start_col = part * chunk
         end_col = tl.minimum(start_col + chunk, vocab)
-        acc_all = tl.zeros([BLOCK], tl.float32)
-        # (a) compaction: copy the part's x in [lo, hi) into its buffer; the mass above hi and above base
-        acc_above = tl.zeros([BLOCK], tl.float32)
+        acc_all = tl.zeros([COPY_BLOCK], tl.float32)
+        # (a) compaction: copy the part's x in [lo, hi) into its buffer, in chunk order (so the buffer does not
+        # depend on COPY_BLOCK); the mass above hi and above base
+        acc_above = tl.zeros([COPY_BLOCK], tl.float32)
         n = tl.zeros([], tl.int32)
-        for start in range(start_col, tl.where(do_compact, end_col, start_col), BLOCK):
-            x = scaled(row_ptr, start + tl.arange(0, BLOCK), end_col, inv_t)
+        for start in range(start_col, tl.where(do_compact, end_col, start_col), COPY_BLOCK):
+            x = scaled(row_ptr, start + tl.arange(0, COPY_BLOCK), end_col, inv_t)
             w = weight(x, top, mass)
             acc_above += tl.where(x >= hi, w, 0.0)
             acc_all += tl.where(x >= base, w, 0.0)
@@ -198,11 +205,12 @@ def filter_thresholds(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torc
     tickets = torch.zeros(n, dtype=torch.int32, device=logits.device)
     args = (logits, logits.stride(0), inv_temps, top_k, top_p, min_p, parts, pstate, states, tickets, out)
     _stats_kernel[(n, num_parts)](*args, vocab, chunk, PARTS=num_parts, SLOTS=_SLOTS, CAP=_CAP, BLOCK=_STATS_BLOCK,
-                                  num_warps=4)
+                                  num_warps=_STATS_WARPS)
     stages = {} if _PASS_STAGES is None else {"num_stages": _PASS_STAGES}
     for _ in range(_PASSES * (2 if count_search else 1)):
         _pass_kernel[(n, num_parts)](*args, cand, vocab, chunk, PARTS=num_parts, K=_PIVOTS, SLOTS=_SLOTS,
-                                     PASSES=_PASSES, CAP=_CAP, BLOCK=_BLOCK, num_warps=_PASS_WARPS, **stages)
+                                     PASSES=_PASSES, CAP=_CAP, BLOCK=_BLOCK, COPY_BLOCK=_COPY_BLOCK,
+                                     num_warps=_PASS_WARPS, **stages)
     return out
 
 

@@ -89,15 +89,15 @@ def _registers(*args, **kwargs) -> dict:
     return {name: regs for name, _, _, regs in log}
 
 
-SWEEP = [  # (entries per pass step, warps per pass program, pipelining stages (None: default), stats step)
-    (512, 8, None, 2048), (512, 8, None, 512), (256, 8, None, 2048), (256, 4, None, 2048), (128, 4, None, 2048),
-    (512, 4, None, 2048), (256, 4, 1, 2048), (512, 8, 1, 2048), (128, 2, None, 2048), (1024, 8, None, 2048),
+SWEEP = [  # (pivot step, warps per pass program, compaction step, stats step, stats warps); the first: the default
+    (128, 4, 1024, 2048, 4), (128, 4, 128, 2048, 4), (128, 4, 512, 2048, 4), (128, 4, 2048, 2048, 4),
+    (128, 2, 1024, 2048, 4), (256, 8, 1024, 2048, 4), (128, 4, 1024, 4096, 8), (128, 4, 1024, 1024, 4),
 ]
 
 
 def sweep(logits, inv_t, zeros, p, rows) -> list:
     """The cut-off search's launch settings at one batch: its time, each launch's, registers and spills."""
-    knobs = ("_BLOCK", "_PASS_WARPS", "_PASS_STAGES", "_STATS_BLOCK")
+    knobs = ("_BLOCK", "_PASS_WARPS", "_COPY_BLOCK", "_STATS_BLOCK", "_STATS_WARPS")
     default = tuple(getattr(sampling_filter, k) for k in knobs)
     want = sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False)
     results = []
@@ -107,7 +107,8 @@ def sweep(logits, inv_t, zeros, p, rows) -> list:
         try:
             got = sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros, count_search=False)
             results.append({
-                "block": setting[0], "warps": setting[1], "stages": setting[2], "stats_block": setting[3],
+                "block": setting[0], "warps": setting[1], "copy_block": setting[2], "stats_block": setting[3],
+                "stats_warps": setting[4],
                 "ms": round(_ms(lambda: sampling_filter.filter_thresholds(logits, inv_t, zeros, p, zeros,
                                                                           count_search=False)), 4),
                 "sampler_top_p_ms": round(_ms(lambda: sample_tokens(logits, rows)), 4),
@@ -175,7 +176,7 @@ def main(path: str) -> None:
             "top_k_50": _per_launch_ms(logits, inv_t, k50, ones, zeros),
             "top_k_50_top_p": _per_launch_ms(logits, inv_t, k50, p, zeros)}
         print(batch, out["per_launch_ms"][str(batch)], flush=True)
-        if batch in (32, 256):
+        if batch == 256:
             out.setdefault("sweep", {})[str(batch)] = sweep(logits, inv_t, zeros, p, nucleus)
         if batch == 256:  # where the time of one top-p call goes, per kernel
             with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
