@@ -41,10 +41,10 @@ from shardserve.kernels.sampling_fold import (_COUNT, _DONE, _MASS, _PSTATE, _SL
                                               fold_pass, scaled, weight)
 
 # Launch settings measured on an H200 at 256 x 151,936 (docs/performance.md): the passes are bound by latency, so
-# small programs (61 registers at 128 x 16 pivots and 4 warps, against 111 at 512 and 8 warps) that fit many to an SM
-# took half the time of large ones.
+# small programs that fit many to an SM are faster (pass kernel: 72 registers at these settings, 108 with a
+# 1024-entry compaction step, 111 at 512-entry pivot steps and 8 warps; 0.57, 0.71 and 1.27 ms a search).
 _BLOCK = 128  # entries per step of a pass's pivot loops
-_COPY_BLOCK = 1024  # entries per step of the compaction loop
+_COPY_BLOCK = 512  # entries per step of the compaction loop
 _PARTS = 32  # programs per row in every launch, at most (one per 8 * _BLOCK entries, a power of two)
 _PIVOTS = 16  # pivots per pass: the interval shrinks 17 times a pass
 _PASSES = 6  # pass launches per search: 17^6 = 2.4e7 intervals (a finished row skips a launch's work)

@@ -232,7 +232,8 @@ def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     per-row key). With top-p in the batch, top-k, top-p and min-p become one cut-off per row, searched without a
     sort (kernels/sampling_filter.py; ties at the cut-off are kept), which the draw applies as it reads the unscaled
     logits. Without top-p, top-k (torch.topk's k-th value) and min-p mask a scaled copy as before: that path never
-    sorted, and the search's top-k figure at batch 256 is unexplained (docs/performance.md)."""
+    sorted, and it was as fast as the search for top-k 50 at batch 256 and faster at batch <= 32 (docs/performance.md;
+    SEARCH_TOP_K sends top-k through the search instead)."""
     from shardserve.kernels.sampling import gumbel_sample
     from shardserve.kernels.sampling_filter import filter_thresholds, filter_thresholds_ref
 
