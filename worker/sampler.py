@@ -321,6 +321,12 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     return tokens
 
 
+def plain_greedy(rows: list[SamplingRow]) -> bool:
+    """Every row takes the argmax of its raw logits: temperature 0 and nothing that edits the logits first (what
+    sample_tokens would do is then torch.argmax alone)."""
+    return all(r.spec.temperature == 0.0 and not _edits_logits(r) for r in rows)
+
+
 def uses_penalties(spec: SamplingSpec) -> bool:
     """Repetition, presence or frequency penalty: the row's token values are needed (on the host)."""
     return spec.repetition_penalty != 1.0 or spec.presence_penalty != 0.0 or spec.frequency_penalty != 0.0
