@@ -49,6 +49,8 @@ _PARTS = 32  # programs per row in every launch, at most (one per 8 * _BLOCK ent
 _PIVOTS = 16  # pivots per pass: the interval shrinks 17 times a pass
 _PASSES = 6  # pass launches per search: 17^6 = 2.4e7 intervals (a finished row skips a launch's work)
 _CAP = 512  # compacted entries per (row, part)
+_FIT = None  # a part copies when its bound on [lo, hi)'s entries is at most this (None: _CAP; tests set more, so
+# that copies overflow and the part scans its chunk in the same pass)
 _STATS_BLOCK = 2048  # entries per step of the stats launch
 _STATS_WARPS = 4
 _PASS_WARPS = 4  # warps per program of a pass launch
@@ -60,7 +62,7 @@ __all__ = ["filter_thresholds", "filter_thresholds_ref", "_COUNT", "_MASS", "_DO
 @triton.jit
 def _stats_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, pstate_ptr,
                   state_ptr, ticket_ptr, out_ptr, vocab, chunk, PARTS: tl.constexpr, SLOTS: tl.constexpr,
-                  CAP: tl.constexpr, BLOCK: tl.constexpr):
+                  FIT: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (rows, PARTS): each part's max, min finite and finite count; the last part of a row folds them into the
     row's first search (fold_init)."""
     row = tl.program_id(0).to(tl.int64)
@@ -85,7 +87,7 @@ def _stats_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p
     ticket = tl.atomic_add(ticket_ptr + row, 1)
     if ticket == PARTS - 1:
         fold_init(part_ptr, pstate_ptr, state_ptr, out_ptr, row, tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
-                  tl.load(min_p_ptr + row), PARTS, SLOTS, CAP)
+                  tl.load(min_p_ptr + row), PARTS, SLOTS, FIT)
         tl.store(ticket_ptr + row, 0)
 
 
@@ -104,8 +106,8 @@ def _pivot_tile(x, w, lo, hi, piv, acc, acc_lo, acc_hi, vmin, vmax):
 @triton.jit
 def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, pstate_ptr,
                  state_ptr, ticket_ptr, out_ptr, cand_ptr, vocab, chunk, PARTS: tl.constexpr, K: tl.constexpr,
-                 SLOTS: tl.constexpr, PASSES: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                 COPY_BLOCK: tl.constexpr):
+                 SLOTS: tl.constexpr, PASSES: tl.constexpr, CAP: tl.constexpr, FIT: tl.constexpr,
+                 BLOCK: tl.constexpr, COPY_BLOCK: tl.constexpr):
     """Grid (rows, PARTS): one pass of the row's search over this part (its chunk, or its compacted entries), then
     the last part of the row folds the pass (fold_pass). A finished row does nothing."""
     row = tl.program_id(0).to(tl.int64)
@@ -179,7 +181,7 @@ def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p_
         ticket = tl.atomic_add(ticket_ptr + row, 1)
         if ticket == PARTS - 1:
             fold_pass(part_ptr, pstate_ptr, state_ptr, out_ptr, row, tl.load(top_p_ptr + row),
-                      tl.load(min_p_ptr + row), PARTS, K, SLOTS, PASSES, CAP)
+                      tl.load(min_p_ptr + row), PARTS, K, SLOTS, PASSES, FIT)
             tl.store(ticket_ptr + row, 0)
 
 
@@ -204,12 +206,13 @@ def filter_thresholds(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torc
     cand = torch.empty(n, num_parts, _CAP, dtype=torch.float32, device=logits.device)
     tickets = torch.zeros(n, dtype=torch.int32, device=logits.device)
     args = (logits, logits.stride(0), inv_temps, top_k, top_p, min_p, parts, pstate, states, tickets, out)
-    _stats_kernel[(n, num_parts)](*args, vocab, chunk, PARTS=num_parts, SLOTS=_SLOTS, CAP=_CAP, BLOCK=_STATS_BLOCK,
+    fit = _CAP if _FIT is None else _FIT
+    _stats_kernel[(n, num_parts)](*args, vocab, chunk, PARTS=num_parts, SLOTS=_SLOTS, FIT=fit, BLOCK=_STATS_BLOCK,
                                   num_warps=_STATS_WARPS)
     stages = {} if _PASS_STAGES is None else {"num_stages": _PASS_STAGES}
     for _ in range(_PASSES * (2 if count_search else 1)):
         _pass_kernel[(n, num_parts)](*args, cand, vocab, chunk, PARTS=num_parts, K=_PIVOTS, SLOTS=_SLOTS,
-                                     PASSES=_PASSES, CAP=_CAP, BLOCK=_BLOCK, COPY_BLOCK=_COPY_BLOCK,
+                                     PASSES=_PASSES, CAP=_CAP, FIT=fit, BLOCK=_BLOCK, COPY_BLOCK=_COPY_BLOCK,
                                      num_warps=_PASS_WARPS, **stages)
     return out
 

@@ -8,7 +8,7 @@ Row state (float32 x _STATE): lo, hi, target (k, or p * mass once known), phase 
 in the search, top (max x), threshold (the last finished search's), finite (tokens with x > -inf), base (top-p's
 mass counts x >= base: the top-k cut-off, or -inf).
 Per (row, part) (_PSTATE): compacted entries (-1: none), the part's F above the copied range, fit (1: the next
-pass's [lo, hi) fits the part's buffer). Per (row, part) results (_SLOTS): the stats launch's max, min, count;
+pass's [lo, hi) holds at most FIT entries, the buffer's capacity unless a test asks for more). Per (row, part) results (_SLOTS): the stats launch's max, min, count;
 a pass's F at the K pivots, F(lo), F(hi), min and max of x in [lo, hi), mass of x >= base.
 """
 
@@ -51,7 +51,7 @@ def _with_min_p(threshold, top, min_p, finite):
 
 @triton.jit
 def fold_init(part_ptr, pstate_ptr, state_ptr, out_ptr, row, k, p, min_p, PARTS: tl.constexpr, SLOTS: tl.constexpr,
-              CAP: tl.constexpr):
+              FIT: tl.constexpr):
     """The stats launch's parts (max, min, count) -> the row's first search: top-k's count search over [min, max]
     where top-k cuts, else top-p's mass search from _p_start, else done."""
     parts = tl.arange(0, PARTS)
@@ -76,13 +76,13 @@ def fold_init(part_ptr, pstate_ptr, state_ptr, out_ptr, row, k, p, min_p, PARTS:
     tl.store(st + 8, float("-inf"))
     ps = pstate_ptr + (row * PARTS + parts) * 4
     tl.store(ps, tl.full([PARTS], -1.0, tl.float32))
-    tl.store(ps + 2, tl.where(counts <= CAP, 1.0, 0.0))  # a part's finite count bounds what [lo, hi) holds
+    tl.store(ps + 2, tl.where(counts <= FIT, 1.0, 0.0))  # a part's finite count bounds what [lo, hi) holds
     tl.store(out_ptr + row, _with_min_p(tl.where(phase == 2.0, float("-inf"), lo), top, min_p, finite))
 
 
 @triton.jit
 def fold_pass(part_ptr, pstate_ptr, state_ptr, out_ptr, row, p, min_p, PARTS: tl.constexpr, K: tl.constexpr,
-              SLOTS: tl.constexpr, PASSES: tl.constexpr, CAP: tl.constexpr):
+              SLOTS: tl.constexpr, PASSES: tl.constexpr, FIT: tl.constexpr):
     """A pass's parts -> the search's next interval, or its end (one value left in [lo, hi), or PASSES passes: a
     search cut short keeps lo) and the next search (top-p after top-k) or done."""
     st = state_ptr + row * 16
@@ -138,5 +138,5 @@ def fold_pass(part_ptr, pstate_ptr, state_ptr, out_ptr, row, p, min_p, PARTS: tl
     tl.store(st + 8, tl.where(to_mass, result, base))
     ps = pstate_ptr + (row * PARTS + parts) * 4
     tl.store(ps, tl.full([PARTS], -1.0, tl.float32), mask=parts < tl.where(ends, PARTS, 0))  # a new search copies anew
-    tl.store(ps + 2, tl.where(entries <= CAP, 1.0, 0.0))
+    tl.store(ps + 2, tl.where(entries <= FIT, 1.0, 0.0))
     tl.store(out_ptr + row, _with_min_p(tl.where(phase == 2.0, threshold, lo), top, min_p, finite))

@@ -120,3 +120,16 @@ def test_thresholds_at_a_larger_vocabulary_equal_the_sorted_reference():
     for dtype in (torch.bfloat16, torch.float32):
         x = logits.to(dtype)
         assert torch.equal(filter_thresholds(x, *params), filter_thresholds_ref(x, *params)), dtype
+
+
+def test_a_copy_that_overflows_its_buffer_falls_back_to_scanning_the_chunk(monkeypatch):
+    """Parts told that up to 10,000 entries fit while their buffer holds 8: every copy overflows, and the part must
+    scan its whole chunk with the pivots in that same pass (no entry lost, no stale buffer read afterwards)."""
+    from shardserve.kernels import sampling_filter
+
+    monkeypatch.setattr(sampling_filter, "_CAP", 8)
+    monkeypatch.setattr(sampling_filter, "_FIT", 10000)
+    torch.manual_seed(6)
+    logits = torch.randn(len(SETTINGS), 1500, device=DEVICE) * 3
+    params = _params(*zip(*SETTINGS))
+    assert torch.equal(filter_thresholds(logits, *params), filter_thresholds_ref(logits, *params))
