@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 _BLOCK = 2048
+_PROGRAMS_PER_SM = 8  # the draw's programs: about this many per SM (a row's vocabulary split over several)
 
 
 @triton.jit
@@ -88,10 +89,11 @@ def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Ten
         logits = logits.contiguous()
     if n == 0:
         return torch.empty(0, dtype=torch.int64, device=logits.device)
-    # Few rows: split each row's vocabulary over several programs (one program scanning 152k entries alone
-    # takes ~0.1 ms), then pick the best part; many rows fill the GPU with one program each.
+    # Split each row's vocabulary over several programs (one program scanning 152k entries alone takes ~0.1 ms),
+    # about _PROGRAMS_PER_SM per SM in all, then pick the best part. The winner does not depend on the split: the
+    # best score, ties to the lowest index.
     sms = torch.cuda.get_device_properties(logits.device).multi_processor_count if logits.is_cuda else 4
-    parts = max(1, min(64, (2 * sms) // n, triton.cdiv(vocab, _BLOCK)))
+    parts = max(1, min(64, triton.cdiv(_PROGRAMS_PER_SM * sms, n), triton.cdiv(vocab, _BLOCK)))
     chunk = triton.cdiv(triton.cdiv(vocab, parts), _BLOCK) * _BLOCK
     parts = triton.cdiv(vocab, chunk)
     best = torch.empty(n, parts, dtype=torch.float32, device=logits.device)

@@ -11,16 +11,22 @@ tied tokens, the first in its order). The result is exact up to the float32 sums
 order than a sorted cumulative sum, so a token whose cumulative mass is within float rounding of p may fall on the
 other side; counts (top-k) are exact.
 
-The search: each row is split into PARTS parts, one program each, in every launch (a fixed number, so the sums'
-order depends on the row alone, never on the batch or on the TP rank). The first launch takes each part's max, min
-and number of finite entries. Each search keeps lo (a value whose F(lo) = count or mass of x >= lo reaches the
-target) and hi (one whose F does not); a pass launch evaluates F at K evenly spaced pivots in (lo, hi), and the
-smallest and largest x in [lo, hi), per part. The next launch's programs each reduce the previous launch's per-part
-results in the same fixed order and move the row's state on (the interval shrinks K + 1 times a pass), so a pass
-costs one launch and no host sync; a search ends when [lo, hi) holds a single distinct value: that value is the
-threshold. The host launches PASSES passes per search (a row that has finished skips its parts' work); a search
-still open after them keeps lo, a superset of at most the values within (range of x) / (K + 1)^PASSES of the
-exact cut-off. The last launch (one program per row) applies the final reduction and min-p.
+The search. Each row is split into PARTS parts, one program each, in every launch (a fixed number, so the sums'
+order depends on the row alone, never on the batch or on the TP rank). A search keeps lo (a value whose F(lo) =
+count or mass of x >= lo reaches the target) and hi (one whose F does not); a pass evaluates F at K evenly spaced
+pivots in (lo, hi) and the smallest and largest x in [lo, hi), per part, and the interval shrinks K + 1 times.
+A search ends when [lo, hi) holds a single distinct value: that value is the threshold.
+- Top-p starts at lo = max x + log((1 - p) / n) (n finite tokens), which is feasible: the tokens below it each
+  weigh less than (1 - p) / n, so together less than (1 - p) <= (1 - p) * mass, the max weighing 1.
+- Compaction: a part whose entries in [lo, hi) fit CAP slots (bounded from the last pass's per-part counts, or for
+  masses by mass / smallest weight) copies them once into a buffer of its own; its later passes read only that
+  buffer (F = the mass above the copied range + the buffer's). A part that does not fit keeps scanning its chunk.
+- One launch per pass and no host sync: the last program of a row to finish (an atomic ticket per row) folds the
+  parts' results in a fixed order into the row's next state, so the next launch's programs read 16 numbers; rows
+  that finished skip the launch. The ticket decides only who folds, never an order of sums.
+The host launches PASSES passes per search; a search still open after them keeps lo, a superset of at most the
+values within (range of x) / (K + 1)^PASSES of the exact cut-off. Every fold writes the row's current cut-off
+(min-p applied).
 
 `filter_thresholds_ref` computes the same thresholds in torch with a sort: the tests' reference.
 """
@@ -31,26 +37,34 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK = 512
-_PARTS = 32  # programs per row in every launch, at most (one per 4,096 entries, a power of two: 32 at 151,936)
+from shardserve.kernels.sampling_fold import (_COUNT, _DONE, _MASS, _PSTATE, _SLOTS, _STATE, fold_init,
+                                              fold_pass, scaled, weight)
+
+# Launch settings measured on an H200 at 256 x 151,936 (docs/performance.md): the passes are bound by latency, so
+# small programs that fit many to an SM are faster (pass kernel: 72 registers at these settings, 108 with a
+# 1024-entry compaction step, 111 at 512-entry pivot steps and 8 warps; 0.57, 0.71 and 1.27 ms a search).
+_BLOCK = 128  # entries per step of a pass's pivot loops
+_COPY_BLOCK = 512  # entries per step of the compaction loop
+_PARTS = 32  # programs per row in every launch, at most (one per 8 * _BLOCK entries, a power of two)
 _PIVOTS = 16  # pivots per pass: the interval shrinks 17 times a pass
-_PASSES = 7  # pass launches per search: 17^7 = 4.1e8 intervals
-_SLOTS = 32  # per (row, part) results: F at the K pivots, F(lo), min and max of x in [lo, hi) (stats: max, min, count)
-_STATE = 8  # per row: lo, hi, target, phase, passes, top, threshold, finite count
-_INIT, _COUNT, _MASS, _DONE = -1.0, 0.0, 1.0, 2.0  # phases
+_PASSES = 6  # pass launches per search: 17^6 = 2.4e7 intervals (a finished row skips a launch's work)
+_CAP = 512  # compacted entries per (row, part)
+_FIT = None  # a part copies when its bound on [lo, hi)'s entries is at most this (None: _CAP; tests set more, so
+# that copies overflow and the part scans its chunk in the same pass)
+_STATS_BLOCK = 2048  # entries per step of the stats launch
+_STATS_WARPS = 4
+_PASS_WARPS = 4  # warps per program of a pass launch
+_PASS_STAGES = None  # software-pipelining stages of a pass launch (None: Triton's default)
+
+__all__ = ["filter_thresholds", "filter_thresholds_ref", "_COUNT", "_MASS", "_DONE"]
 
 
 @triton.jit
-def _scaled(row_ptr, cols, vocab, inv_t):
-    """x = logit * (1 / T) as float32; -inf past the row's end (the same product the Gumbel kernel compares)."""
-    logit = tl.load(row_ptr + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-    return logit * inv_t
-
-
-@triton.jit
-def _stats_kernel(logits_ptr, stride, inv_temps_ptr, part_ptr, state_ptr, vocab, chunk,
-                  PARTS: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (rows, PARTS): each part's max, min finite and finite count; part 0 marks the row's state INIT."""
+def _stats_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, pstate_ptr,
+                  state_ptr, ticket_ptr, out_ptr, vocab, chunk, PARTS: tl.constexpr, SLOTS: tl.constexpr,
+                  FIT: tl.constexpr, BLOCK: tl.constexpr):
+    """Grid (rows, PARTS): each part's max, min finite and finite count; the last part of a row folds them into the
+    row's first search (fold_init)."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     row_ptr = logits_ptr + row * stride
@@ -58,8 +72,9 @@ def _stats_kernel(logits_ptr, stride, inv_temps_ptr, part_ptr, state_ptr, vocab,
     top = tl.full([BLOCK], float("-inf"), tl.float32)
     low = tl.full([BLOCK], float("inf"), tl.float32)
     count = tl.zeros([BLOCK], tl.float32)
-    for start in range(part * chunk, tl.minimum(part * chunk + chunk, vocab), BLOCK):
-        x = _scaled(row_ptr, start + tl.arange(0, BLOCK), vocab, inv_t)
+    end = tl.minimum(part * chunk + chunk, vocab)
+    for start in range(part * chunk, end, BLOCK):
+        x = scaled(row_ptr, start + tl.arange(0, BLOCK), end, inv_t)
         finite = x > float("-inf")
         top = tl.maximum(top, x)
         low = tl.minimum(low, tl.where(finite, x, float("inf")))
@@ -68,122 +83,106 @@ def _stats_kernel(logits_ptr, stride, inv_temps_ptr, part_ptr, state_ptr, vocab,
     tl.store(out, tl.max(top, 0))
     tl.store(out + 1, tl.min(low, 0))
     tl.store(out + 2, tl.sum(count, 0))
-    if part == 0:
-        s = tl.arange(0, 8)
-        tl.store(state_ptr + row * 8 + s, tl.where(s == 3, -1.0, 0.0))
+    tl.debug_barrier()
+    ticket = tl.atomic_add(ticket_ptr + row, 1)
+    if ticket == PARTS - 1:
+        fold_init(part_ptr, pstate_ptr, state_ptr, out_ptr, row, tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
+                  tl.load(min_p_ptr + row), PARTS, SLOTS, FIT)
+        tl.store(ticket_ptr + row, 0)
 
 
 @triton.jit
-def _advance(state_ptr, part_ptr, row, k, p, FORCE: tl.constexpr, PARTS: tl.constexpr, K: tl.constexpr,
-             SLOTS: tl.constexpr, PASSES: tl.constexpr):
-    """A row's state after the launch that wrote part_ptr: INIT -> the first search (from the stats), a search ->
-    its next interval, or its end (one value left, PASSES passes done, or FORCE) -> the next search or DONE.
-    Every program of a row runs this on the same inputs in the same order, so all agree on the new state."""
-    st = state_ptr + row * 8
-    lo = tl.load(st)
-    hi = tl.load(st + 1)
-    target = tl.load(st + 2)
-    phase = tl.load(st + 3)
-    passes = tl.load(st + 4)
-    top = tl.load(st + 5)
-    threshold = tl.load(st + 6)
-    finite = tl.load(st + 7)
-    base = part_ptr + (row * PARTS + tl.arange(0, PARTS)) * SLOTS
-    init = phase == -1.0
-    search = (phase == 0.0) | (phase == 1.0)
-    # INIT: the stats launch's results (slots 0-2: max, min, finite count)
-    top = tl.where(init, tl.max(tl.load(base), 0), top)
-    finite = tl.where(init, tl.sum(tl.load(base + 2), 0), finite)
-    above_top = top + 1.0 + tl.abs(top) * 0.001  # past the row's max: F = 0 there
-    use_k = (finite > 0.0) & (k > 0.0) & (k < finite)
-    use_p = (finite > 0.0) & (p < 1.0)
-    # a search: fold in the pass at pivots of (lo, hi)
-    f = tl.sum(tl.load(base[:, None] + tl.arange(0, K)[None, :]), 0)
-    f_lo = tl.sum(tl.load(base + K), 0)
-    vmin = tl.min(tl.load(base + K + 1), 0)
-    vmax = tl.max(tl.load(base + K + 2), 0)
-    target = tl.where(search & (phase == 1.0) & (passes == 0.0), p * f_lo, target)
-    piv = lo + (hi - lo) * ((tl.arange(0, K) + 1).to(tl.float32) / (K + 1))
-    feasible = f >= target
-    new_lo = tl.maximum(tl.max(tl.where(feasible, piv, float("-inf")), 0), vmin)
-    new_hi = tl.min(tl.where(feasible, float("inf"), piv), 0)
-    # one distinct value left in [lo, hi): it is the answer (an empty interval, which the invariant rules out, or a
-    # search cut short keeps lo)
-    result = tl.where(vmin == vmax, vmin, lo)
-    ends = (vmin >= vmax) | (passes + 1.0 >= PASSES)
-    if FORCE:
-        ends = vmin == vmin
-    ends = search & ends
-    next_phase = tl.where((phase == 0.0) & (p < 1.0), 1.0, 2.0)  # after top-k, top-p searches the tokens it keeps
-    go = search & ~ends
-    threshold = tl.where(init, float("-inf"), tl.where(ends, result, threshold))
-    lo_next = tl.where(init, tl.min(tl.load(base + 1), 0), tl.where(ends, result, tl.maximum(lo, new_lo)))
-    hi = tl.where(init | ends, above_top, tl.where(go, tl.minimum(hi, new_hi), hi))
-    lo = tl.where(init | search, lo_next, lo)
-    target = tl.where(init, tl.where(use_k, k, 0.0), tl.where(ends, 0.0, target))
-    passes = tl.where(init | ends, 0.0, tl.where(go, passes + 1.0, passes))
-    phase = tl.where(init, tl.where(use_k, 0.0, tl.where(use_p, 1.0, 2.0)), tl.where(ends, next_phase, phase))
-    return lo, hi, target, phase, passes, top, threshold, finite
+def _pivot_tile(x, w, lo, hi, piv, acc, acc_lo, acc_hi, vmin, vmax):
+    """One tile's contribution to F at the pivots, at lo and at hi, and to the extremes of x in [lo, hi)."""
+    acc += tl.where(x[:, None] >= piv[None, :], w[:, None], 0.0)
+    acc_lo += tl.where(x >= lo, w, 0.0)
+    acc_hi += tl.where(x >= hi, w, 0.0)
+    inside = (x >= lo) & (x < hi)
+    vmin = tl.minimum(vmin, tl.where(inside, x, float("inf")))
+    vmax = tl.maximum(vmax, tl.where(inside, x, float("-inf")))
+    return acc, acc_lo, acc_hi, vmin, vmax
 
 
 @triton.jit
-def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, state_in, part_in, state_out, part_out,
-                 vocab, chunk, PARTS: tl.constexpr, K: tl.constexpr, SLOTS: tl.constexpr, PASSES: tl.constexpr,
-                 BLOCK: tl.constexpr):
-    """Grid (rows, PARTS): advance the row's state (part 0 stores it), then this part's F at the new pivots."""
+def _pass_kernel(logits_ptr, stride, inv_temps_ptr, top_k_ptr, top_p_ptr, min_p_ptr, part_ptr, pstate_ptr,
+                 state_ptr, ticket_ptr, out_ptr, cand_ptr, vocab, chunk, PARTS: tl.constexpr, K: tl.constexpr,
+                 SLOTS: tl.constexpr, PASSES: tl.constexpr, CAP: tl.constexpr, FIT: tl.constexpr,
+                 BLOCK: tl.constexpr, COPY_BLOCK: tl.constexpr):
+    """Grid (rows, PARTS): one pass of the row's search over this part (its chunk, or its compacted entries), then
+    the last part of the row folds the pass (fold_pass). A finished row does nothing."""
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    k = tl.load(top_k_ptr + row)
-    p = tl.load(top_p_ptr + row)
-    lo, hi, target, phase, passes, top, threshold, finite = _advance(state_in, part_in, row, k, p, False, PARTS, K,
-                                                                     SLOTS, PASSES)
-    if part == 0:
-        st = state_out + row * 8
-        tl.store(st, lo)
-        tl.store(st + 1, hi)
-        tl.store(st + 2, target)
-        tl.store(st + 3, phase)
-        tl.store(st + 4, passes)
-        tl.store(st + 5, top)
-        tl.store(st + 6, threshold)
-        tl.store(st + 7, finite)
+    st = state_ptr + row * 16
+    phase = tl.load(st + 3)
     if phase < 2.0:
+        lo = tl.load(st)
+        hi = tl.load(st + 1)
+        top = tl.load(st + 5)
+        base = tl.load(st + 8)
+        mass = phase == 1.0
+        ps = pstate_ptr + (row * PARTS + part) * 4
+        n_cand = tl.load(ps)
+        compact = n_cand >= 0.0
+        do_compact = (~compact) & (tl.load(ps + 2) > 0.0)
         row_ptr = logits_ptr + row * stride
         inv_t = tl.load(inv_temps_ptr + row)
-        mass = phase == 1.0
+        cand = cand_ptr + (row * PARTS + part) * CAP
+        start_col = part * chunk
+        end_col = tl.minimum(start_col + chunk, vocab)
+        acc_all = tl.zeros([COPY_BLOCK], tl.float32)
+        # (a) compaction: copy the part's x in [lo, hi) into its buffer, in chunk order (so the buffer does not
+        # depend on COPY_BLOCK); the mass above hi and above base
+        acc_above = tl.zeros([COPY_BLOCK], tl.float32)
+        n = tl.zeros([], tl.int32)
+        for start in range(start_col, tl.where(do_compact, end_col, start_col), COPY_BLOCK):
+            x = scaled(row_ptr, start + tl.arange(0, COPY_BLOCK), end_col, inv_t)
+            w = weight(x, top, mass)
+            acc_above += tl.where(x >= hi, w, 0.0)
+            acc_all += tl.where(x >= base, w, 0.0)
+            inside = (x >= lo) & (x < hi)
+            pos = n + tl.cumsum(inside.to(tl.int32), 0) - 1
+            tl.store(cand + pos, x, mask=inside & (pos < CAP))
+            n += tl.sum(inside.to(tl.int32), 0)
+        fits = n <= CAP
+        if do_compact:
+            tl.store(ps, tl.where(fits, n.to(tl.float32), -1.0))
+            tl.store(ps + 1, tl.sum(acc_above, 0))
+        tl.debug_barrier()  # the copied entries, read back below
+        # (b) the chunk with the pivots: not compact, or the copy overflowed
         piv = lo + (hi - lo) * ((tl.arange(0, K) + 1).to(tl.float32) / (K + 1))
         acc = tl.zeros([BLOCK, K], tl.float32)
         acc_lo = tl.zeros([BLOCK], tl.float32)
+        acc_hi = tl.zeros([BLOCK], tl.float32)
         vmin = tl.full([BLOCK], float("inf"), tl.float32)
         vmax = tl.full([BLOCK], float("-inf"), tl.float32)
-        for start in range(part * chunk, tl.minimum(part * chunk + chunk, vocab), BLOCK):
-            x = _scaled(row_ptr, start + tl.arange(0, BLOCK), vocab, inv_t)
-            w = tl.where(mass, tl.exp(x - top), tl.where(x > float("-inf"), 1.0, 0.0))
-            acc += tl.where(x[:, None] >= piv[None, :], w[:, None], 0.0)
-            above = x >= lo
-            acc_lo += tl.where(above, w, 0.0)
-            inside = above & (x < hi)
-            vmin = tl.minimum(vmin, tl.where(inside, x, float("inf")))
-            vmax = tl.maximum(vmax, tl.where(inside, x, float("-inf")))
-        out = part_out + (row * PARTS + part) * SLOTS
-        tl.store(out + tl.arange(0, K), tl.sum(acc, 0))
-        tl.store(out + K, tl.sum(acc_lo, 0))
-        tl.store(out + K + 1, tl.min(vmin, 0))
-        tl.store(out + K + 2, tl.max(vmax, 0))
-
-
-@triton.jit
-def _finish_kernel(top_k_ptr, top_p_ptr, min_p_ptr, state_in, part_in, out_ptr, PARTS: tl.constexpr,
-                   K: tl.constexpr, SLOTS: tl.constexpr, PASSES: tl.constexpr):
-    """Grid (rows,): the last pass folded in (a search still open ends at lo), then min-p. out[r]: the cut-off."""
-    row = tl.program_id(0).to(tl.int64)
-    k = tl.load(top_k_ptr + row)
-    p = tl.load(top_p_ptr + row)
-    min_p = tl.load(min_p_ptr + row)
-    lo, hi, target, phase, passes, top, threshold, finite = _advance(state_in, part_in, row, k, p, True, PARTS, K,
-                                                                     SLOTS, PASSES)
-    threshold = tl.where((min_p > 0.0) & (finite > 0.0), tl.maximum(threshold, top + tl.log(min_p)), threshold)
-    tl.store(out_ptr + row, threshold)
+        scan = (~compact) & ((~do_compact) | (~fits))
+        acc_all_scan = tl.zeros([BLOCK], tl.float32)
+        for start in range(start_col, tl.where(scan, end_col, start_col), BLOCK):
+            x = scaled(row_ptr, start + tl.arange(0, BLOCK), end_col, inv_t)
+            w = weight(x, top, mass)
+            acc_all_scan += tl.where(x >= base, w, 0.0)
+            acc, acc_lo, acc_hi, vmin, vmax = _pivot_tile(x, w, lo, hi, piv, acc, acc_lo, acc_hi, vmin, vmax)
+        # (c) the compacted entries with the pivots, on top of the mass above the copied range
+        n_read = tl.where(compact, n_cand.to(tl.int32), tl.where(do_compact & fits, n, 0))
+        for start in range(0, n_read, BLOCK):
+            idx = start + tl.arange(0, BLOCK)
+            x = tl.load(cand + idx, mask=idx < n_read, other=float("-inf"), cache_modifier=".cg")
+            w = weight(x, top, mass)
+            acc, acc_lo, acc_hi, vmin, vmax = _pivot_tile(x, w, lo, hi, piv, acc, acc_lo, acc_hi, vmin, vmax)
+        offset = tl.where(compact, tl.load(ps + 1), tl.where(do_compact & fits, tl.sum(acc_above, 0), 0.0))
+        out = part_ptr + (row * PARTS + part) * SLOTS
+        tl.store(out + tl.arange(0, K), offset + tl.sum(acc, 0))
+        tl.store(out + K, offset + tl.sum(acc_lo, 0))
+        tl.store(out + K + 1, offset + tl.sum(acc_hi, 0))
+        tl.store(out + K + 2, tl.min(vmin, 0))
+        tl.store(out + K + 3, tl.max(vmax, 0))
+        tl.store(out + K + 4, tl.where(do_compact, tl.sum(acc_all, 0), tl.sum(acc_all_scan, 0)))
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr + row, 1)
+        if ticket == PARTS - 1:
+            fold_pass(part_ptr, pstate_ptr, state_ptr, out_ptr, row, tl.load(top_p_ptr + row),
+                      tl.load(min_p_ptr + row), PARTS, K, SLOTS, PASSES, FIT)
+            tl.store(ticket_ptr + row, 0)
 
 
 def filter_thresholds(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
@@ -200,20 +199,21 @@ def filter_thresholds(logits: torch.Tensor, inv_temps: torch.Tensor, top_k: torc
         return out
     # parts per row: a function of the vocabulary only, so a row's sums never depend on its batch
     num_parts = max(2, min(_PARTS, triton.next_power_of_2(triton.cdiv(vocab, 8 * _BLOCK))))
-    states = torch.empty(2, n, _STATE, dtype=torch.float32, device=logits.device)
-    parts = torch.empty(2, n, num_parts, _SLOTS, dtype=torch.float32, device=logits.device)
     chunk = triton.cdiv(triton.cdiv(vocab, num_parts), _BLOCK) * _BLOCK
-    _stats_kernel[(n, num_parts)](logits, logits.stride(0), inv_temps, parts[0], states[0], vocab, chunk,
-                                  PARTS=num_parts, SLOTS=_SLOTS, BLOCK=_BLOCK, num_warps=4)
-    launches = _PASSES * (2 if count_search else 1)
-    for i in range(launches):
-        src, dst = i % 2, (i + 1) % 2
-        _pass_kernel[(n, num_parts)](logits, logits.stride(0), inv_temps, top_k, top_p, states[src], parts[src],
-                                     states[dst], parts[dst], vocab, chunk, PARTS=num_parts, K=_PIVOTS,
-                                     SLOTS=_SLOTS, PASSES=_PASSES, BLOCK=_BLOCK, num_warps=8)
-    last = launches % 2
-    _finish_kernel[(n,)](top_k, top_p, min_p, states[last], parts[last], out, PARTS=num_parts, K=_PIVOTS,
-                         SLOTS=_SLOTS, PASSES=_PASSES, num_warps=1)
+    states = torch.empty(n, _STATE, dtype=torch.float32, device=logits.device)
+    parts = torch.empty(n, num_parts, _SLOTS, dtype=torch.float32, device=logits.device)
+    pstate = torch.empty(n, num_parts, _PSTATE, dtype=torch.float32, device=logits.device)
+    cand = torch.empty(n, num_parts, _CAP, dtype=torch.float32, device=logits.device)
+    tickets = torch.zeros(n, dtype=torch.int32, device=logits.device)
+    args = (logits, logits.stride(0), inv_temps, top_k, top_p, min_p, parts, pstate, states, tickets, out)
+    fit = _CAP if _FIT is None else _FIT
+    _stats_kernel[(n, num_parts)](*args, vocab, chunk, PARTS=num_parts, SLOTS=_SLOTS, FIT=fit, BLOCK=_STATS_BLOCK,
+                                  num_warps=_STATS_WARPS)
+    stages = {} if _PASS_STAGES is None else {"num_stages": _PASS_STAGES}
+    for _ in range(_PASSES * (2 if count_search else 1)):
+        _pass_kernel[(n, num_parts)](*args, cand, vocab, chunk, PARTS=num_parts, K=_PIVOTS, SLOTS=_SLOTS,
+                                     PASSES=_PASSES, CAP=_CAP, FIT=fit, BLOCK=_BLOCK, COPY_BLOCK=_COPY_BLOCK,
+                                     num_warps=_PASS_WARPS, **stages)
     return out
 
 

@@ -3,9 +3,12 @@
 Why: a decode step is thousands of short kernels whose launch cost (Python + driver) rivals their run time on
 an H200; a graph replay launches them all in one call.
 
-What is captured: the model forward only (embedding -> layers -> final norm, all-reduces included for TP: NCCL
+What is captured: the model forward (embedding -> layers -> final norm, all-reduces included for TP: NCCL
 calls are capturable) for a decode-only batch padded to one of graph_batch_sizes(). The LM head, the logits and
-sampling stay eager: they run on the real rows only and the sampler branches on host data.
+sampling stay eager: they run on the real rows only and the sampler branches on host data. Opt-in
+(SHARDSERVE_GRAPH_LM_HEAD=1, not yet run on a GPU): the graphs also hold the LM head (its all-gather included) and
+a greedy argmax over every padded row, and a batch whose rows all decode greedily with nothing that edits the
+logits (worker/sampler.plain_greedy) takes its tokens from the replay: no eager launches after it.
 
 Inputs of a graph of size B with n real rows: worker/input_batch.py prepares a decode batch the graphs cover
 already padded to B (pack_inputs), and run() copies that host list into static device buffers:
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import gc
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -48,6 +52,11 @@ from shardserve.worker.input_batch import StepInputs, slot_mapping
 
 MAX_GRAPH_BATCH_SIZE = 512  # a larger max_num_seqs still runs: bigger decode batches go eager
 PROBE_COPIES = 4  # graphs of the smallest size the memory dry run captures to measure one graph's cost
+
+
+def graph_lm_head() -> bool:
+    """SHARDSERVE_GRAPH_LM_HEAD=1: the decode graphs also hold the LM head and a greedy argmax."""
+    return os.environ.get("SHARDSERVE_GRAPH_LM_HEAD", "0") == "1"
 
 
 def graph_batch_sizes(max_num_seqs: int, cap: int = MAX_GRAPH_BATCH_SIZE) -> list[int]:
@@ -105,8 +114,10 @@ class DecodeGraphRunner:
         max_model_len: int,
         device: torch.device,
         use_cuda_graphs: bool = True,
+        with_head: bool = False,
     ) -> None:
         self.model = model
+        self.with_head = with_head  # the graphs also compute logits and greedy tokens (head())
         self.kv_caches = kv_caches
         self.backend = backend
         self.batch_sizes = sorted(batch_sizes)
@@ -121,7 +132,8 @@ class DecodeGraphRunner:
         self._query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self._rows = torch.arange(largest, dtype=torch.int64, device=device)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[int, torch.Tensor] = {}
+        self._outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._last: tuple[torch.Tensor, ...] = ()  # the last replay's outputs
         self._pool = None
         self._stream = None
         self.memory_bytes = 0  # device memory the captured graphs took (free memory before - after)
@@ -147,12 +159,17 @@ class DecodeGraphRunner:
         finally:
             self.backend.decode_num_splits = previous
 
-    def _forward(self, padded: int) -> torch.Tensor:
+    def _forward(self, padded: int) -> tuple[torch.Tensor, ...]:
+        """(hidden states,) or, with_head, (hidden states, logits, greedy tokens) of every padded row."""
         ids, positions, meta = decode_inputs_from_staging(
             self._staging, self._block_tables, self._query_start_loc, padded, self.block_size, self.max_model_len,
             self._rows[:padded],
         )
-        return self.model(ids, positions, self.kv_caches, meta)
+        hidden = self.model(ids, positions, self.kv_caches, meta)
+        if not self.with_head:
+            return (hidden,)
+        logits = self.model.compute_logits(hidden)
+        return hidden, logits, torch.argmax(logits, dim=1)
 
     def capture(self, sizes: list[int] | None = None) -> None:
         """Captures the given sizes (default: all), largest first, into the shared pool. No-op without graphs.
@@ -163,13 +180,13 @@ class DecodeGraphRunner:
         for padded in sorted(sizes or self.batch_sizes, reverse=True):
             self._graphs[padded], self._outputs[padded] = self._capture_measured(padded)
 
-    def probe(self, padded: int, copies: int) -> list[tuple[torch.cuda.CUDAGraph, torch.Tensor]]:
+    def probe(self, padded: int, copies: int) -> list[tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]]:
         """Captures `copies` more graphs of one size and returns them (the caller keeps them alive while it reads
         the memory they take; dropping them frees it)."""
         gc.collect()
         return [self._capture_measured(padded) for _ in range(copies)]
 
-    def _capture_measured(self, padded: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture_measured(self, padded: int) -> tuple[torch.cuda.CUDAGraph, tuple[torch.Tensor, ...]]:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
             self._stream = torch.cuda.Stream(self.device)
@@ -216,9 +233,18 @@ class DecodeGraphRunner:
         """The forward of the graph of one captured size over what the static buffers hold (all padded rows)."""
         if self.use_cuda_graphs:
             self._graphs[padded].replay()
-            return self._outputs[padded]
-        with self._fixed_splits(padded):
-            return self._forward(padded)
+            self._last = self._outputs[padded]
+        else:
+            with self._fixed_splits(padded):
+                self._last = self._forward(padded)
+        return self._last[0]
+
+    def head(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """with_head: the last replay's logits and greedy tokens of rows [0, n) (views: use or copy them before the
+        next replay); else None."""
+        if not self.with_head or len(self._last) < 3:
+            return None
+        return self._last[1][:n], self._last[2][:n]
 
     def rows(self, n: int) -> torch.Tensor:
         """[0, n) on the device: the row of each sequence's token in run()'s output."""
@@ -244,7 +270,8 @@ def capture_decode_graphs(
     sizes = graph_batch_sizes(config.max_num_seqs)
     runner = None
     try:
-        runner = DecodeGraphRunner(model, kv_caches, backend, sizes, config.block_size, config.max_model_len, device)
+        runner = DecodeGraphRunner(model, kv_caches, backend, sizes, config.block_size, config.max_model_len, device,
+                                   with_head=graph_lm_head())
         with torch.inference_mode():
             runner.capture()
     except Exception as exc:  # a capture failure must cost speed, never the engine
@@ -302,7 +329,8 @@ def measure_graph_memory(
     gc.collect()
     torch.cuda.synchronize(device)
     free_start = torch.cuda.mem_get_info(device)[0]
-    runner = DecodeGraphRunner(model, scratch, backend, sizes, config.block_size, config.max_model_len, device)
+    runner = DecodeGraphRunner(model, scratch, backend, sizes, config.block_size, config.max_model_len, device,
+                               with_head=graph_lm_head())
     probes: list = []
     try:
         with torch.inference_mode():

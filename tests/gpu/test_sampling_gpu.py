@@ -9,8 +9,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from shardserve.kernels import sampling_filter  # noqa: E402
 from shardserve.kernels.sampling_filter import filter_thresholds, filter_thresholds_ref  # noqa: E402
 from shardserve.proto.plan import SamplingSpec  # noqa: E402
+from shardserve.worker import sampler  # noqa: E402
 from shardserve.worker.sampler import SamplingRow, sample_tokens  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -46,9 +48,8 @@ def _check_against_sort(logits, inv_t, top_k, top_p, min_p):
     return got, int(differs.sum())
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_cut_offs_equal_the_sorted_reference_at_batch_256(dtype):
-    n = 256
+def _mixed_batch(n, dtype):
+    """Flat and peaked rows, T from 0.33 to 2, top-p on 80% of the rows, top-k on 30%, min-p on 20%."""
     logits = _logits(n, dtype)
     logits[::7, 1000:] = float("-inf")  # rows restricted to their first 1000 tokens
     g = torch.Generator().manual_seed(1)
@@ -56,10 +57,41 @@ def test_cut_offs_equal_the_sorted_reference_at_batch_256(dtype):
     top_p = torch.where(torch.rand(n, generator=g) < 0.8, 0.5 + 0.5 * torch.rand(n, generator=g), 1.0).cuda()
     top_k = torch.where(torch.rand(n, generator=g) < 0.3, torch.randint(1, 2000, (n,), generator=g), 0).float().cuda()
     min_p = torch.where(torch.rand(n, generator=g) < 0.2, 0.1 * torch.rand(n, generator=g), 0.0).cuda()
+    return logits, inv_t, top_k, top_p, min_p
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cut_offs_equal_the_sorted_reference_at_batch_256(dtype):
+    n = 256
+    logits, inv_t, top_k, top_p, min_p = _mixed_batch(n, dtype)
     got, mismatches = _check_against_sort(logits, inv_t, top_k, top_p, min_p)
     print(f"{dtype}: {mismatches} of {n} cut-offs differ from the sort's (within rounding of p)")
     assert mismatches <= n // 50  # rounding ties are rare; many would mean a real disagreement
     assert torch.equal(got[top_p == 1.0], filter_thresholds_ref(logits, inv_t, top_k, top_p, min_p)[top_p == 1.0])
+
+
+@pytest.mark.parametrize("cap", [8, 4096])
+def test_cut_offs_do_not_depend_on_the_compaction_capacity(cap, monkeypatch):
+    """8 slots: nearly every part scans its whole chunk at every pass; 4096: parts copy [lo, hi) at the first pass
+    they can. Both give the sort's cut-offs (within rounding of p) on the compiled kernel."""
+    monkeypatch.setattr(sampling_filter, "_CAP", cap)
+    logits, inv_t, top_k, top_p, min_p = _mixed_batch(256, torch.bfloat16)
+    got, mismatches = _check_against_sort(logits, inv_t, top_k, top_p, min_p)
+    assert mismatches <= 256 // 50
+
+
+def test_top_k_through_the_search_keeps_the_k_best(monkeypatch):
+    """Top-k alone through the cut-off search (sampler.SEARCH_TOP_K): the drawn tokens are among each row's k best
+    (float32 logits: distinct values, so exactly k are kept)."""
+    monkeypatch.setattr(sampler, "SEARCH_TOP_K", True)
+    n = 64
+    logits = _logits(n, torch.float32, seed=3)
+    ks = [1, 5, 50, 1000]
+    rows = [SamplingRow(SamplingSpec(temperature=1.0, top_k=ks[i % 4], seed=i), [1], 1) for i in range(n)]
+    tokens = sample_tokens(logits, rows)
+    rank = (logits > logits.gather(1, tokens.unsqueeze(1))).sum(1)
+    assert all(int(rank[i]) < ks[i % 4] for i in range(n))
+    assert torch.equal(tokens[::4], logits[::4].argmax(1))  # top-k 1 is greedy
 
 
 def test_sampled_tokens_stay_in_the_kept_set_and_depend_only_on_row_and_seed():

@@ -91,3 +91,45 @@ def test_a_rows_threshold_depends_only_on_its_row():
     full = filter_thresholds(logits, *params)
     alone = torch.stack([filter_thresholds(logits[i:i + 1], *(p[i:i + 1] for p in params))[0] for i in range(4)])
     assert torch.equal(full, alone)
+
+
+@pytest.mark.parametrize("cap", [4, 64, 4096])
+def test_thresholds_do_not_depend_on_the_compaction_capacity(cap, monkeypatch):
+    """A part copies its entries in [lo, hi) once they fit `cap` slots and reads only those afterwards; 4 slots
+    keeps almost every part scanning its chunk, 4096 copies whole parts at the first pass. Each gives the sort's
+    cut-offs (float32 values: distinct, so the masses decide)."""
+    from shardserve.kernels import sampling_filter
+
+    monkeypatch.setattr(sampling_filter, "_CAP", cap)
+    torch.manual_seed(4)
+    logits = torch.randn(len(SETTINGS), 1500, device=DEVICE) * 3
+    logits[2, :40] += 9.0  # a few tokens far above the rest
+    params = _params(*zip(*SETTINGS))
+    assert torch.equal(filter_thresholds(logits, *params), filter_thresholds_ref(logits, *params))
+
+
+def test_thresholds_at_a_larger_vocabulary_equal_the_sorted_reference():
+    """20,000 entries: 8 parts of 2,560, so the search narrows with the pivots over whole chunks first, then copies
+    [lo, hi) (bf16 rows: many tied values; flat rows, hot rows, peaked rows, top-k then top-p)."""
+    torch.manual_seed(5)
+    rows = [(1 / 0.7, 0, 0.9, 0.0), (0.5, 0, 0.95, 0.0), (1.0, 40, 0.9, 0.0), (2.0, 0, 0.5, 0.02),
+            (1.0, 700, 1.0, 0.0), (0.8, 3000, 0.99, 0.0)]
+    logits = torch.randn(len(rows), 20000, device=DEVICE) * 2
+    logits[3, torch.randperm(20000)[:8]] = 14.0
+    params = _params(*zip(*rows))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = logits.to(dtype)
+        assert torch.equal(filter_thresholds(x, *params), filter_thresholds_ref(x, *params)), dtype
+
+
+def test_a_copy_that_overflows_its_buffer_falls_back_to_scanning_the_chunk(monkeypatch):
+    """Parts told that up to 10,000 entries fit while their buffer holds 8: every copy overflows, and the part must
+    scan its whole chunk with the pivots in that same pass (no entry lost, no stale buffer read afterwards)."""
+    from shardserve.kernels import sampling_filter
+
+    monkeypatch.setattr(sampling_filter, "_CAP", 8)
+    monkeypatch.setattr(sampling_filter, "_FIT", 10000)
+    torch.manual_seed(6)
+    logits = torch.randn(len(SETTINGS), 1500, device=DEVICE) * 3
+    params = _params(*zip(*SETTINGS))
+    assert torch.equal(filter_thresholds(logits, *params), filter_thresholds_ref(logits, *params))

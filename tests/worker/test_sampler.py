@@ -190,3 +190,13 @@ def test_rows_without_top_p_keep_their_whole_tail_next_to_rows_with_it():
     filtered = sampler._filter_top_k_top_p(logits, [0, 0], [0.5, 1.0])
     assert int(torch.isfinite(filtered[0]).sum()) < 100
     assert torch.equal(filtered[1], logits[1])
+
+
+def test_row_keys_split_equals_row_key_per_row():
+    """The vectorised keys (numpy's wrapping uint64) are row_key's, as the Gumbel kernel's 32-bit halves."""
+    from shardserve.kernels.sampling import split_keys
+    from shardserve.worker.sampler import row_key, row_keys_split
+
+    seeds = [0, 1, 12345, 2**63 - 1, 2**64 - 1, 977 * 31]
+    rows = [SamplingRow(SamplingSpec(temperature=1.0, seed=s), [7] * (3 + i), 2) for i, s in enumerate(seeds)]
+    assert row_keys_split(rows) == split_keys([row_key(r.spec.seed, r.output_index) for r in rows])
