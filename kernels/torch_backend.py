@@ -24,15 +24,20 @@ def store_kv(
     """Writes k/v [T, kv_heads, head_dim] into the flattened caches at slot_mapping [T]; slot -1 is skipped; an
     FP8 cache gets them quantized with its scales. Also the reference the Triton store_kv (store_kv.py) is tested
     against."""
-    num_kv_heads, head_dim = k_cache.shape[-2:]
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep].long()
+    _store(k[keep], v[keep], k_cache, v_cache, slot_mapping[keep].long(), k_scale, v_scale)
+
+
+def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+           k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """store_kv for rows that all have a slot (slots: int64, one per row)."""
+    num_kv_heads, head_dim = k_cache.shape[-2:]
     for new, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         if is_fp8(cache):  # index_copy_ has no float8 kernel on CPU: the bytes are copied as uint8
             cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
-                0, slots, quantize_fp8(new[keep], scale).view(torch.uint8))
+                0, slots, quantize_fp8(new, scale).view(torch.uint8))
         else:
-            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, new[keep].to(cache.dtype))
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, new.to(cache.dtype))
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -49,8 +54,21 @@ class TorchAttentionBackend(AttentionBackend):
     store_kv = staticmethod(store_kv)
 
     def __init__(self) -> None:
-        # the in-place decode's index for the step being run: every layer gets the same metadata object
+        # Per step (every layer gets the same metadata object): the in-place decode's index, and the slots the
+        # new K/V go to when every row has one (None: some rows have slot -1)
         self._decode_index: tuple[AttentionMetadata, DecodeIndex] | None = None
+        self._slots: tuple[AttentionMetadata, torch.Tensor | None] | None = None
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None):
+        if self._slots is None or self._slots[0] is not meta:  # the step's first layer
+            slots = meta.slot_mapping  # (on CUDA not read back here: a graph may be capturing)
+            valid = slots.device.type == "cpu" and bool((slots >= 0).all())
+            self._slots = (meta, slots.long() if valid else None)
+        if self._slots[1] is None:
+            store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+        else:
+            _store(k, v, k_cache, v_cache, self._slots[1], k_scale, v_scale)
+        return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:

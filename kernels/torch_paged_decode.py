@@ -8,9 +8,9 @@ a "bag" of the rows its keys and values sit in, the same index for K and V and f
 
     scores = <q[bag], k_row> for every entry   aten._embedding_bag_per_sample_weights_backward (one dot per entry,
                                                 read from the cache where it lies)
-    p      = softmax of each bag's scores       segment_reduce max / sum (float32)
-    out    = sum over a bag of p * v_row        embedding_bag(mode="sum", per_sample_weights=p) (a weighted row sum
-                                                read from the cache where it lies)
+    w      = exp(score - max of its bag)        segment_reduce max, then sum (float32)
+    out    = sum over a bag of w * v_row        embedding_bag(mode="sum", per_sample_weights=w) (a weighted row sum
+             / sum over the bag of w            read from the cache where it lies), then one division per bag
 
 A fixed number of ops per layer whatever the batch, no padding, no mask. Used for float32 caches (the scores come
 out in the cache's dtype, and bfloat16 scores would lose the precision SDPA keeps in its float32 accumulators);
@@ -66,9 +66,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         (q * scale).reshape(-1, head_dim), k_cache.view(-1, head_dim), index.rows, index.offsets, index.bag_of,
         0, -1)  # mode 0 = sum, padding_idx -1 = none: scores[e] = <q[bag_of[e]] * scale, k_row[rows[e]]>
     top = torch.segment_reduce(scores, "max", lengths=index.lengths)
-    probs = scores.sub_(top.index_select(0, index.bag_of)).exp_()
-    total = torch.segment_reduce(probs, "sum", lengths=index.lengths)
-    probs.div_(total.index_select(0, index.bag_of))
+    weights = scores.sub_(top.index_select(0, index.bag_of)).exp_()  # softmax numerators
+    total = torch.segment_reduce(weights, "sum", lengths=index.lengths)
     out = torch.nn.functional.embedding_bag(index.rows, v_cache.view(-1, head_dim), index.offsets, mode="sum",
-                                            per_sample_weights=probs)
-    return out.view(batch, num_heads, head_dim)
+                                            per_sample_weights=weights)
+    return out.div_(total.unsqueeze(1)).view(batch, num_heads, head_dim)  # normalised per bag: B * H divisions

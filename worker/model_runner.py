@@ -22,6 +22,7 @@ from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, cdiv
 from shardserve.worker import cuda_graphs, kv_cache, kv_scales
 from shardserve.worker.device_copy import device_tensor
+from shardserve.worker.layers import cpu_packed
 from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from shardserve.worker.sampler import SamplingRow, plain_greedy, sample, sample_tokens
 from shardserve.worker.step_in_flight import StepInFlight
@@ -80,6 +81,8 @@ class ModelRunner:
             if config.load_format != "dummy":
                 kv_scales.load_checkpoint_scales(self.model, config.model)
             kv_scales.calibrate_scales(self.model, self.block_size, self.dtype, self.device)
+        if self.device.type == "cpu":  # the matmuls' weights blocked once for oneDNN (worker/layers/cpu_packed.py)
+            cpu_packed.pack_model(self.model)
         if self.device.type == "cuda":  # before any graph capture: the decode graphs record whichever path is on
             from shardserve.worker.distributed import enable_one_shot_all_reduce
 

@@ -76,7 +76,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 started = time.perf_counter()
                 self.runner = ModelRunner(self.config, self.rank)  # its constructor loads this rank's weights
                 load_s = time.perf_counter() - started
-                weight_bytes = sum(p.numel() * p.element_size() for p in self.runner.model.parameters())
+                model = self.runner.model  # (on CPU the linear weights are packed buffers: layers/cpu_packed.py)
+                weights = [*model.parameters(), *(b for b in model.buffers() if b.is_mkldnn)]
+                weight_bytes = sum(t.numel() * t.element_size() for t in weights)
                 self._state = pb.WORKER_STATE_LOADED
             except Exception:
                 self._fail_call(context, "LoadWeights")

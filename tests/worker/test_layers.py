@@ -63,6 +63,23 @@ def test_rotary_matches_hf_including_llama3_scaling(rope_scaling):
     torch.testing.assert_close(k_out, k_ref[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_the_qkv_output_equals_forward_step_after_step(dtype):
+    rotary = RotaryEmbedding(16, 64, 1e4)
+    heads, kv_heads = 4, 2
+    for step, positions in enumerate([torch.tensor([0, 5, 9]), torch.tensor([1, 6, 10]), torch.tensor([3, 3, 63])]):
+        qkv = torch.randn(3, (heads + 2 * kv_heads) * 16, generator=torch.Generator().manual_seed(step)).to(dtype)
+        q = qkv[:, : heads * 16].reshape(3, heads, 16)
+        k = qkv[:, heads * 16 : (heads + kv_heads) * 16].reshape(3, kv_heads, 16)
+        v_before = qkv[:, (heads + kv_heads) * 16 :].clone()
+        q_ref, k_ref = rotary(positions, q.clone(), k.clone())
+        for _ in range(2):  # the second layer of a step reuses the step's cos/sin; a new step's positions do not
+            q_ref, k_ref = rotary(positions, q_ref, k_ref) if _ else (q_ref, k_ref)
+            rotary.rotate_(positions, qkv[:, : (heads + kv_heads) * 16].view(3, heads + kv_heads, 16))
+            assert torch.equal(q, q_ref) and torch.equal(k, k_ref)
+        assert torch.equal(qkv[:, (heads + kv_heads) * 16 :], v_before)
+
+
 def test_unsupported_rope_type_is_rejected():
     config = LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 4.0})
     with pytest.raises(ValueError, match="yarn"):

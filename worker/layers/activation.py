@@ -17,4 +17,4 @@ class SiluAndMul(nn.Module):
 
             return silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return F.silu(gate).mul_(up)

@@ -16,6 +16,7 @@ from torch import nn
 
 from shardserve.proto.plan import cdiv
 from shardserve.worker.distributed import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from shardserve.worker.layers import cpu_packed
 from shardserve.worker.layers._sharding import attach_loader, copy_into, loaded_shape, narrow_loaded
 
 
@@ -53,10 +54,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         if tied_to is not None:
             self.weight = tied_to.weight  # one Parameter, loaded once (from embed_tokens)
         self.tied = tied_to is not None
+        self.packed_weight: torch.Tensor | None = None  # on CPU: oneDNN's packed copy (layers/cpu_packed.py)
+
+    def pack_weights(self) -> bool:
+        """A packed copy beside the plain weight, which the (tied) embedding reads."""
+        self.packed_weight = cpu_packed.pack(self.weight)
+        return self.packed_weight is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] in the model dtype (as transformers computes them), the full vocabulary
         on every rank. The sampler reads them as they are; float32 copies are made only where a step needs one."""
-        local_logits = F.linear(hidden, self.weight)
+        if self.packed_weight is not None:
+            local_logits = cpu_packed.linear(hidden, self.packed_weight)
+        else:
+            local_logits = F.linear(hidden, self.weight)
         logits = all_gather_last_dim(local_logits)
         return logits[..., : self.vocab_size]

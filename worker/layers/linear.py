@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardserve.worker.distributed import all_reduce, tp_rank, tp_size
+from shardserve.worker.layers import cpu_packed
 from shardserve.worker.layers._sharding import attach_loader, copy_into, narrow_loaded
 
 
@@ -42,7 +43,13 @@ class ColumnParallelLinear(nn.Module):
         size = param.shape[0]
         copy_into(param.data, narrow_loaded(loaded, 0, self.tp_rank * size, size), "column-parallel weight")
 
+    def pack_weights(self) -> bool:
+        """On CPU, after loading: the weight becomes oneDNN's packed copy (layers/cpu_packed.py)."""
+        return cpu_packed.replace_with_packed(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.weight.is_mkldnn:
+            return cpu_packed.linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -147,6 +154,9 @@ class RowParallelLinear(nn.Module):
     def bias_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         copy_into(param.data, narrow_loaded(loaded, 0, 0, param.shape[0]), "row-parallel bias")
 
+    def pack_weights(self) -> bool:
+        return cpu_packed.replace_with_packed(self)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(cpu_packed.linear(x, self.weight) if self.weight.is_mkldnn else F.linear(x, self.weight))
         return y + self.bias if self.bias is not None else y

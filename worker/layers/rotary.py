@@ -58,14 +58,36 @@ class RotaryEmbedding(nn.Module):
         # float32 always: the caller's dtype is applied at use (HF also keeps cos/sin in float32 until the end)
         self.register_buffer("cos_cache", freqs.cos(), persistent=False)
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        # On CPU the step's (positions, cos, sin): every layer gets the same positions tensor, so the lookup runs once
+        self._step: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T]; q [T, heads, head_dim], k [T, kv_heads, head_dim] -> rotated q, k (same dtype)."""
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, head_dim / 2]
-        sin = self.sin_cache[positions].unsqueeze(1)
+        cos, sin = self._cos_sin(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
+        """Rotates x [T, heads, head_dim] in place (a view of the qkv output: q and k heads side by side), with
+        the values forward() gives."""
+        cos, sin = self._cos_sin(positions)
+        x1, x2 = x.float().chunk(2, dim=-1)  # (views of x itself in float32)
+        first = x1 * cos - x2 * sin
+        second = x2 * cos + x1 * sin
+        x[..., : self.head_dim // 2].copy_(first)
+        x[..., self.head_dim // 2 :].copy_(second)
+
+    def _cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, head_dim / 2] of the positions; on CPU looked up once per step (per positions tensor;
+        not on CUDA, where a graph replays the lookup that it captured)."""
+        if self._step is not None and self._step[0] is positions:
+            return self._step[1], self._step[2]
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        if positions.device.type == "cpu":
+            self._step = (positions, cos, sin)
+        return cos, sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,8 @@ class DecoderAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qkv = self.qkv_proj(x)
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(tokens, -1, self.head_dim)
         k = k.reshape(tokens, -1, self.head_dim)
         if _fused.use_fused(x):  # one kernel: (q/k norm and) RoPE, in place in the qkv output
@@ -64,6 +65,9 @@ class DecoderAttention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             apply_rope_(positions, q, k, self.rotary.cos_cache, self.rotary.sin_cache, norms, eps)
+        elif self.q_norm is None and not x.is_cuda:  # q and k heads are side by side in qkv: rotated in place
+            heads = q.shape[1] + k.shape[1]
+            self.rotary.rotate_(positions, qkv[:, : heads * self.head_dim].view(tokens, heads, self.head_dim))
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
