@@ -5,7 +5,8 @@ at positions [seq_lens[i] - query_lens[i], seq_lens[i]); its keys and values for
 live in the paged cache once this step has stored the new ones. A decode is a sequence with query_len 1;
 a prefill (whole, a chunk, or the rest after a prefix-cache hit) has query_len >= 1 and sees the paged prefix.
 
-Cache layout per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim];
+Cache layout per layer: k_cache and v_cache are [num_blocks, block_size, num_kv_heads, head_dim] (the view; the
+torch backend on the CPU keeps K's memory as [num_blocks, num_kv_heads, head_dim, block_size] under it);
 token position p of a sequence lives in block block_tables[i][p // block_size] at offset p % block_size,
 i.e. slot = block * block_size + offset in the flattened [num_blocks * block_size] view. Slot -1 is skipped.
 An FP8 cache (float8 e4m3, kv_fp8.py) comes with k_scale and v_scale, [num_kv_heads] float32 each: store_kv
@@ -60,6 +61,13 @@ class AttentionBackend:
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
         return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
+
+    def new_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's zero-filled (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim] (a
+        backend may lay K's memory out otherwise under that view: the torch backend on the CPU does)."""
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
 from shardserve.kernels.kv_fp8 import dequantize_fp8, is_fp8, quantize_fp8
-from shardserve.kernels.torch_paged_decode import DecodeIndex, build_decode_index, paged_decode
+from shardserve.kernels.torch_paged_decode import (DecodeIndex, build_decode_index, is_transposed,
+                                                    paged_decode, transposed_k_cache)
 
 
 def store_kv(
@@ -34,10 +35,14 @@ def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     num_kv_heads, head_dim = k_cache.shape[-2:]
     for new, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
         if is_fp8(cache):  # index_copy_ has no float8 kernel on CPU: the bytes are copied as uint8
-            cache.view(torch.uint8).view(-1, num_kv_heads, head_dim).index_copy_(
-                0, slots, quantize_fp8(new, scale).view(torch.uint8))
+            cache, new = cache.view(torch.uint8), quantize_fp8(new, scale).view(torch.uint8)
         else:
-            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, new.to(cache.dtype))
+            new = new.to(cache.dtype)
+        if cache.is_contiguous():
+            cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, new)
+        else:  # K transposed within its blocks (new_cache on the CPU): written through the view
+            block_size = cache.shape[1]
+            cache.index_put_((slots // block_size, slots % block_size), new)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -52,6 +57,14 @@ def gather_context(cache: torch.Tensor, block_table: torch.Tensor, length: int) 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     store_kv = staticmethod(store_kv)
+
+    def new_cache(self, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        """A float32 cache on the CPU keeps K transposed within each block: its decode reads K^T's rows
+        (torch_paged_decode.py). Other caches keep the usual layout, which their gather + SDPA path copies fastest."""
+        if not (torch.device(device).type == "cpu" and dtype == torch.float32):
+            return super().new_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
+        v_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        return transposed_k_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device), v_cache
 
     def __init__(self) -> None:
         # Per step (every layer gets the same metadata object): the in-place decode's index, and the slots the
@@ -124,7 +137,7 @@ class TorchAttentionBackend(AttentionBackend):
         if self._decode_index is None or self._decode_index[0] is not meta:  # the step's first layer
             rows = meta.block_tables if len(seqs) == meta.num_seqs else meta.block_tables[torch.tensor(seqs)]
             index = build_decode_index(rows, [meta.seq_lens_cpu[i] for i in seqs], k_cache.shape[1], q.shape[1],
-                                       k_cache.shape[2])
+                                       k_cache.shape[2], q.shape[2] if is_transposed(k_cache) else None)
             self._decode_index = (meta, index)
         index = self._decode_index[1]
         if len(seqs) == len(q):  # a decode-only batch: its tokens are its sequences, in order
@@ -148,7 +161,7 @@ class TorchAttentionBackend(AttentionBackend):
         num_heads = q.shape[1]
 
         def gather(cache: torch.Tensor, head_scale: torch.Tensor | None) -> torch.Tensor:  # [B, kv_heads, max_len, D]
-            blocks = cache.index_select(0, tables).view(batch, num_blocks * block_size, num_kv_heads, head_dim)
+            blocks = cache.index_select(0, tables).reshape(batch, num_blocks * block_size, num_kv_heads, head_dim)
             blocks = blocks[:, :max_len].transpose(1, 2)
             return blocks.to(q.dtype) if head_scale is None else dequantize_fp8(blocks, head_scale, q.dtype, 1)
 

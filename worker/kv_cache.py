@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from shardserve.kernels.backends import AttentionBackend
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import cdiv
 
@@ -79,11 +80,13 @@ def _cuda_budget(config: EngineConfig, device: torch.device, profile_forward: Ca
 
 
 def allocate_kv_cache(
-    model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+    model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+    backend: AttentionBackend | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_cache, v_cache), zero-filled so that unwritten slots never hold NaN garbage."""
-    shape = (num_blocks, block_size, model.num_kv_heads_per_rank, model.head_dim)
+    """Per layer (k_cache, v_cache), zero-filled so that unwritten slots never hold NaN garbage, in the layout the
+    attention backend reads (kernels/backends.py: AttentionBackend.new_cache)."""
+    backend = backend or AttentionBackend()
     return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        backend.new_cache(num_blocks, block_size, model.num_kv_heads_per_rank, model.head_dim, dtype, device)
         for _ in range(model.num_layers)
     ]

@@ -113,7 +113,8 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.decode_graphs = None  # graphs over an earlier cache go first
         self.kv_caches = []  # drop an earlier cache before allocating the new one
-        self.kv_caches = kv_cache.allocate_kv_cache(self.model, num_blocks, self.block_size, self.kv_dtype, self.device)
+        self.kv_caches = kv_cache.allocate_kv_cache(
+            self.model, num_blocks, self.block_size, self.kv_dtype, self.device, self.attn_backend)
         self.num_blocks = num_blocks
         if cuda_graphs.graphs_unsupported_reason(self.config, self.device, self.attn_backend) is None:
             self.decode_graphs = cuda_graphs.capture_decode_graphs(
@@ -127,7 +128,8 @@ class ModelRunner:
         total = self.config.max_num_batched_tokens
         seq_len = min(total, self.config.max_model_len)
         blocks = list(range(cdiv(seq_len, self.block_size)))
-        scratch = kv_cache.allocate_kv_cache(self.model, len(blocks), self.block_size, self.kv_dtype, self.device)
+        scratch = kv_cache.allocate_kv_cache(
+            self.model, len(blocks), self.block_size, self.kv_dtype, self.device, self.attn_backend)
         spec = SamplingSpec(temperature=1.0, top_p=0.9)
         lens = [min(seq_len, total - start) for start in range(0, total, seq_len)]
         new = [NewRequest(str(i), [0] * n, n, 0, blocks, spec) for i, n in enumerate(lens)]

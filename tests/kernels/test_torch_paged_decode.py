@@ -1,16 +1,25 @@
 """The in-place CPU decode (kernels/torch_paged_decode.py) against the gather formulation it replaces, on random
 caches whose blocks are scattered, with context lengths of one token, partial last blocks and whole blocks, GQA
-and plain multi-head; and through the torch backend: the per-step index reused across layers, rebuilt per step,
-and decodes mixed with prefills."""
+and plain multi-head, with K in the usual layout and transposed within its blocks (the CPU's float32 cache); the
+store through a transposed K; and through the torch backend: the per-step index reused across layers, rebuilt per
+step, and decodes mixed with prefills."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardserve.kernels.torch_backend import TorchAttentionBackend, gather_context
-from shardserve.kernels.torch_paged_decode import build_decode_index, paged_decode
+from shardserve.kernels.torch_backend import TorchAttentionBackend, gather_context, store_kv
+from shardserve.kernels.torch_paged_decode import build_decode_index, is_transposed, paged_decode, transposed_k_cache
 from tests.kernels._paged_batch import make_batch
+
+
+def transposed(k_cache: torch.Tensor) -> torch.Tensor:
+    """The same keys in the CPU float32 cache's layout (K^T within each block)."""
+    out = transposed_k_cache(*k_cache.shape, k_cache.dtype)
+    out.copy_(k_cache)
+    assert is_transposed(out) and torch.equal(out, k_cache)
+    return out
 
 
 def gathered_reference(q, k_cache, v_cache, meta, scale, seqs=None):
@@ -35,36 +44,59 @@ def gathered_reference(q, k_cache, v_cache, meta, scale, seqs=None):
         ([40], 8, 1),  # one sequence, multi-query
     ],
 )
-def test_in_place_decode_equals_gathered_attention(seq_lens, heads, kv_heads):
+@pytest.mark.parametrize("k_layout", ["usual", "transposed"])
+def test_in_place_decode_equals_gathered_attention(seq_lens, heads, kv_heads, k_layout):
     q, _, _, k_cache, v_cache, meta = make_batch([1] * len(seq_lens), seq_lens, num_heads=heads,
                                                  num_kv_heads=kv_heads, head_dim=32, block_size=16,
                                                  dtype=torch.float32, seed=len(seq_lens) + heads)
-    index = build_decode_index(meta.block_tables, meta.seq_lens_cpu, 16, heads, kv_heads)
-    out = paged_decode(q, k_cache, v_cache, index, scale=32**-0.5)
+    kt = k_layout == "transposed"
+    index = build_decode_index(meta.block_tables, meta.seq_lens_cpu, 16, heads, kv_heads, 32 if kt else None)
+    out = paged_decode(q, transposed(k_cache) if kt else k_cache, v_cache, index, scale=32**-0.5)
     torch.testing.assert_close(out, gathered_reference(q, k_cache, v_cache, meta, 32**-0.5), atol=2e-5, rtol=2e-5)
 
 
-def test_backend_reuses_the_step_index_across_layers_and_rebuilds_it_per_step():
+def test_the_cpu_float32_cache_keeps_k_transposed_and_the_store_writes_it_as_the_usual_layout():
+    backend = TorchAttentionBackend()
+    k_cache, v_cache = backend.new_cache(6, 4, 3, 8, torch.float32, torch.device("cpu"))
+    assert k_cache.shape == v_cache.shape == (6, 4, 3, 8) and is_transposed(k_cache) and v_cache.is_contiguous()
+    assert not is_transposed(backend.new_cache(6, 4, 3, 8, torch.bfloat16, torch.device("cpu"))[0])
+    k_usual, v_usual = torch.zeros_like(v_cache), torch.zeros_like(v_cache)
+    k, v = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
+    slots = torch.tensor([0, 7, -1, 13, 23])  # first and last slots, a skipped row, scattered blocks
+    store_kv(k, v, k_cache, v_cache, slots)
+    store_kv(k, v, k_usual, v_usual, slots)
+    assert torch.equal(k_cache, k_usual) and torch.equal(v_cache, v_usual) and k_cache.abs().sum() > 0
+
+
+@pytest.mark.parametrize("k_layout", ["usual", "transposed"])
+def test_backend_reuses_the_step_index_across_layers_and_rebuilds_it_per_step(k_layout):
     backend = TorchAttentionBackend()
     seq_lens = [7, 48, 21, 90]
     q, _, _, k_cache, v_cache, meta = make_batch([1] * 4, seq_lens, num_heads=6, num_kv_heads=2, head_dim=16,
                                                  block_size=8, dtype=torch.float32, seed=1)
     layer2_k, layer2_v = torch.randn_like(k_cache), torch.randn_like(v_cache)  # another layer, same step
+    if k_layout == "transposed":
+        k_cache, layer2_k = transposed(k_cache), transposed(layer2_k)
     for kc, vc in ((k_cache, v_cache), (layer2_k, layer2_v)):
         out = backend.attend(q, kc, vc, meta, scale=0.25)
         torch.testing.assert_close(out, gathered_reference(q, kc, vc, meta, 0.25), atol=2e-5, rtol=2e-5)
     # the next step: the same shapes, other blocks and lengths; a stale index would read the old ones
     q2, _, _, k2, v2, meta2 = make_batch([1] * 4, [9, 47, 30, 88], num_heads=6, num_kv_heads=2, head_dim=16,
                                          block_size=8, dtype=torch.float32, seed=2)
+    k2 = transposed(k2) if k_layout == "transposed" else k2
     out = backend.attend(q2, k2, v2, meta2, scale=0.25)
     torch.testing.assert_close(out, gathered_reference(q2, k2, v2, meta2, 0.25), atol=2e-5, rtol=2e-5)
 
 
-def test_backend_decodes_beside_prefills_read_their_own_rows():
+@pytest.mark.parametrize("k_layout", ["usual", "transposed"])
+def test_backend_decodes_beside_prefills_read_their_own_rows(k_layout):
     query_lens, seq_lens = [1, 5, 1, 12, 1], [30, 20, 3, 12, 17]
     q, _, _, k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=16,
                                                  block_size=4, dtype=torch.float32, seed=5)
+    usual = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, scale=0.25)
+    k_cache = transposed(k_cache) if k_layout == "transposed" else k_cache
     out = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, scale=0.25)
     decodes, rows = [0, 2, 4], [0, 6, 19]  # the decodes' sequences and their tokens' rows in the flat batch
     expected = gathered_reference(q[rows], k_cache, v_cache, meta, 0.25, seqs=decodes)
     torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, usual, atol=2e-5, rtol=2e-5)  # the prefills' rows read a transposed K too
