@@ -59,9 +59,9 @@ class TorchAttentionBackend(AttentionBackend):
     store_kv = staticmethod(store_kv)
 
     def new_cache(self, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
-        """A float32 cache on the CPU keeps K transposed within each block: its decode reads K^T's rows
-        (torch_paged_decode.py). Other caches keep the usual layout, which their gather + SDPA path copies fastest."""
-        if not (torch.device(device).type == "cpu" and dtype == torch.float32):
+        """A CPU cache in a float dtype (not FP8) keeps K transposed within each block: its decode reads K^T's rows
+        (torch_paged_decode.py). FP8 and CUDA caches keep the usual layout."""
+        if not (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)):
             return super().new_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         v_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         return transposed_k_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device), v_cache
@@ -119,9 +119,11 @@ class TorchAttentionBackend(AttentionBackend):
         out[start : start + q_len] = result.squeeze(0).transpose(0, 1)
 
     def _decode(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int], scales) -> None:
-        """One query per sequence. A float32 cache on the CPU is read in place (torch_paged_decode.py); otherwise
-        sequences of similar length are gathered and attended together (padding at most ~2x)."""
-        if k_cache.dtype == torch.float32 and q.dtype == torch.float32 and q.device.type == "cpu":
+        """One query per sequence. On the CPU a cache in the model's dtype is read in place (torch_paged_decode.py:
+        float32, or any float dtype with K transposed); otherwise sequences of similar length are gathered and
+        attended together (padding at most ~2x)."""
+        if (q.device.type == "cpu" and k_cache.dtype == q.dtype
+                and (q.dtype == torch.float32 or is_transposed(k_cache))):
             self._decode_in_place(q, out, k_cache, v_cache, meta, scale, seqs, starts)
             return
         by_length = sorted(seqs, key=lambda i: meta.seq_lens_cpu[i], reverse=True)

@@ -23,8 +23,11 @@ Then, in float32:
           / sum over the bag of w          [num_slots * kv_heads, head_dim], one division per bag
 
 A fixed number of ops per layer whatever the batch, no padding of the context, no mask beyond each sequence's last
-block. Used for float32 caches (bfloat16 scores would lose the precision SDPA keeps in its float32 accumulators);
-other dtypes and the FP8 cache keep the gather + SDPA path (torch_backend.py).
+block. The torch backend uses it on the CPU for caches in the model's dtype: float32, and bfloat16/float16 with a
+transposed K. In those the embedding bags accumulate in float32 and round their outputs to the cache's dtype: the
+scores come out rounded to bfloat16 (as an eager attention's bfloat16 matmul rounds them; the max, exp and sums
+then run in float32) and the softmax numerators are rounded to it for V's weighted sum. The FP8 cache keeps the
+gather + SDPA path (torch_backend.py).
 """
 
 from __future__ import annotations
@@ -118,8 +121,8 @@ def _block_bags(tables: torch.Tensor, lens: torch.Tensor, block_size: int, num_h
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, index: DecodeIndex,
                  scale: float) -> torch.Tensor:
     """q [B, H, D] (one query per sequence, the order of the index's sequences) -> [B, H, D]; caches of logical
-    shape [num_blocks, block_size, kv_heads, D], float32, V contiguous, K contiguous or transposed (the index
-    built with head_dim then)."""
+    shape [num_blocks, block_size, kv_heads, D], V contiguous, K transposed (the index built with head_dim then)
+    or, float32 only, contiguous."""
     batch, num_heads, head_dim = q.shape
     if index.blocks is not None:
         weights, total = _softmax_numerators_kt(q, k_cache, index.blocks, scale)
@@ -127,8 +130,9 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         weights = _softmax_numerators(q, k_cache, index, scale)
         total = torch.segment_reduce(weights, "sum", lengths=index.lengths)
     out = F.embedding_bag(index.rows, v_cache.view(-1, head_dim), index.offsets, mode="sum",
-                          per_sample_weights=weights)
-    return out.div_(total.unsqueeze(1)).view(batch, num_heads, head_dim)  # normalised per bag: B * H divisions
+                          per_sample_weights=weights.to(v_cache.dtype))
+    out = out.float().div_(total.unsqueeze(1))  # normalised per bag: B * H divisions
+    return out.to(q.dtype).view(batch, num_heads, head_dim)
 
 
 def _softmax_numerators(q, k_cache, index: DecodeIndex, scale: float) -> torch.Tensor:
@@ -143,11 +147,11 @@ def _softmax_numerators(q, k_cache, index: DecodeIndex, scale: float) -> torch.T
 
 def _softmax_numerators_kt(q, k_cache, bags: BlockBags, scale: float) -> torch.Tensor:
     """The same from a transposed K (a block's block_size scores per weighted row sum over head_dim rows), and
-    each bag's sum of them."""
+    each bag's sum of them; float32."""
     head_dim, block_size = q.shape[2], k_cache.shape[1]
     k_rows = k_cache.permute(0, 2, 3, 1).view(-1, block_size)  # the memory: [num_blocks * kv_heads * D, bs]
-    q_weights = (q * scale).reshape(-1, head_dim).index_select(0, bags.bag).view(-1)  # [M * D]
-    scores = F.embedding_bag(bags.rows, k_rows, bags.offsets, mode="sum", per_sample_weights=q_weights)
+    q_weights = (q.float() * scale).to(k_cache.dtype).reshape(-1, head_dim).index_select(0, bags.bag).view(-1)
+    scores = F.embedding_bag(bags.rows, k_rows, bags.offsets, mode="sum", per_sample_weights=q_weights).float()
     scores.masked_fill_(bags.past_end, float("-inf"))  # [M, block_size]
     top = torch.segment_reduce(scores.amax(1), "max", lengths=bags.per_bag)  # [B * H]
     scores.sub_(top.index_select(0, bags.bag).unsqueeze(1)).exp_()  # past the end: exp(-inf) = 0

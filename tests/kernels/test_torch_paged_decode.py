@@ -55,11 +55,12 @@ def test_in_place_decode_equals_gathered_attention(seq_lens, heads, kv_heads, k_
     torch.testing.assert_close(out, gathered_reference(q, k_cache, v_cache, meta, 32**-0.5), atol=2e-5, rtol=2e-5)
 
 
-def test_the_cpu_float32_cache_keeps_k_transposed_and_the_store_writes_it_as_the_usual_layout():
+def test_the_cpu_float_caches_keep_k_transposed_and_the_store_writes_it_as_the_usual_layout():
     backend = TorchAttentionBackend()
     k_cache, v_cache = backend.new_cache(6, 4, 3, 8, torch.float32, torch.device("cpu"))
     assert k_cache.shape == v_cache.shape == (6, 4, 3, 8) and is_transposed(k_cache) and v_cache.is_contiguous()
-    assert not is_transposed(backend.new_cache(6, 4, 3, 8, torch.bfloat16, torch.device("cpu"))[0])
+    assert is_transposed(backend.new_cache(6, 4, 3, 8, torch.bfloat16, torch.device("cpu"))[0])
+    assert backend.new_cache(6, 4, 3, 8, torch.float8_e4m3fn, torch.device("cpu"))[0].is_contiguous()
     k_usual, v_usual = torch.zeros_like(v_cache), torch.zeros_like(v_cache)
     k, v = torch.randn(5, 3, 8), torch.randn(5, 3, 8)
     slots = torch.tensor([0, 7, -1, 13, 23])  # first and last slots, a skipped row, scattered blocks
@@ -100,3 +101,35 @@ def test_backend_decodes_beside_prefills_read_their_own_rows(k_layout):
     expected = gathered_reference(q[rows], k_cache, v_cache, meta, 0.25, seqs=decodes)
     torch.testing.assert_close(out[rows], expected, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(out, usual, atol=2e-5, rtol=2e-5)  # the prefills' rows read a transposed K too
+
+
+def eager_attention(q, k_cache, v_cache, meta, scale):
+    """Attention as an eager implementation runs it in q's dtype: scores from a matmul in that dtype (rounded to
+    it), softmax in float32, the probabilities rounded back to the dtype for the matmul with V."""
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    outs = []
+    for i in range(meta.num_seqs):
+        keys = gather_context(k_cache, meta.block_tables[i], meta.seq_lens_cpu[i]).repeat_interleave(
+            heads // kv_heads, dim=1).transpose(0, 1)  # [H, L, D]
+        values = gather_context(v_cache, meta.block_tables[i], meta.seq_lens_cpu[i]).repeat_interleave(
+            heads // kv_heads, dim=1).transpose(0, 1)
+        scores = torch.matmul(q[i].unsqueeze(1) * scale, keys.transpose(1, 2))  # [H, 1, L]
+        outs.append(torch.matmul(torch.softmax(scores.float(), -1).to(q.dtype), values).squeeze(1))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("sharpness", [1.0, 3.0])
+def test_half_precision_in_place_decode_is_as_close_to_float64_as_an_eager_attention(dtype, sharpness):
+    """Half-precision caches round the scores to their dtype (the embedding bag's output), as an eager attention's
+    matmul does; SDPA, which keeps them in float32, is closer (docs/architecture.md, "On the CPU")."""
+    seq_lens = [1, 16, 17, 70, 300, 129]
+    q, _, _, k_cache, v_cache, meta = make_batch([1] * len(seq_lens), seq_lens, num_heads=9, num_kv_heads=3,
+                                                 head_dim=64, block_size=16, dtype=dtype, seed=11)
+    q = q * sharpness  # sharper attention than randn's: rounding the scores matters more
+    reference = gathered_reference(q.double(), k_cache.double(), v_cache.double(), meta, 0.125)
+    in_place = TorchAttentionBackend().attend(q, transposed(k_cache), v_cache, meta, scale=0.125)
+    assert in_place.dtype == dtype
+    error = (in_place.double() - reference).abs().max().item()
+    eager_error = (eager_attention(q, k_cache, v_cache, meta, 0.125).double() - reference).abs().max().item()
+    assert error <= 1.5 * eager_error + 1e-3, (error, eager_error)
