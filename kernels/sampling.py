@@ -2,7 +2,7 @@
 
 The Gumbel-max trick: argmax_i(logit_i / T + g_i), with g_i = -log(-log(u_i)) and u_i uniform in (0, 1), picks
 token i with probability softmax(logit / T)_i. Each u_i is a hash of (the row's 64-bit key, i), so a row's token
-is a pure function of its logits and its key (sampler.row_key(seed, index of the token being generated)): the
+is a pure function of its logits and its key (worker/sampling_keys.row_key(seed, index of the generated token)): the
 same on every tensor-parallel rank, whatever the batch around it. Masked tokens (-inf logits, from min_tokens or
 penalties) are never picked, nor, when a row has a threshold (kernels/sampling_filter.py: top-k, top-p, min-p as
 one cut-off), the tokens with logit / T below it.

@@ -20,7 +20,8 @@ from shardserve.kernels import sampling, sampling_filter
 from shardserve.kernels.sampling import gumbel_sample, split_keys
 from shardserve.worker import sampler
 from shardserve.proto.plan import SamplingSpec
-from shardserve.worker.sampler import SamplingRow, _filter, row_key, sample_tokens
+from shardserve.worker.sampler import SamplingRow, _filter, sample_tokens
+from shardserve.worker.sampling_keys import row_key
 
 VOCAB = 151936
 

@@ -8,15 +8,8 @@ import pytest
 import torch
 
 from shardserve.proto.plan import SamplingSpec
-from shardserve.worker.sampler import (
-    SamplingRow,
-    apply_min_tokens,
-    apply_penalties,
-    row_key,
-    sample,
-    splitmix64,
-    uniform_draw,
-)
+from shardserve.worker.sampler import SamplingRow, apply_min_tokens, apply_penalties, sample
+from shardserve.worker.sampling_keys import row_key, splitmix64, uniform_draw
 
 
 @pytest.fixture(autouse=True, params=["inverse-cdf", "gumbel"])
@@ -195,7 +188,7 @@ def test_rows_without_top_p_keep_their_whole_tail_next_to_rows_with_it():
 def test_row_keys_split_equals_row_key_per_row():
     """The vectorised keys (numpy's wrapping uint64) are row_key's, as the Gumbel kernel's 32-bit halves."""
     from shardserve.kernels.sampling import split_keys
-    from shardserve.worker.sampler import row_key, row_keys_split
+    from shardserve.worker.sampling_keys import row_keys_split
 
     seeds = [0, 1, 12345, 2**63 - 1, 2**64 - 1, 977 * 31]
     rows = [SamplingRow(SamplingSpec(temperature=1.0, seed=s), [7] * (3 + i), 2) for i, s in enumerate(seeds)]
