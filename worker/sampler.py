@@ -204,7 +204,8 @@ def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
         logits = _filter(logits * inv_temps.unsqueeze(1), rows)
         inv_temps = torch.ones_like(inv_temps)
     # the keys' host work runs while the device searches the cut-offs
-    keys = device_tensor(row_keys_split(rows), torch.int64, device)
+    keys = device_tensor(row_keys_split([r.spec.seed for r in rows], [r.output_index for r in rows]), torch.int64,
+                         device)
     return gumbel_sample(logits, keys.view(-1, 2), inv_temps, thresholds)
 
 

@@ -5,12 +5,9 @@ CUDA rows hand the key's two 32-bit halves to the Gumbel kernel (kernels/samplin
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
-
-if TYPE_CHECKING:
-    from shardserve.worker.sampler import SamplingRow
 
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
@@ -37,11 +34,11 @@ def row_key(seed: int, output_index: int) -> int:
     return splitmix64(_seed_hash(seed) ^ (output_index & _MASK64))
 
 
-def row_keys_split(rows: Sequence[SamplingRow]) -> list[int]:
+def row_keys_split(seeds: Sequence[int], output_indices: Sequence[int]) -> list[int]:
     """[low, high 32 bits of row_key(seed, output index)] per row (the Gumbel kernel's key layout), computed
     with numpy's wrapping uint64 arithmetic: the same values as row_key, ~10x faster at batch 256."""
-    seeds = np.array([_seed_hash(r.spec.seed) for r in rows], dtype=np.uint64)
-    z = seeds ^ np.array([r.output_index & _MASK64 for r in rows], dtype=np.uint64)
+    hashed = np.array([_seed_hash(seed) for seed in seeds], dtype=np.uint64)
+    z = hashed ^ np.array([index & _MASK64 for index in output_indices], dtype=np.uint64)
     z = z + np.uint64(_GOLDEN)
     z = (z ^ (z >> np.uint64(30))) * np.uint64(_MIX1)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(_MIX2)

@@ -192,4 +192,5 @@ def test_row_keys_split_equals_row_key_per_row():
 
     seeds = [0, 1, 12345, 2**63 - 1, 2**64 - 1, 977 * 31]
     rows = [SamplingRow(SamplingSpec(temperature=1.0, seed=s), [7] * (3 + i), 2) for i, s in enumerate(seeds)]
-    assert row_keys_split(rows) == split_keys([row_key(r.spec.seed, r.output_index) for r in rows])
+    assert row_keys_split([r.spec.seed for r in rows], [r.output_index for r in rows]) == split_keys(
+        [row_key(r.spec.seed, r.output_index) for r in rows])
