@@ -7,6 +7,7 @@ so it costs one all-reduce. Weights are [out_features, in_features] as in nn.Lin
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -16,6 +17,25 @@ from torch import nn
 from shardserve.worker.distributed import all_reduce, tp_rank, tp_size
 from shardserve.worker.layers import cpu_packed
 from shardserve.worker.layers._sharding import attach_loader, copy_into, narrow_loaded
+
+
+# Decode at batch 1 on CUDA: the Triton GEMV (kernels/gemv.py) instead of cuBLAS, which reads narrow weights at
+# M = 1 below the copy rate (docs/performance.md: Qwen3-0.6B's o_proj 12.7 -> 3.1 us, Llama-3-8B's qkv and o_proj
+# 6-13% faster). Not where K > GEMV_MAX_K (Llama-3-8B's down projection, K = 14,336, measured 2% slower).
+# SHARDSERVE_GEMV=0 turns it off (A/B runs).
+GEMV = os.environ.get("SHARDSERVE_GEMV", "1") != "0"
+GEMV_MAX_K = 8192
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, or the GEMV for one row of a half-precision x on CUDA."""
+    if (GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= GEMV_MAX_K
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.stride(1) == 1):
+        from shardserve.kernels.gemv import gemv
+
+        y = gemv(x, weight, block_n=8, block_k=1024, warps=4)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -50,7 +70,7 @@ class ColumnParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.is_mkldnn:
             return cpu_packed.linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -158,5 +178,5 @@ class RowParallelLinear(nn.Module):
         return cpu_packed.replace_with_packed(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(cpu_packed.linear(x, self.weight) if self.weight.is_mkldnn else F.linear(x, self.weight))
+        y = all_reduce(cpu_packed.linear(x, self.weight) if self.weight.is_mkldnn else matmul(x, self.weight))
         return y + self.bias if self.bias is not None else y
