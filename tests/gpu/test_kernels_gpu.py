@@ -155,3 +155,25 @@ def test_gumbel_sampler_matches_its_reference_at_qwen3_vocabulary():
     tokens = gumbel_sample(logits, keys, inv_t)
     assert torch.equal(tokens, gumbel_sample_ref(logits, keys, inv_t))
     assert int(tokens[::7].max()) < 1000
+
+
+@pytest.mark.parametrize("n, k", [(6144, 4096), (4096, 4096), (1024, 2048), (1024, 3072)])
+def test_gemv_bf16_one_row_equals_cublas_and_the_layers_take_it(n, k, monkeypatch):
+    """The one-row GEMV (kernels/gemv.py) on Llama-3-8B's and Qwen3-0.6B's shapes against F.linear within bf16
+    rounding of a float32 sum, and worker/layers/linear.matmul dispatching one row to it (and two rows not)."""
+    from shardserve.kernels import gemv as gemv_module
+    from shardserve.worker.layers import linear
+
+    gen = torch.Generator(device="cuda").manual_seed(n + k)
+    x = torch.randn(2, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    expected = x.float() @ w.float().T
+    torch.testing.assert_close(gemv_module.gemv(x[:1], w, 8, 1024, 4).float(), expected[:1], **BF16)
+    calls = []
+    def counted(x_, w_, *args, **kwargs):
+        calls.append(x_.shape)
+        return torch.nn.functional.linear(x_, w_)
+    monkeypatch.setattr(gemv_module, "gemv", counted)
+    linear.matmul(x[:1], w)
+    linear.matmul(x, w)
+    assert calls == ([torch.Size([1, k])] if linear.GEMV else [])
