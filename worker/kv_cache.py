@@ -1,6 +1,7 @@
 """The paged KV cache: its size (fixed, from a memory budget, or profiled on CUDA) and its allocation.
 
-Per layer one K and one V tensor of [num_blocks, block_size, num_kv_heads_per_rank, head_dim]. Every rank holds
+Per layer one K and one V tensor of [num_blocks, block_size, num_kv_heads_per_rank, head_dim] (the view: the
+attention backend chooses the memory layout under it, kernels/backends.py: new_cache). Every rank holds
 its own KV heads for every block, so block ids from the one controller-side block manager are valid on all ranks;
 the block count all ranks use is the minimum of what each rank can hold.
 """
