@@ -58,6 +58,12 @@ class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     store_kv = staticmethod(store_kv)
 
+    def __init__(self) -> None:
+        # Per step (every layer gets the same metadata object): the in-place decode's index, and the slots the
+        # new K/V go to when every row has one (None: some rows have slot -1)
+        self._decode_index: tuple[AttentionMetadata, DecodeIndex] | None = None
+        self._slots: tuple[AttentionMetadata, torch.Tensor | None] | None = None
+
     def new_cache(self, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         """A CPU cache in a float dtype (not FP8) keeps K transposed within each block: its decode reads K^T's rows
         (torch_paged_decode.py). FP8 and CUDA caches keep the usual layout."""
@@ -65,12 +71,6 @@ class TorchAttentionBackend(AttentionBackend):
             return super().new_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
         v_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
         return transposed_k_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device), v_cache
-
-    def __init__(self) -> None:
-        # Per step (every layer gets the same metadata object): the in-place decode's index, and the slots the
-        # new K/V go to when every row has one (None: some rows have slot -1)
-        self._decode_index: tuple[AttentionMetadata, DecodeIndex] | None = None
-        self._slots: tuple[AttentionMetadata, torch.Tensor | None] | None = None
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None):
         if self._slots is None or self._slots[0] is not meta:  # the step's first layer
