@@ -64,8 +64,9 @@ class _TimedKernel:
         return launch
 
 
-def _per_launch_ms(*args, **kwargs) -> list:
-    """filter_thresholds' launches one by one: [(kernel, ms)] (each launch waited for: no overlap of launches)."""
+def _logged_launches(*args, **kwargs) -> list:
+    """One filter_thresholds call with each launch logged: [(kernel, start event, end event, (registers, spills))]
+    (each launch waited for: no overlap of launches)."""
     log: list = []
     stats, passes = sampling_filter._stats_kernel, sampling_filter._pass_kernel
     sampling_filter._stats_kernel, sampling_filter._pass_kernel = _TimedKernel(stats, log), _TimedKernel(passes, log)
@@ -74,20 +75,17 @@ def _per_launch_ms(*args, **kwargs) -> list:
         torch.cuda.synchronize()
     finally:
         sampling_filter._stats_kernel, sampling_filter._pass_kernel = stats, passes
-    return [(name, round(start.elapsed_time(end), 4)) for name, start, end, _ in log]
+    return log
+
+
+def _per_launch_ms(*args, **kwargs) -> list:
+    """filter_thresholds' launches one by one: [(kernel, ms)]."""
+    return [(name, round(start.elapsed_time(end), 4)) for name, start, end, _ in _logged_launches(*args, **kwargs)]
 
 
 def _registers(*args, **kwargs) -> dict:
     """Registers and spills per thread of each kernel of filter_thresholds, as compiled."""
-    log: list = []
-    stats, passes = sampling_filter._stats_kernel, sampling_filter._pass_kernel
-    sampling_filter._stats_kernel, sampling_filter._pass_kernel = _TimedKernel(stats, log), _TimedKernel(passes, log)
-    try:
-        sampling_filter.filter_thresholds(*args, **kwargs)
-        torch.cuda.synchronize()
-    finally:
-        sampling_filter._stats_kernel, sampling_filter._pass_kernel = stats, passes
-    return {name: regs for name, _, _, regs in log}
+    return {name: regs for name, _, _, regs in _logged_launches(*args, **kwargs)}
 
 
 SWEEP = [  # (pivot step, warps per pass program, compaction step, stats step, stats warps); the first: the default

@@ -143,6 +143,14 @@ def assert_same_tokens_or_near_tie(eager: list[StepResult], graphed: list[StepRe
                 break
 
 
+def assert_same_top_logprobs(eager_results, graphed_results) -> None:
+    """Where a step's top tokens agree, their logprobs agree (1e-4)."""
+    for step_e, step_g in zip(eager_results, graphed_results):
+        for lp_e, lp_g in zip(step_e.logprobs, step_g.logprobs):
+            if lp_e.top_ids == lp_g.top_ids:
+                assert lp_g.top_logprobs == pytest.approx(lp_e.top_logprobs, abs=1e-4)
+
+
 @pytest.mark.parametrize("max_model_len", [64, 512])  # 512: the graph's fixed split count (8) differs from eager's (1)
 def test_padded_decode_path_gives_the_eager_tokens(model_dir, max_model_len):
     eager, _ = make_runner(model_dir, max_model_len, None)
@@ -153,10 +161,7 @@ def test_padded_decode_path_gives_the_eager_tokens(model_dir, max_model_len):
     assert served == [3] * DECODE_STEPS  # every decode step (3 rows, padded to 4) took the padded path
     assert [r.req_ids for r in graphed_results] == [r.req_ids for r in eager_results]
     assert_same_tokens_or_near_tie(eager_results, graphed_results)
-    for step_e, step_g in zip(eager_results, graphed_results):
-        for lp_e, lp_g in zip(step_e.logprobs, step_g.logprobs):
-            if lp_e.top_ids == lp_g.top_ids:
-                assert lp_g.top_logprobs == pytest.approx(lp_e.top_logprobs, abs=1e-4)
+    assert_same_top_logprobs(eager_results, graphed_results)
 
 
 def test_a_batch_larger_than_every_captured_size_runs_eagerly(model_dir):
@@ -179,10 +184,7 @@ def test_lm_head_inside_the_padded_path_gives_the_eager_tokens_and_logprobs(mode
     eager_results, graphed_results = run_overlapped(eager), run_overlapped(graphed)
     assert served == [3] * DECODE_STEPS and heads == [3] * DECODE_STEPS  # every decode step used the graph's head
     assert_same_tokens_or_near_tie(eager_results, graphed_results)
-    for step_e, step_g in zip(eager_results, graphed_results):
-        for lp_e, lp_g in zip(step_e.logprobs, step_g.logprobs):
-            if lp_e.top_ids == lp_g.top_ids:
-                assert lp_g.top_logprobs == pytest.approx(lp_e.top_logprobs, abs=1e-4)
+    assert_same_top_logprobs(eager_results, graphed_results)
 
 
 def test_a_sampled_batch_does_not_take_the_graphs_greedy_tokens(model_dir):
