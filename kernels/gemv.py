@@ -53,12 +53,11 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16, block_k: int 
     if m > MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} (stride {weight.stride()})")
     x = x.contiguous()
-    rows = 1 if m == 1 else 2 if m == 2 else 4
     if split_k == 1:
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     else:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), split_k)
-    _gemv_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-                       BLOCK_N=block_n, BLOCK_K=block_k, ROWS=rows, SPLIT_K=split_k, num_warps=warps)
+    _gemv_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_N=block_n,
+                       BLOCK_K=block_k, ROWS=triton.next_power_of_2(m), SPLIT_K=split_k, num_warps=warps)
     return out if split_k == 1 else out.to(x.dtype)

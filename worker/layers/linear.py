@@ -28,7 +28,10 @@ GEMV_MAX_K = 8192
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the GEMV for one row of a half-precision x on CUDA."""
+    """x W^T + b: oneDNN on a packed CPU weight (layers/cpu_packed.py), the GEMV for one row of a half-precision x
+    on CUDA, else F.linear."""
+    if weight.is_mkldnn:
+        return cpu_packed.linear(x, weight, bias)
     if (GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= GEMV_MAX_K
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.stride(1) == 1):
         from shardserve.kernels.gemv import gemv
@@ -68,8 +71,6 @@ class ColumnParallelLinear(nn.Module):
         return cpu_packed.replace_with_packed(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_mkldnn:
-            return cpu_packed.linear(x, self.weight, self.bias)
         return matmul(x, self.weight, self.bias)
 
 
@@ -178,5 +179,5 @@ class RowParallelLinear(nn.Module):
         return cpu_packed.replace_with_packed(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(cpu_packed.linear(x, self.weight) if self.weight.is_mkldnn else matmul(x, self.weight))
+        y = all_reduce(matmul(x, self.weight))
         return y + self.bias if self.bias is not None else y

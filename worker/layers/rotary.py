@@ -71,10 +71,7 @@ class RotaryEmbedding(nn.Module):
     def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
         """Rotates x [T, heads, head_dim] in place (a view of the qkv output: q and k heads side by side), with
         the values forward() gives."""
-        cos, sin = self._cos_sin(positions)
-        x1, x2 = x.float().chunk(2, dim=-1)  # (views of x itself in float32)
-        first = x1 * cos - x2 * sin
-        second = x2 * cos + x1 * sin
+        first, second = _rotated_halves(x, *self._cos_sin(positions))
         x[..., : self.head_dim // 2].copy_(first)
         x[..., self.head_dim // 2 :].copy_(second)
 
@@ -90,8 +87,11 @@ class RotaryEmbedding(nn.Module):
         return cos, sin
 
 
+def _rotated_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), per half, in float32."""
+    x1, x2 = x.float().chunk(2, dim=-1)  # (views of x itself where x is float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    # x * cat(cos, cos) + rotate_half(x) * cat(sin, sin), written per half
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    return torch.cat(_rotated_halves(x, cos, sin), dim=-1).to(x.dtype)
