@@ -133,13 +133,17 @@ SWEEP = {  # (BLOCK_N, warps, stages, FP8 variant) per cache
     "bfloat16": [(64, 4, 2, None), (64, 4, 3, None), (64, 8, 2, None)],
     "fp8": [(128, 4, 2, "fp16"), (128, 4, 3, "fp16"), (128, 8, 2, "fp16"), (256, 8, 2, "fp16"),
             (128, 4, 2, "k_transposed_load"), (128, 4, 3, "k_transposed_load"), (64, 4, 2, "k_transposed_load"),
-            (128, 4, 2, "transposed"), (16, 4, 2, "fma"), (32, 4, 2, "fma"), (32, 8, 2, "fma"), (64, 8, 2, "fma")],
+            (128, 4, 2, "transposed"), (16, 4, 2, "fma"), (32, 4, 2, "fma"), (32, 8, 2, "fma"), (64, 8, 2, "fma"),
+            (128, 4, 2, "e4m3_qk"), (128, 4, 3, "e4m3_qk"), (128, 4, 2, "e4m3"), (128, 4, 3, "e4m3"),
+            (128, 8, 2, "e4m3"), (64, 4, 2, "e4m3"), (256, 8, 2, "e4m3")],
 }
 
 
 def sweep(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
-          cache_dtypes: tuple[str, ...] = ("bfloat16", "fp8")) -> list[dict]:
-    """The decode kernel over SWEEP's settings x (choose_num_splits' splits, twice that) per shape and cache."""
+          cache_dtypes: tuple[str, ...] = ("bfloat16", "fp8"), variants: set[str] | None = None) -> list[dict]:
+    """The decode kernel over SWEEP's settings x (choose_num_splits' splits, twice that) per shape and cache
+    (variants: only these FP8 loops). Each FP8 row also gives its largest difference from the default loop's
+    output on the first copy of the case (the e4m3 loops round the query and probabilities: this shows by how much)."""
     from shardserve.kernels.paged_decode import choose_num_splits
 
     heads, kv_heads, dim = _model_shape(model)
@@ -150,8 +154,11 @@ def sweep(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
             kv_bytes = batch * context * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
             cases = [_case(heads, kv_heads, dim, batch, context, cache_dtype, device) for _ in range(_copies(kv_bytes))]
             chosen = choose_num_splits(batch, kv_heads, context)
+            baseline = _decode(cases[0], chosen)() if cache_dtype == "fp8" else None
             best = None
             for block_n, warps, stages, variant in SWEEP[cache_dtype]:
+                if variants and variant and variant not in variants:
+                    continue
                 for splits in (chosen, 2 * chosen):
                     row = dict(kv_cache_dtype=cache_dtype, batch=batch, context=context, block_n=block_n,
                                warps=warps, stages=stages, variant=variant, splits=splits, chosen_splits=chosen)
@@ -165,6 +172,13 @@ def sweep(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
                         rows.append(row)
                         continue
                     row["fraction_of_copy_rate"] = kv_bytes / (row["ms"] / 1e3) / copy_bytes_per_s
+                    if baseline is not None:
+                        out = _decode(cases[0], splits, **launch)()
+                        row["max_abs_diff_vs_default"] = float((out.float() - baseline.float()).abs().max())
+                        row["baseline_max_abs"] = float(baseline.float().abs().max())
+                    print(f"  {cache_dtype} {batch}x{context} {block_n},{warps},{stages} {variant} splits {splits}: "
+                          f"{row['ms']:.4f} ms ({row['fraction_of_copy_rate']:.0%})"
+                          + (f" diff {row['max_abs_diff_vs_default']:.3g}" if baseline is not None else ""), flush=True)
                     rows.append(row)
                     best = row if best is None or row["ms"] < best["ms"] else best
             if best:
@@ -189,14 +203,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="the decode kernel's launch settings too")
     parser.add_argument("--sweep-shapes", default="32x1024,32x4096,64x1024,64x4096,256x800",
                         help="BATCHxCONTEXT,... for --sweep")
+    parser.add_argument("--sweep-variants", default="", help="FP8 loops to sweep, e.g. fp16,e4m3 (default: all)")
     parser.add_argument("--json-out", help="write the rows here")
     args = parser.parse_args(argv)
-    shapes = [tuple(int(x) for x in spec.split("x")) for spec in args.shapes.split(",")]
+    shapes = [tuple(int(x) for x in spec.split("x")) for spec in filter(None, args.shapes.split(","))]
     copy = measure_rates("cuda", matmul_n=1024).copy_bytes_per_s
     report = {"model": args.model, "copy_bytes_per_s": copy, "rows": attention_rates(args.model, shapes, copy)}
     if args.sweep:
         report["sweep"] = sweep(args.model, [tuple(int(x) for x in spec.split("x"))
-                                             for spec in args.sweep_shapes.split(",")], copy)
+                                             for spec in args.sweep_shapes.split(",")], copy,
+                                  variants=set(filter(None, args.sweep_variants.split(","))) or None)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)

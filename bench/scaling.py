@@ -58,7 +58,7 @@ def add_scaling_parser(kinds, add_engine_args, run) -> None:
     p.add_argument("--prefix-output-len", type=int, default=64, help="shared-prefix workload: output tokens each")
     p.add_argument("--concurrency", type=int, default=64, help="shared-prefix requests in flight")
     p.add_argument("--shared-configs", default=None,
-                   help="configurations that also run the shared-prefix workload (default: all)")
+                   help="configurations that also run the shared-prefix workload (default: all; none: offline only)")
     p.add_argument("--shared-kv-blocks", type=int, default=None,
                    help="KV blocks each replica keeps for the shared-prefix runs (default: all it has); below the "
                         "working set of the prefixes, so that routing decides the hit rate")
@@ -200,8 +200,11 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
 
         units = args.max_units or (int(ray.cluster_resources().get("GPU", 0)) if base.device == "cuda" else 2)
         configs = sweep(max(units, 1), [1, 2, 4, 8])
-    shared_at = ({_parse_config(c) for c in args.shared_configs.split(",")} if args.shared_configs
-                 else set(configs))
+    if args.shared_configs == "none":
+        shared_at = set()
+    else:
+        shared_at = ({_parse_config(c) for c in args.shared_configs.split(",")} if args.shared_configs
+                     else set(configs))
     policies = args.routing.split(",")
     workloads = _workloads(args, read_model_facts(base.model).vocab_size)
     total = sum(len(workloads[0]) + (len(workloads[1]) * len(_shared_runs(policies, r, args.shared_kv_blocks))

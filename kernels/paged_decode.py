@@ -19,7 +19,8 @@ import triton.language as tl
 from shardserve.kernels.kv_fp8 import dequantize_fp8
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
-from shardserve.kernels.paged_decode_fp8 import fp8_fma_loop, fp8_k_transposed_load_loop, fp8_transposed_loop
+from shardserve.kernels.paged_decode_fp8 import (fp8_e4m3_loop, fp8_fma_loop, fp8_k_transposed_load_loop,
+                                                 fp8_transposed_loop)
 
 
 # The block table's row stride is the step's widest table: left unspecialised, or each new value that is (not) a
@@ -77,6 +78,10 @@ def _decode_kernel(
     elif FP8_DOT == 4:
         m, l, acc = fp8_fma_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
                                  stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N)
+    elif FP8_DOT >= 5:
+        m, l, acc = fp8_e4m3_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
+                                  stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N,
+                                  FP8_DOT == 6)
     else:
         if DOT_FP16:
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
@@ -143,7 +148,9 @@ def _merge_splits_kernel(
 # "fp16" converts to fp16 instead (one native conversion; q clamped to fp16's range); "transposed" also puts the
 # converted tiles first in both products (s^T = k q^T, acc^T = v^T p^T). fp16 measured fastest (offline Qwen3-0.6B
 # 21.6k out tok/s against 19.5k and 18.4k), so it is the default.
-FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma")
+# "e4m3_qk" and "e4m3" quantize the query to e4m3 and multiply e4m3 tiles as stored (e4m3_qk: the scores only;
+# e4m3: the probabilities too): approximations beyond the cache's own rounding (tests bound them).
+FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3")
 
 
 def fp8_decode_variant() -> str:

@@ -115,3 +115,44 @@ def fp8_fma_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
         m = m_new
     return m, l, acc
+
+
+@triton.jit
+def fp8_e4m3_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp, stride_ch,
+                  block_size, scale_log2e, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_N: tl.constexpr, E4M3_PV: tl.constexpr):
+    """e4m3 products on the tensor cores: the tiles go from memory to the products as stored, never widened.
+    The query is quantized to e4m3 with one scale for the program's heads (their largest magnitude -> 448; the
+    scale folds into the softmax scale). E4M3_PV: the probabilities too, as p x 448 (their largest value in a
+    row is 1, so the whole e4m3 range is used; the 448 comes off at the end); else p and V meet as fp16.
+    Returns (m, l, acc) like the other loops; l sums the unrounded probabilities."""
+    d = tl.arange(0, BLOCK_D)
+    dim_ok = d < HEAD_DIM
+    qf = q.to(tl.float32)
+    q_scale = tl.maximum(tl.max(tl.max(tl.abs(qf), 1), 0), 1e-30) / 448.0
+    q8 = (qf / q_scale).to(tl.float8e4nv)
+    scale_log2e = scale_log2e * q_scale
+    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
+    l = tl.zeros([BLOCK_G], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    for tile_start in range(start, end, BLOCK_N):
+        kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
+                                      BLOCK_N)
+        kv_mask = valid[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q8, tl.trans(k)) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
+        s = tl.where(valid[None, :], s, NEG_BIG)
+        m_new = tl.maximum(m, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, 1)
+        if E4M3_PV:
+            pv = tl.dot((p * 448.0).to(tl.float8e4nv), v)
+        else:
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+        acc = acc * alpha[:, None] + pv
+        m = m_new
+    if E4M3_PV:
+        acc = acc * (1.0 / 448.0)
+    return m, l, acc
