@@ -256,12 +256,20 @@ def paged_decode_attention(
     return out
 
 
+def round_query_e4m3(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """q [num_seqs, num_heads, head_dim] as the e4m3 decode loops see it: each (sequence, KV head)'s group of query
+    heads rounded to e4m3 with one scale (their largest magnitude -> 448), in float32."""
+    groups = q.float().unflatten(1, (num_kv_heads, -1))
+    scale = groups.abs().amax(dim=(2, 3), keepdim=True).clamp_min(1e-30) / 448.0
+    return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(1, 2)
+
+
 def paged_decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch reference: per sequence, gather its context from the blocks and attend in float32 (an FP8 cache
-    dequantized with its scales first)."""
+    dequantized with its scales first). For the e4m3 loops, give it round_query_e4m3(q)."""
     if k_scale is not None:
         k_cache, v_cache = dequantize_fp8(k_cache, k_scale, torch.float32), dequantize_fp8(v_cache, v_scale, torch.float32)
     num_seqs, num_heads, head_dim = q.shape
