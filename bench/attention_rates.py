@@ -189,6 +189,31 @@ def sweep(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
     return rows
 
 
+def padded_rows(model: str, shapes: list[tuple[int, int]], rows: list[int], copy_bytes_per_s: float) -> list[dict]:
+    """The decode kernel with its query group padded to each of rows (16 is what it runs): how its time grows with
+    the products' and softmax's rows says how much of it is per-row work rather than bytes."""
+    from shardserve.kernels.paged_decode import choose_num_splits
+
+    heads, kv_heads, dim = _model_shape(model)
+    out = []
+    for cache_dtype, variants in (("bfloat16", [None]), ("fp8", ["fp16", "e4m3_qk"])):
+        for batch, context in shapes:
+            kv_bytes = batch * context * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
+            cases = [_case(heads, kv_heads, dim, batch, context, cache_dtype, "cuda") for _ in range(_copies(kv_bytes))]
+            splits = choose_num_splits(batch, kv_heads, context)
+            for variant in variants:
+                for block_g in rows:
+                    launch = dict(block_g=block_g) | (dict(fp8_variant=variant) if variant else {})
+                    ms = graph_ms([_decode(c, splits, **launch) for c in cases])
+                    out.append(dict(kv_cache_dtype=cache_dtype, variant=variant, batch=batch, context=context,
+                                    rows=block_g, splits=splits, ms=ms,
+                                    fraction_of_copy_rate=kv_bytes / (ms / 1e3) / copy_bytes_per_s))
+                    print(f"rows {cache_dtype} {variant} {batch}x{context} rows {block_g}: {ms:.4f} ms "
+                          f"({out[-1]['fraction_of_copy_rate']:.0%})", flush=True)
+            del cases
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """python -m shardserve.bench.attention_rates --model M --shapes 32x256,64x4096 [--sweep] --json-out F"""
     import argparse
@@ -204,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-shapes", default="32x1024,32x4096,64x1024,64x4096,256x800",
                         help="BATCHxCONTEXT,... for --sweep")
     parser.add_argument("--sweep-variants", default="", help="FP8 loops to sweep, e.g. fp16,e4m3 (default: all)")
+    parser.add_argument("--padded-rows", default="", help="time the decode kernel with the group padded to these "
+                        "rows, e.g. 16,32,64, at --sweep-shapes")
     parser.add_argument("--json-out", help="write the rows here")
     args = parser.parse_args(argv)
     shapes = [tuple(int(x) for x in spec.split("x")) for spec in filter(None, args.shapes.split(","))]
@@ -213,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
         report["sweep"] = sweep(args.model, [tuple(int(x) for x in spec.split("x"))
                                              for spec in args.sweep_shapes.split(",")], copy,
                                   variants=set(filter(None, args.sweep_variants.split(","))) or None)
+    if args.padded_rows:
+        report["padded_rows"] = padded_rows(args.model, [tuple(int(x) for x in spec.split("x"))
+                                                         for spec in args.sweep_shapes.split(",")],
+                                            [int(r) for r in args.padded_rows.split(",")], copy)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)

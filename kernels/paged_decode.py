@@ -218,6 +218,7 @@ def paged_decode_attention(
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] float32: an FP8 cache's scales
     v_scale: torch.Tensor | None = None,
     fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: SHARDSERVE_FP8_DECODE, default "fp16"
+    block_g: int | None = None,  # rows of the products (the group padded); None: the fewest the loop can take
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
@@ -243,7 +244,8 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_G=triton.next_power_of_2(group) if fma else max(16, triton.next_power_of_2(group)), BLOCK_D=block_d,
+        BLOCK_G=block_g or (triton.next_power_of_2(group) if fma else max(16, triton.next_power_of_2(group))),
+        BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
