@@ -16,6 +16,7 @@ import asyncio
 
 import grpc
 
+from shardserve.cluster.api_security import ApiSecurity
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
 
@@ -57,7 +58,7 @@ class FakeGeneration(pb_grpc.GenerationServicer):
 async def serve(host: str, port: int, step_s: float) -> None:
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    server = grpc.aio.server()
+    server = grpc.aio.server(options=ApiSecurity().server_options())  # the real server's limits on pending calls
     pb_grpc.add_GenerationServicer_to_server(FakeGeneration(step_s), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -46,14 +46,25 @@ class ApiSecurity:
                                                   (HEALTH_PREFIX,)))
         return checks
 
-    def server_options(self) -> list[tuple[str, int]]:
-        return [("grpc.max_receive_message_length", self.max_request_bytes)]
+    def server_options(self, max_live_requests: int = 4096) -> list[tuple[str, int]]:
+        soft, hard = pending_call_limits(max_live_requests)
+        return [("grpc.max_receive_message_length", self.max_request_bytes),
+                ("grpc.server.max_pending_requests", soft), ("grpc.server.max_pending_requests_hard_limit", hard)]
 
     def bind(self, server, address: str) -> int:
         """Adds the listening port (TLS when configured); returns the bound port (0 when binding failed)."""
         if self.tls_cert is None:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, server_credentials(self.tls_cert, self.tls_key, self.client_ca))
+
+
+def pending_call_limits(max_live_requests: int) -> tuple[int, int]:
+    """gRPC core's limits on calls waiting for the application to take them (soft, hard). Past the soft limit
+    (1,000 by default) it cancels new calls at random, past the hard one (3,000) all of them: a burst of streams on
+    one channel lost some with CANCELLED before they reached the controller. Raised to twice and four times the
+    controller's admission limit, so that the controller decides (RESOURCE_EXHAUSTED beyond max_live_requests)."""
+    soft = max(1000, 2 * max_live_requests)
+    return soft, 2 * soft
 
 
 class DecodeErrorsAsInvalidArgument(grpc.aio.ServerInterceptor):

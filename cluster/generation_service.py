@@ -224,7 +224,8 @@ async def start_server(controller, host: str, port: int, security: ApiSecurity |
     """Starts the grpc.aio server on host:port (0 = a free port), with the token, TLS and size limit `security`
     gives (cluster/api_security.py). Returns (server, bound port, health servicer); health starts NOT_SERVING."""
     security = security or ApiSecurity()
-    server = grpc.aio.server(interceptors=security.interceptors(), options=security.server_options())
+    server = grpc.aio.server(interceptors=security.interceptors(),
+                             options=security.server_options(controller.config.max_live_requests))
     pb_grpc.add_GenerationServicer_to_server(GenerationServicer(controller), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
