@@ -191,6 +191,9 @@ def decode_launch(fp8: bool, head_dim: int) -> tuple[int, int, int]:
 
 # Programs the split-K decode aims for (SHARDSERVE_DECODE_PROGRAMS: another value, for measurements).
 TARGET_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_PROGRAMS", "528"))
+# Rows of the tensor-core products (the query group padded), for measurements: SHARDSERVE_DECODE_ROWS=64 (an H200
+# ran the e4m3_qk loop faster at 64 rows than at 16; docs/performance.md). 0: the fewest the loop can take.
+DECODE_ROWS = int(os.environ.get("SHARDSERVE_DECODE_ROWS", "0"))
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_programs: int | None = None,
@@ -244,7 +247,7 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_G=block_g or (triton.next_power_of_2(group) if fma else max(16, triton.next_power_of_2(group))),
+        BLOCK_G=block_g or (triton.next_power_of_2(group) if fma else max(16, DECODE_ROWS, triton.next_power_of_2(group))),
         BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
