@@ -3,10 +3,11 @@ dtype, on a fixed prompt set.
 
 - Greedy agreement, free-running: each prompt generates --max-tokens greedy tokens with each cache; reported are
   the share of prompts whose tokens are all equal and the mean share of tokens before the first difference.
-- Next-token divergence, teacher-forced: prompt + the reference's greedy tokens go through one forward with each
-  cache (the prefill path stores then attends over the cache, so every position sees quantized keys and values
-  exactly as a decode step would); at each generated position KL(p_reference || p_fp8) over the full vocabulary,
-  in float64. Mean, p99 and max over positions, and the top-1 agreement at those positions.
+- Next-token divergence, teacher-forced: with each cache the prompts go through one prefill step, then the
+  reference's greedy tokens one decode step at a time (all prompts batched), so every generated position is
+  computed by the decode path generation uses (the decode kernel and its FP8 loop); at each generated position
+  KL(p_reference || p_fp8) over the full vocabulary, in float64. Mean, p99 and max over positions, and the top-1
+  agreement at those positions.
 
 With a tokenizer the prompts are PROMPTS (English, code, chat-like, numbers); with dummy weights, random token ids.
 """
@@ -53,19 +54,37 @@ def prompt_ids(llm, num_prompts: int, seed: int = 0) -> list[list[int]]:
 
 
 @torch.inference_mode()
-def teacher_forced_logprobs(runner, sequence: list[int], first: int) -> torch.Tensor:
-    """log-softmax (float64, on the CPU) of the next-token distribution at positions first-1 .. len-2 of sequence,
-    from one forward over the runner's cache (the engine is idle: its blocks are free)."""
+def teacher_forced_logprobs(runner, sequences: list[list[int]], firsts: list[int]) -> list[torch.Tensor]:
+    """Per sequence, log-softmax (float64, on the CPU) of the next-token distribution at positions first-1 .. len-2,
+    computed as generation computes them: every prompt in one prefill step, then the given tokens one decode step
+    at a time, all sequences batched (decode-only steps: the decode kernel, as in generation). The engine is idle:
+    its blocks are free."""
     from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, cdiv
     from shardserve.worker.input_batch import InputBatch
 
-    blocks = list(range(cdiv(len(sequence), runner.block_size)))
-    plan = StepPlan(1, new_requests=[NewRequest("kl", sequence, len(sequence), 0, blocks, SamplingSpec())],
-                    req_ids=["kl"], num_tokens=[len(sequence)])
-    input_ids, positions, meta = InputBatch(runner.block_size).prepare(plan).to_device(runner.device)
-    hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
-    logits = runner.model.compute_logits(hidden[first - 1 : len(sequence) - 1])
-    return torch.log_softmax(logits.double(), -1).cpu()
+    batch, ids, step = InputBatch(runner.block_size), [f"kl{i}" for i in range(len(sequences))], 1
+    new, next_block = [], 0
+    for req_id, seq in zip(ids, sequences):
+        blocks = list(range(next_block, next_block + cdiv(len(seq), runner.block_size)))
+        next_block += len(blocks)
+        new.append(NewRequest(req_id, seq, len(seq), 0, blocks, SamplingSpec()))
+    rows: list[list[torch.Tensor]] = [[] for _ in sequences]
+
+    def forward(plan: StepPlan, last_rows: list[int]) -> torch.Tensor:
+        input_ids, positions, meta = batch.prepare(plan).to_device(runner.device)
+        hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
+        return torch.log_softmax(runner.model.compute_logits(hidden[last_rows]).double(), -1).cpu()
+
+    ends = [sum(firsts[: i + 1]) - 1 for i in range(len(firsts))]
+    for i, lp in enumerate(forward(StepPlan(step, new_requests=new, req_ids=ids, num_tokens=firsts), ends)):
+        rows[i].append(lp)
+    for offset in range(max(len(s) - f for s, f in zip(sequences, firsts)) - 1):
+        live = [i for i, (s, f) in enumerate(zip(sequences, firsts)) if f + offset < len(s) - 1]
+        step += 1
+        plan = StepPlan(step, req_ids=[ids[i] for i in live], num_tokens=[1] * len(live))
+        for i, lp in zip(live, forward(plan, list(range(len(live))))):
+            rows[i].append(lp)
+    return [torch.stack(r) for r in rows]
 
 
 def run_cache(engine_kwargs: dict, kv_cache_dtype: str, prompts, max_tokens: int, reference=None, num_prompts=16):
@@ -79,7 +98,7 @@ def run_cache(engine_kwargs: dict, kv_cache_dtype: str, prompts, max_tokens: int
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         forced = reference if reference is not None else tokens
         runner = llm.executor.runner
-        logprobs = [teacher_forced_logprobs(runner, p + t, len(p)) for p, t in zip(prompts, forced)]
+        logprobs = teacher_forced_logprobs(runner, [p + t for p, t in zip(prompts, forced)], [len(p) for p in prompts])
         resolved = runner.config.kv_cache_dtype
     finally:
         llm.shutdown()

@@ -10,6 +10,8 @@ the torch backend uses.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -37,3 +39,33 @@ def scales_from_amax(amax: torch.Tensor, margin: float) -> torch.Tensor:
     """Per-head scales that map margin x the observed largest magnitude to 448 (a head that saw only zeros gets 1)."""
     amax = amax.float()
     return torch.where(amax > 0, amax * margin / FP8_MAX, torch.ones_like(amax))
+
+
+# How the decode multiplies an FP8 cache's tiles (SHARDSERVE_FP8_DECODE selects one; the Triton loops are in
+# paged_decode.py / paged_decode_fp8.py, measured on an H200 in docs/performance.md): "widen" converts each e4m3 tile
+# to the query's dtype and runs the bf16 kernel's products; "fp16" converts to fp16 instead (one native
+# conversion; q clamped to fp16's range); "transposed" also puts the converted tiles first in both products;
+# "k_transposed_load" loads K in its [head_dim, keys] shape; "fma" uses no tensor cores. "e4m3_qk" rounds the query
+# to e4m3 (round_query_e4m3) and multiplies it with the K tiles as stored, p and V as fp16; "e4m3" also rounds the
+# probabilities to e4m3. The torch path (CPU) rounds the query as the e4m3 loops do, so that their effect on
+# outputs can be measured with a model's real weights where no GPU can hold it.
+FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3")
+
+
+def fp8_decode_variant() -> str:
+    variant = os.environ.get("SHARDSERVE_FP8_DECODE", "fp16")
+    if variant not in FP8_DECODE_VARIANTS:
+        raise ValueError(f"SHARDSERVE_FP8_DECODE must be one of {', '.join(FP8_DECODE_VARIANTS)}; got {variant!r}")
+    return variant
+
+
+def rounds_query(variant: str) -> bool:
+    return variant.startswith("e4m3")
+
+
+def round_query_e4m3(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """q [num_seqs, num_heads, head_dim] as the e4m3 decode loops see it: each (sequence, KV head)'s group of query
+    heads rounded to e4m3 with one scale (their largest magnitude -> 448), in float32."""
+    groups = q.float().unflatten(1, (num_kv_heads, -1))
+    scale = groups.abs().amax(dim=(2, 3), keepdim=True).clamp_min(1e-30) / FP8_MAX
+    return ((groups / scale).to(FP8_DTYPE).float() * scale).flatten(1, 2)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.kv_fp8 import dequantize_fp8
+from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS, dequantize_fp8, fp8_decode_variant
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
 from shardserve.kernels.paged_decode_fp8 import (fp8_e4m3_loop, fp8_fma_loop, fp8_k_transposed_load_loop,
@@ -143,23 +143,6 @@ def _merge_splits_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-# How the decode kernel multiplies an FP8 cache's tiles (SHARDSERVE_FP8_DECODE selects one; measured on an H200 in
-# docs/performance.md): "widen" converts each e4m3 tile to the query's dtype and runs the bf16 kernel's products;
-# "fp16" converts to fp16 instead (one native conversion; q clamped to fp16's range); "transposed" also puts the
-# converted tiles first in both products (s^T = k q^T, acc^T = v^T p^T). fp16 measured fastest (offline Qwen3-0.6B
-# 21.6k out tok/s against 19.5k and 18.4k), so it is the default.
-# "e4m3_qk" and "e4m3" quantize the query to e4m3 and multiply e4m3 tiles as stored (e4m3_qk: the scores only;
-# e4m3: the probabilities too): approximations beyond the cache's own rounding (tests bound them).
-FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3")
-
-
-def fp8_decode_variant() -> str:
-    variant = os.environ.get("SHARDSERVE_FP8_DECODE", "fp16")
-    if variant not in FP8_DECODE_VARIANTS:
-        raise ValueError(f"SHARDSERVE_FP8_DECODE must be one of {', '.join(FP8_DECODE_VARIANTS)}; got {variant!r}")
-    return variant
-
-
 # Launch settings per cache (keys per tile, warps, pipeline stages), head_dim <= 128. An e4m3 tile of 128 keys
 # moves the bytes of a bf16 tile of 64 (the loop's fixed costs, the two products and the softmax, are paid per
 # tile, so half-size FP8 tiles left the kernel at ~1.0-1.45 TB/s on an H200: docs/performance.md).
@@ -259,14 +242,6 @@ def paged_decode_attention(
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
         )
     return out
-
-
-def round_query_e4m3(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """q [num_seqs, num_heads, head_dim] as the e4m3 decode loops see it: each (sequence, KV head)'s group of query
-    heads rounded to e4m3 with one scale (their largest magnitude -> 448), in float32."""
-    groups = q.float().unflatten(1, (num_kv_heads, -1))
-    scale = groups.abs().amax(dim=(2, 3), keepdim=True).clamp_min(1e-30) / 448.0
-    return ((groups / scale).to(torch.float8_e4m3fn).float() * scale).flatten(1, 2)
 
 
 def paged_decode_attention_ref(

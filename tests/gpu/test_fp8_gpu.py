@@ -16,9 +16,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _paged_batch import make_batch  # noqa: E402
 
-from shardserve.kernels.kv_fp8 import FP8_DTYPE, quantize_fp8, scales_from_amax  # noqa: E402
+from shardserve.kernels.kv_fp8 import FP8_DTYPE, quantize_fp8, round_query_e4m3, scales_from_amax  # noqa: E402
 from shardserve.kernels.paged_decode import (  # noqa: E402
-    FP8_DECODE_VARIANTS, paged_decode_attention, paged_decode_attention_ref, round_query_e4m3)
+    FP8_DECODE_VARIANTS, paged_decode_attention, paged_decode_attention_ref)
 from shardserve.kernels.prefill import paged_prefill_attention, paged_prefill_attention_ref  # noqa: E402
 from shardserve.kernels.store_kv import store_kv  # noqa: E402
 from shardserve.kernels.torch_backend import store_kv as store_kv_ref  # noqa: E402

@@ -5,9 +5,9 @@ CPU; KV heads get magnitudes orders apart, so a scale applied to the wrong head 
 import pytest
 import torch
 
-from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8, scales_from_amax
-from shardserve.kernels.paged_decode import (FP8_DECODE_VARIANTS, paged_decode_attention, paged_decode_attention_ref,
-                                             round_query_e4m3)
+from shardserve.kernels.kv_fp8 import (FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8, round_query_e4m3,
+                                       scales_from_amax)
+from shardserve.kernels.paged_decode import FP8_DECODE_VARIANTS, paged_decode_attention, paged_decode_attention_ref
 from shardserve.kernels.prefill import paged_prefill_attention, paged_prefill_attention_ref
 from shardserve.kernels.store_kv import store_kv
 from shardserve.kernels.torch_backend import TorchAttentionBackend
@@ -130,3 +130,24 @@ def test_decode_launch_settings_per_cache_and_their_override_checked():
     for bad in ("fp4=64,4,2", "fp8=64,4", "fp8"):
         with pytest.raises(ValueError, match="SHARDSERVE_DECODE_LAUNCH"):
             _launch_overrides(bad)
+
+
+@pytest.mark.parametrize("query_lens,seq_lens", [([1, 1, 1, 1], [3, 40, 9, 33]), ([5, 1, 12], [21, 30, 12])])
+def test_under_e4m3_qk_both_backends_round_the_query_of_decode_only_batches(query_lens, seq_lens, monkeypatch):
+    """SHARDSERVE_FP8_DECODE=e4m3_qk: the Triton decode kernel rounds the query to e4m3, and the torch path mirrors
+    it (what lets the CPU measure its effect with real weights); mixed batches (the prefill kernel) round nothing."""
+    monkeypatch.setenv("SHARDSERVE_FP8_DECODE", "e4m3_qk")
+    q, k, v, k8, v8, meta, ks, vs = fp8_batch(query_lens, seq_lens, num_heads=8, num_kv_heads=4, head_dim=16, seed=4)
+    decode_only = all(n == 1 for n in query_lens)
+    outs = []
+    for backend in (TorchAttentionBackend(), TritonAttentionBackend()):
+        kc, vc = k8.clone(), v8.clone()
+        outs.append(backend.forward(q, k, v, kc, vc, meta, SCALE, ks, vs))
+    q_ref = round_query_e4m3(q, 4) if decode_only else q
+    args = (meta.query_start_loc, meta.seq_lens, meta.block_tables, SCALE, ks, vs)
+    ref = paged_prefill_attention_ref(q_ref, kc, vc, *args)
+    torch.testing.assert_close(outs[0], ref, atol=1e-3, rtol=1e-4)  # torch: float32 throughout
+    torch.testing.assert_close(outs[1], ref, atol=0.3, rtol=1e-2)  # Triton's e4m3_qk loop: p and V meet as fp16
+    if decode_only:  # the rounding is there: the unrounded reference is farther than the tolerance above
+        unrounded = paged_prefill_attention_ref(q, kc, vc, *args)
+        assert not torch.allclose(outs[0], unrounded, atol=1e-3, rtol=1e-4)
