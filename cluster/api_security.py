@@ -61,9 +61,11 @@ class ApiSecurity:
 def pending_call_limits(max_live_requests: int) -> tuple[int, int]:
     """gRPC core's limits on calls waiting for the application to take them (soft, hard). Past the soft limit
     (1,000 by default) it cancels new calls at random, past the hard one (3,000) all of them: a burst of streams on
-    one channel lost some with CANCELLED before they reached the controller. Raised to twice and four times the
-    controller's admission limit, so that the controller decides (RESOURCE_EXHAUSTED beyond max_live_requests)."""
-    soft = max(1000, 2 * max_live_requests)
+    one channel lost some with CANCELLED before they reached the controller. Raised to 8,192 or twice the
+    controller's admission limit, whichever is larger (the hard limit twice that), so that the controller decides:
+    a burst beyond max_live_requests is refused with RESOURCE_EXHAUSTED, which a client may retry. A waiting call
+    holds its headers and what HTTP/2 flow control lets its message send, not a task of ours."""
+    soft = max(8192, 2 * max_live_requests)
     return soft, 2 * soft
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from shardserve.client import AsyncClient
@@ -36,7 +37,37 @@ def test_a_burst_of_calls_on_one_channel_is_answered_in_full(server):
     assert all(r.max_model_len == 256 for r in results)
 
 
+def test_a_burst_of_streams_past_the_admission_limit_is_served_or_refused_never_cancelled(tiny_llama_dir, e2e_config):
+    """max_live_requests 32 and 1,500 streams at once on one channel: each one ends with its token or with the
+    controller's RESOURCE_EXHAUSTED (retryable), at least 32 are served, and the server serves afterwards."""
+    served = _serve(e2e_config, tiny_llama_dir, ApiSecurity(), max_live_requests=32)
+    try:
+        async def burst() -> list:
+            async with AsyncClient(served.address, timeout=120) as client:
+                async def one(i: int):
+                    return await client.generate([1 + i % 300, 2, 3], max_tokens=1, temperature=0)
+                return await asyncio.gather(*(one(i) for i in range(1500)), return_exceptions=True)
+
+        results = asyncio.run(burst())
+        refused = [r for r in results if isinstance(r, grpc.RpcError)]
+        others = [r for r in results if isinstance(r, BaseException) and not isinstance(r, grpc.RpcError)]
+        assert not others, others[:3]
+        assert {r.code() for r in refused} <= {grpc.StatusCode.RESOURCE_EXHAUSTED}, {r.code() for r in refused}
+        answered = [r for r in results if not isinstance(r, BaseException)]
+        assert len(answered) >= 32 and all(len(r.token_ids) == 1 for r in answered)
+        assert len(answered) + len(refused) == 1500
+        after = asyncio.run(_one_generate(served.address))
+        assert len(after.token_ids) == 4
+    finally:
+        served.close()
+
+
+async def _one_generate(address: str):
+    async with AsyncClient(address, timeout=60) as client:
+        return await client.generate([5, 6, 7], max_tokens=4, temperature=0)
+
+
 def test_the_pending_call_limits_sit_above_the_admission_limit():
     soft, hard = pending_call_limits(4096)
     assert 4096 < soft < hard
-    assert pending_call_limits(10) == (1000, 2000)  # never below gRPC's own soft default
+    assert pending_call_limits(10)[0] >= 8 * 1000  # far above gRPC's own 1,000 whatever the admission limit

@@ -19,7 +19,7 @@ PROMPT = [1, 5, 9, 13]
 GENERATE = "/shardserve.v1.Generation/Generate"
 
 
-def _serve(e2e_config, model_dir: str, security: ApiSecurity):
+def _serve(e2e_config, model_dir: str, security: ApiSecurity, **controller):
     from shardserve.cluster.controller import ControllerConfig, ServedModel
     from shardserve.cluster.engine import Engine
     from shardserve.worker.inprocess import InProcessExecutor
@@ -31,6 +31,7 @@ def _serve(e2e_config, model_dir: str, security: ApiSecurity):
         build_engine=lambda config: Engine(config, InProcessExecutor(config), vocab_size=384),
         port=0,
         security=security,
+        **controller,
     ))
     assert served.call(served.controller.wait_ready(120))
     return served
