@@ -7,8 +7,9 @@ What is captured: the model forward (embedding -> layers -> final norm, all-redu
 calls are capturable) for a decode-only batch padded to one of graph_batch_sizes(). The LM head, the logits and
 sampling stay eager: they run on the real rows only and the sampler branches on host data. Opt-in
 (SHARDSERVE_GRAPH_LM_HEAD=1; on an H200 it left bs=1 latency unchanged): the graphs also hold the LM head (its
-all-gather included) and a greedy argmax over every padded row, and a batch whose rows all decode greedily with nothing that edits the
-logits (worker/sampler.plain_greedy) takes its tokens from the replay: no eager launches after it.
+all-gather included) and a greedy argmax over every padded row, and a batch whose rows all decode greedily with
+nothing that edits the logits (worker/sampler.plain_greedy) takes its tokens from the replay: no eager launches
+after it.
 
 Inputs of a graph of size B with n real rows: worker/input_batch.py prepares a decode batch the graphs cover
 already padded to B (pack_inputs), and run() copies that host list into static device buffers:
