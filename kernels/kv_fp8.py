@@ -48,7 +48,9 @@ def scales_from_amax(amax: torch.Tensor, margin: float) -> torch.Tensor:
 # "k_transposed_load" loads K in its [head_dim, keys] shape; "fma" uses no tensor cores. "e4m3_qk" rounds the query
 # to e4m3 (round_query_e4m3) and multiplies it with the K tiles as stored, p and V as fp16; "e4m3" also rounds the
 # probabilities to e4m3. The torch path (CPU) rounds the query as the e4m3 loops do, so that their effect on
-# outputs can be measured with a model's real weights where no GPU can hold it.
+# outputs can be measured with a model's real weights where no GPU can hold it. "fp16" is the default: the fastest
+# loop that adds no rounding (offline Qwen3-0.6B 21.6k out tok/s against widen's 19.5k and transposed's 18.4k);
+# e4m3_qk at 64 rows ran 8% faster but raised the FP8 cache's divergence on the default model by 61%.
 FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3")
 
 

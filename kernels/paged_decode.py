@@ -230,7 +230,8 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_G=block_g or (triton.next_power_of_2(group) if fma else max(16, DECODE_ROWS, triton.next_power_of_2(group))),
+        BLOCK_G=block_g or (triton.next_power_of_2(group) if fma
+                            else max(16, DECODE_ROWS, triton.next_power_of_2(group))),
         BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
