@@ -24,7 +24,10 @@ def _serve_jobs(conn: Connection) -> None:
     """A client process: for each job (address, prompts, max_tokens, concurrency, final_only), open a channel, say
     "ready", wait for "go", send every prompt, send per-request results back; None ends it."""
     while (job := conn.recv()) is not None:
-        conn.send(("done", asyncio.run(_run_job(conn, *job))))
+        try:
+            conn.send(("done", asyncio.run(_run_job(conn, *job))))
+        except Exception as e:  # a request that failed (a gRPC status): said, and the process takes the next job
+            conn.send(("error", f"{type(e).__name__}: {e}"))
 
 
 async def _run_job(conn: Connection, address: str, prompts: list[list[int]], max_tokens: int,
@@ -96,8 +99,20 @@ class ClientPool:
         for k in active:
             conc = concurrency // n + (1 if k < concurrency % n else 0)
             self.conns[k].send((address, [prompts[i] for i in shares[k]], max_tokens, conc, final_only))
+        ready, failed = [], None
         for k in active:
-            self._expect(k, "ready", on_done)
+            try:
+                self._expect(k, "ready", on_done)
+                ready.append(k)
+            except RuntimeError as e:
+                failed = failed or e
+        if failed is not None:  # the ready ones run their share (the pool stays in step), then the error is raised
+            for k in ready:
+                self.conns[k].send("go")
+            for k in ready:
+                while self.conns[k].recv()[0] not in ("done", "error"):
+                    pass
+            raise failed
         start = time.perf_counter()
         for k in active:
             self.conns[k].send("go")
@@ -110,6 +125,12 @@ class ClientPool:
                     on_done(value)
                 elif kind == "done":
                     done[pending.pop(conn)] = value
+                elif kind == "error":
+                    k = pending.pop(conn)
+                    for other in pending:  # the rest finish their share: their processes stay usable
+                        while other.recv()[0] not in ("done", "error"):
+                            pass
+                    raise RuntimeError(f"client process {k}: a request failed: {value}")
         wall = time.perf_counter() - start
         tokens: list = [None] * len(prompts)
         ttft, tpot = [], []
@@ -135,6 +156,8 @@ class ClientPool:
                 return
             if kind == "tick":
                 on_done(value)
+            elif kind == "error":
+                raise RuntimeError(f"client process {k}: {value}")
 
 
 def main() -> None:

@@ -40,3 +40,13 @@ def test_client_pool_spreads_prompts_over_processes_and_returns_them_in_order(fa
     assert r["client_procs"] == 2 and sum(ticks) == 5 and len(r["ttft_s"]) == 5 and len(r["tpot_s"]) == 5
     assert 0 < r["client_cpu_s"] and 0 < r["client_cpu_max"]
     assert again["tokens"] == [[5, 6, 7]] and again["client_procs"] == 1
+
+
+def test_a_failed_request_raises_its_error_and_the_pool_takes_the_next_job(fake_upstream):
+    """A request that fails in a client process (here a token id no request can carry) comes back as a
+    RuntimeError naming it, not as a dead pipe; the processes stay in step for the next job."""
+    with ClientPool(2) as pool:
+        with pytest.raises(RuntimeError, match="client process 1: a request failed"):
+            pool.run(fake_upstream, [[100], [2**40], [102]], 3, concurrency=3)  # not an int32
+        again = pool.run(fake_upstream, [[100], [101]], 3, concurrency=2)
+    assert again["tokens"] == [[5, 6, 7]] * 2
