@@ -59,6 +59,12 @@ def _copies(kv_bytes: int) -> int:
     return max(1, min(16, -(-4 * l2 // kv_bytes)))
 
 
+def _cases(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_dtype: str) -> tuple[list[dict], int]:
+    """The copies of one case (enough to read past the L2 cache) and the K/V bytes one launch must read."""
+    kv_bytes = batch * context * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
+    return [_case(heads, kv_heads, dim, batch, context, cache_dtype, "cuda") for _ in range(_copies(kv_bytes))], kv_bytes
+
+
 def _case(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_dtype: str, device) -> dict:
     from shardserve.kernels.kv_fp8 import quantize_fp8
 
@@ -105,12 +111,10 @@ def attention_rates(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s:
     from shardserve.kernels.prefill import paged_prefill_attention
 
     heads, kv_heads, dim = _model_shape(model)
-    device = torch.device("cuda")
     rows = []
     for cache_dtype in cache_dtypes:
         for batch, context in shapes:
-            kv_bytes = batch * context * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
-            cases = [_case(heads, kv_heads, dim, batch, context, cache_dtype, device) for _ in range(_copies(kv_bytes))]
+            cases, kv_bytes = _cases(heads, kv_heads, dim, batch, context, cache_dtype)
             splits = choose_num_splits(batch, kv_heads, context)
             kernels = {"decode": [_decode(c, splits) for c in cases]}
             kernels["prefill_kernel_on_decodes"] = [
@@ -147,12 +151,10 @@ def sweep(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
     from shardserve.kernels.paged_decode import choose_num_splits
 
     heads, kv_heads, dim = _model_shape(model)
-    device = torch.device("cuda")
     rows = []
     for cache_dtype in cache_dtypes:
         for batch, context in shapes:
-            kv_bytes = batch * context * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
-            cases = [_case(heads, kv_heads, dim, batch, context, cache_dtype, device) for _ in range(_copies(kv_bytes))]
+            cases, kv_bytes = _cases(heads, kv_heads, dim, batch, context, cache_dtype)
             chosen = choose_num_splits(batch, kv_heads, context)
             baseline = _decode(cases[0], chosen)() if cache_dtype == "fp8" else None
             best = None
@@ -198,8 +200,7 @@ def padded_rows(model: str, shapes: list[tuple[int, int]], rows: list[int], copy
     out = []
     for cache_dtype, variants in (("bfloat16", [None]), ("fp8", ["fp16", "e4m3_qk"])):
         for batch, context in shapes:
-            kv_bytes = batch * context * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
-            cases = [_case(heads, kv_heads, dim, batch, context, cache_dtype, "cuda") for _ in range(_copies(kv_bytes))]
+            cases, kv_bytes = _cases(heads, kv_heads, dim, batch, context, cache_dtype)
             splits = choose_num_splits(batch, kv_heads, context)
             for variant in variants:
                 for block_g in rows:

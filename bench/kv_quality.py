@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import random
 
 import torch
@@ -75,7 +76,7 @@ def teacher_forced_logprobs(runner, sequences: list[list[int]], firsts: list[int
         hidden = runner.model(input_ids, positions, runner.kv_caches, meta)
         return torch.log_softmax(runner.model.compute_logits(hidden[last_rows]).double(), -1).cpu()
 
-    ends = [sum(firsts[: i + 1]) - 1 for i in range(len(firsts))]
+    ends = [n - 1 for n in itertools.accumulate(firsts)]  # each prompt's last row in the packed prefill
     for i, lp in enumerate(forward(StepPlan(step, new_requests=new, req_ids=ids, num_tokens=firsts), ends)):
         rows[i].append(lp)
     for offset in range(max(len(s) - f for s, f in zip(sequences, firsts)) - 1):

@@ -59,6 +59,12 @@ async def _run_job(conn: Connection, address: str, prompts: list[list[int]], max
         return dict(results=results, cpu_s=time.process_time() - cpu0)
 
 
+def _drain(conn: Connection) -> None:
+    """Reads a client process's messages until its job's end (done or error), dropping them."""
+    while conn.recv()[0] not in ("done", "error"):
+        pass
+
+
 class ClientPool:
     def __init__(self, num_procs: int) -> None:
         ctx = mp.get_context("spawn")
@@ -110,8 +116,7 @@ class ClientPool:
             for k in ready:
                 self.conns[k].send("go")
             for k in ready:
-                while self.conns[k].recv()[0] not in ("done", "error"):
-                    pass
+                _drain(self.conns[k])
             raise failed
         start = time.perf_counter()
         for k in active:
@@ -128,8 +133,7 @@ class ClientPool:
                 elif kind == "error":
                     k = pending.pop(conn)
                     for other in pending:  # the rest finish their share: their processes stay usable
-                        while other.recv()[0] not in ("done", "error"):
-                            pass
+                        _drain(other)
                     raise RuntimeError(f"client process {k}: a request failed: {value}")
         wall = time.perf_counter() - start
         tokens: list = [None] * len(prompts)

@@ -23,6 +23,28 @@ def _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_
 
 
 @triton.jit
+def _load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch,
+                block_size, d, dim_ok, BLOCK_N: tl.constexpr):
+    """One tile's K and V [BLOCK_N, BLOCK_D] as stored (e4m3; zeros past the context) and which keys are valid."""
+    kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size, BLOCK_N)
+    kv_mask = valid[:, None] & dim_ok[None, :]
+    k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v, valid
+
+
+@triton.jit
+def _softmax_step(s, valid, m, l):
+    """One tile's online-softmax update over scores s [rows, keys] (log2 domain; keys past the context masked):
+    returns (p, alpha, m_new, l_new), where the caller scales its accumulator by alpha and adds p's product."""
+    s = tl.where(valid[None, :], s, NEG_BIG)
+    m_new = tl.maximum(m, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m - m_new)
+    return p, alpha, m_new, l * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def fp8_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp, stride_ch,
                         block_size, scale_log2e, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
                         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -39,11 +61,9 @@ def fp8_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head,
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
-        kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
-                                      BLOCK_N)
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_t.dtype)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q_t.dtype)
+        k, v, valid = _load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp,
+                                  stride_ch, block_size, d, dim_ok, BLOCK_N)
+        k, v = k.to(q_t.dtype), v.to(q_t.dtype)
         s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_N, BLOCK_G]
         s_t = tl.where(valid[:, None], s_t, NEG_BIG)
         m_new = tl.maximum(m, tl.max(s_t, 0))
@@ -77,11 +97,7 @@ def fp8_k_transposed_load_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, k
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None] & dim_ok[None, :],
                     other=0.0).to(q.dtype)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2e
-        s = tl.where(valid[None, :], s, NEG_BIG)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l = _softmax_step(s, valid, m, l)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
     return m, l, acc
@@ -101,17 +117,11 @@ def fp8_fma_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
-        kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
-                                      BLOCK_N)
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0).to(tl.float32)
+        k, v, valid = _load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp,
+                                  stride_ch, block_size, d, dim_ok, BLOCK_N)
+        k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.sum(qf[:, None, :] * k[None, :, :], 2) * scale_log2e  # [BLOCK_G, BLOCK_N]
-        s = tl.where(valid[None, :], s, NEG_BIG)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l = _softmax_step(s, valid, m, l)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
         m = m_new
     return m, l, acc
@@ -136,17 +146,10 @@ def fp8_e4m3_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, strid
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
-        kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
-                                      BLOCK_N)
-        kv_mask = valid[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k, v, valid = _load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp,
+                                  stride_ch, block_size, d, dim_ok, BLOCK_N)
         s = tl.dot(q8, tl.trans(k)) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
-        s = tl.where(valid[None, :], s, NEG_BIG)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l = _softmax_step(s, valid, m, l)
         if E4M3_PV:
             pv = tl.dot((p * 448.0).to(tl.float8e4nv), v)
         else:
