@@ -139,7 +139,9 @@ SWEEP = {  # (BLOCK_N, warps, stages, FP8 variant) per cache
             (128, 4, 2, "k_transposed_load"), (128, 4, 3, "k_transposed_load"), (64, 4, 2, "k_transposed_load"),
             (128, 4, 2, "transposed"), (16, 4, 2, "fma"), (32, 4, 2, "fma"), (32, 8, 2, "fma"), (64, 8, 2, "fma"),
             (128, 4, 2, "e4m3_qk"), (128, 4, 3, "e4m3_qk"), (128, 4, 2, "e4m3"), (128, 4, 3, "e4m3"),
-            (128, 8, 2, "e4m3"), (64, 4, 2, "e4m3"), (256, 8, 2, "e4m3")],
+            (128, 8, 2, "e4m3"), (64, 4, 2, "e4m3"), (256, 8, 2, "e4m3"),
+            (128, 4, 2, "pairs"), (128, 4, 3, "pairs"), (128, 8, 2, "pairs"), (64, 4, 2, "pairs"), (256, 4, 2, "pairs"),
+            (256, 8, 2, "pairs")],
 }
 
 

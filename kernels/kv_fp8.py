@@ -51,7 +51,7 @@ def scales_from_amax(amax: torch.Tensor, margin: float) -> torch.Tensor:
 # outputs can be measured with a model's real weights where no GPU can hold it. "fp16" is the default: the fastest
 # loop that adds no rounding (offline Qwen3-0.6B 21.6k out tok/s against widen's 19.5k and transposed's 18.4k);
 # e4m3_qk at 64 rows ran 8% faster but raised the FP8 cache's divergence on the default model by 61%.
-FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3")
+FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3", "pairs")
 
 
 def fp8_decode_variant() -> str:

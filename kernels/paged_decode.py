@@ -20,7 +20,7 @@ from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS, dequantize_fp8, fp8_d
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
 from shardserve.kernels.paged_decode_fp8 import (fp8_e4m3_loop, fp8_fma_loop, fp8_k_transposed_load_loop,
-                                                 fp8_transposed_loop)
+                                                 fp8_pairs_loop, fp8_transposed_loop)
 
 
 # The block table's row stride is the step's widest table: left unspecialised, or each new value that is (not) a
@@ -36,6 +36,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
+    ASM: tl.constexpr = False,
 ):
     """Grid (num_seqs * num_kv_heads, NUM_SPLITS). Program (s * num_kv_heads + h, j) attends the query heads
     h*GROUP .. h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles).
@@ -78,6 +79,9 @@ def _decode_kernel(
     elif FP8_DOT == 4:
         m, l, acc = fp8_fma_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
                                  stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N)
+    elif FP8_DOT == 7:
+        m, l, acc = fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
+                                   stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ASM)
     elif FP8_DOT >= 5:
         m, l, acc = fp8_e4m3_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
                                   stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N,
@@ -172,6 +176,8 @@ def decode_launch(fp8: bool, head_dim: int) -> tuple[int, int, int]:
     return block_n, warps, stages
 
 
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # inline PTX only where the kernels compile
+
 # Programs the split-K decode aims for (SHARDSERVE_DECODE_PROGRAMS: another value, for measurements).
 TARGET_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_PROGRAMS", "528"))
 # Rows of the tensor-core products (the query group padded), for measurements: SHARDSERVE_DECODE_ROWS=64 (an H200
@@ -222,6 +228,8 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(head_dim)
     default_n, default_warps, default_stages = decode_launch(fp8, head_dim)
+    if variant == FP8_DECODE_VARIANTS.index("pairs"):  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
+        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         k_scale if fp8 else q, v_scale if fp8 else q,  # unused without FP8
@@ -235,6 +243,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
+        ASM=not _INTERPRETED,
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
     )
     if num_splits > 1:

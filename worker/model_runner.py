@@ -25,6 +25,7 @@ from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.layers import cpu_packed
 from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from shardserve.worker.sampler import SamplingRow, plain_greedy, sample, sample_tokens
+from shardserve.worker.sampler import warm_up as sampler_warm_up
 from shardserve.worker.step_in_flight import StepInFlight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -120,6 +121,7 @@ class ModelRunner:
             self.decode_graphs = cuda_graphs.capture_decode_graphs(
                 self.model, self.kv_caches, self.attn_backend, self.config, self.device, self._graph_reserve
             )
+        sampler_warm_up(self.model.vocab_size, self.dtype, self.device)
 
     @torch.inference_mode()
     def _profile_forward(self) -> None:
