@@ -42,20 +42,25 @@ def scales_from_amax(amax: torch.Tensor, margin: float) -> torch.Tensor:
 
 
 # How the decode multiplies an FP8 cache's tiles (SHARDSERVE_FP8_DECODE selects one; the Triton loops are in
-# paged_decode.py / paged_decode_fp8.py, measured on an H200 in docs/performance.md): "widen" converts each e4m3 tile
-# to the query's dtype and runs the bf16 kernel's products; "fp16" converts to fp16 instead (one native
-# conversion; q clamped to fp16's range); "transposed" also puts the converted tiles first in both products;
-# "k_transposed_load" loads K in its [head_dim, keys] shape; "fma" uses no tensor cores. "e4m3_qk" rounds the query
-# to e4m3 (round_query_e4m3) and multiplies it with the K tiles as stored, p and V as fp16; "e4m3" also rounds the
-# probabilities to e4m3. The torch path (CPU) rounds the query as the e4m3 loops do, so that their effect on
-# outputs can be measured with a model's real weights where no GPU can hold it. "fp16" is the default: the fastest
-# loop that adds no rounding (offline Qwen3-0.6B 21.6k out tok/s against widen's 19.5k and transposed's 18.4k);
-# e4m3_qk at 64 rows ran 8% faster but raised the FP8 cache's divergence on the default model by 61%.
+# paged_decode.py / paged_decode_fp8.py, measured on an H200 in docs/performance.md): "pairs" (the default) reads the
+# cache as int16 pairs of e4m3, which Triton copies and loads as it does a bf16 tile, and widens each pair into an
+# even-dims and an odd-dims fp16 tile (the products sum over the dims in any order): 92% of the copy rate at
+# 64 x 4,096 and offline Qwen3-0.6B 32.4k out tok/s against the "fp16" loop's 22.5k. Every other loop loads e4m3
+# tiles as such, which Triton 3.6 reads back from shared memory a byte at a time for the products (128 one-byte
+# loads per thread per tile: they took as long per key as bf16 does for twice the bytes). "widen" converts each
+# tile to the query's dtype and runs the bf16 kernel's products; "fp16" converts to fp16 instead (one native
+# conversion; q clamped to fp16's range; the default before "pairs"); "transposed" also puts the converted tiles
+# first in both products; "k_transposed_load" loads K in its [head_dim, keys] shape; "fma" uses no tensor cores.
+# "e4m3_qk" rounds the query to e4m3 (round_query_e4m3) and multiplies it with the K tiles as stored, p and V as
+# fp16; "e4m3" also rounds the probabilities to e4m3 (both raise the cache's divergence on the default model: the
+# query's rounding by 61%). The torch path (CPU) rounds the query as the e4m3 loops do, so that their effect on
+# outputs can be measured with a model's real weights where no GPU can hold it. "pairs" and "fp16" compute the
+# same values (fp16 products of exactly widened tiles) in another order.
 FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3", "pairs")
 
 
 def fp8_decode_variant() -> str:
-    variant = os.environ.get("SHARDSERVE_FP8_DECODE", "fp16")
+    variant = os.environ.get("SHARDSERVE_FP8_DECODE", "pairs")
     if variant not in FP8_DECODE_VARIANTS:
         raise ValueError(f"SHARDSERVE_FP8_DECODE must be one of {', '.join(FP8_DECODE_VARIANTS)}; got {variant!r}")
     return variant

@@ -209,7 +209,7 @@ def paged_decode_attention(
     num_stages: int | None = None,
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] float32: an FP8 cache's scales
     v_scale: torch.Tensor | None = None,
-    fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: SHARDSERVE_FP8_DECODE, default "fp16"
+    fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: SHARDSERVE_FP8_DECODE, default "pairs"
     block_g: int | None = None,  # rows of the products (the group padded); None: the fewest the loop can take
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape

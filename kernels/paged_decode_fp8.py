@@ -8,6 +8,9 @@ bytes. These loops change how the tiles meet the products, so one GPU run can ti
 
 from __future__ import annotations
 
+import os
+
+import torch
 import triton
 import triton.language as tl
 
@@ -220,3 +223,21 @@ def fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stri
         m = m_new
     acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_G, BLOCK_D])
     return m, l, acc
+
+
+@triton.jit
+def _widen_pairs_kernel(x_ptr, even_ptr, odd_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    even, odd = _widen_pairs(tl.load(x_ptr + i, mask=i < n, other=0), ASM)
+    tl.store(even_ptr + i, even, mask=i < n)
+    tl.store(odd_ptr + i, odd, mask=i < n)
+
+
+def widen_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_widen_pairs alone over a flat int16 tensor (the decode loop's widening, for tests): (even, odd) fp16, the
+    inline-PTX path where the kernels compile, the bit moves in Triton's interpreter."""
+    even, odd = (torch.empty(x.shape, dtype=torch.float16, device=x.device) for _ in range(2))
+    block = 1024
+    _widen_pairs_kernel[(triton.cdiv(x.numel(), block),)](x, even, odd, x.numel(), BLOCK=block,
+                                                          ASM=os.environ.get("TRITON_INTERPRET") != "1")
+    return even, odd

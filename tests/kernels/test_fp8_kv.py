@@ -151,3 +151,22 @@ def test_under_e4m3_qk_both_backends_round_the_query_of_decode_only_batches(quer
     if decode_only:  # the rounding is there: the unrounded reference is farther than the tolerance above
         unrounded = paged_prefill_attention_ref(q, kc, vc, *args)
         assert not torch.allclose(outs[0], unrounded, atol=1e-3, rtol=1e-4)
+
+
+def every_e4m3_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 65,536 int16 values (two e4m3 each, low byte first) and which hold no NaN byte."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    b = x.view(torch.uint8).view(-1, 2)
+    return x, ((b & 0x7F) != 0x7F).all(dim=1)
+
+
+def test_pairs_widening_gives_every_e4m3_value_exactly():
+    """The "pairs" decode loop's widening (the interpreter's bit moves here; the GPU suite checks the inline PTX):
+    each int16's low byte becomes the even output, its high byte the odd one, both equal to e4m3 -> fp16."""
+    from shardserve.kernels.paged_decode_fp8 import widen_pairs
+
+    x, ok = every_e4m3_pair()
+    even, odd = widen_pairs(x.to(DEVICE))
+    want = x.view(torch.uint8).view(FP8_DTYPE).to(torch.float16).view(-1, 2)
+    assert torch.equal(even.cpu()[ok].view(torch.int16), want[ok, 0].view(torch.int16))  # bitwise: -0.0 too
+    assert torch.equal(odd.cpu()[ok].view(torch.int16), want[ok, 1].view(torch.int16))
