@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.fp8_pairs import COMPILED
 from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS, dequantize_fp8, fp8_decode_variant
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
@@ -176,8 +177,6 @@ def decode_launch(fp8: bool, head_dim: int) -> tuple[int, int, int]:
     return block_n, warps, stages
 
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # inline PTX only where the kernels compile
-
 # Programs the split-K decode aims for (SHARDSERVE_DECODE_PROGRAMS: another value, for measurements).
 TARGET_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_PROGRAMS", "528"))
 # Rows of the tensor-core products (the query group padded), for measurements: SHARDSERVE_DECODE_ROWS=64 (an H200
@@ -216,6 +215,8 @@ def paged_decode_attention(
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     fp8 = check_scales(k_cache, k_scale, v_scale)
     variant = FP8_DECODE_VARIANTS.index(fp8_variant or fp8_decode_variant()) if fp8 else 0
+    if variant == FP8_DECODE_VARIANTS.index("pairs") and q.dtype == torch.float32:
+        variant = FP8_DECODE_VARIANTS.index("fp16")  # float32 queries: products in float32 (fp16 pairs would round)
     fma = variant == FP8_DECODE_VARIANTS.index("fma")
     if out is None:
         out = torch.empty_like(q)
@@ -243,7 +244,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
-        ASM=not _INTERPRETED,
+        ASM=COMPILED,
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
     )
     if num_splits > 1:

@@ -8,13 +8,11 @@ bytes. These loops change how the tiles meet the products, so one GPU run can ti
 
 from __future__ import annotations
 
-import os
-
-import torch
 import triton
 import triton.language as tl
 
 from shardserve.kernels.attention_common import NEG_BIG
+from shardserve.kernels.fp8_pairs import join_dims, pairs_scores, pairs_values, split_query
 
 
 @triton.jit
@@ -165,45 +163,16 @@ def fp8_e4m3_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, strid
 
 
 @triton.jit
-def _widen_pairs(x, ASM: tl.constexpr):
-    """x: int16 holding two e4m3 (low byte: the even dim) -> (even, odd) as fp16, exactly. ASM (compiled, sm_89+):
-    per two elements (one 32-bit register, four bytes), two native e4m3x2 -> f16x2 conversions and two byte
-    permutes that regroup the halves into the even and the odd tensor. Else (Triton's interpreter) the same values
-    by bit moves: the e4m3 bits go into fp16's (sign to sign, exponent and mantissa to the bits below, where the
-    exponent bias is 8 more, hence x 256). The saturating cache never holds e4m3's NaN."""
-    if ASM:
-        even, odd = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            .reg .b32 a, b;
-            mov.b32 {lo, hi}, $2;
-            cvt.rn.f16x2.e4m3x2 a, lo;
-            cvt.rn.f16x2.e4m3x2 b, hi;
-            prmt.b32 $0, a, b, 0x5410;
-            prmt.b32 $1, a, b, 0x7632;
-            }""",
-            constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-    else:
-        x = x.to(tl.int32) & 0xFFFF
-        even = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
-        odd = ((x & 0x8000) | ((x >> 1) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
-    return even, odd
-
-
-@triton.jit
 def fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp, stride_ch,
                    block_size, scale_log2e, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_N: tl.constexpr, ASM: tl.constexpr):
-    """The e4m3 cache read as int16 pairs (the caches and strides given as int16 views): to the memory pipeline an
-    FP8 tile of N keys is a 16-bit tile of N keys x head_dim / 2, which Triton copies and loads as it does bf16
-    (the e4m3 tile itself it read from shared memory a byte at a time). Each pair widens (_widen_pairs) into an
-    even-dims and an odd-dims fp16 tile; q . k sums over the dims in any order, so s = q_even . k_even +
-    q_odd . k_odd, and p . v gives the even and the odd output dims, interleaved at the end."""
+    """The e4m3 cache read as int16 pairs (kernels/fp8_pairs.py; the caches and strides given as int16 views): to
+    the memory pipeline an FP8 tile of N keys is a 16-bit tile of N keys x head_dim / 2, which Triton copies and
+    loads as it does bf16 (an e4m3 tile it reads back from shared memory a byte at a time)."""
     HALF: tl.constexpr = BLOCK_D // 2
     j = tl.arange(0, HALF)
     pair_ok = j < HEAD_DIM // 2
-    q16 = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    q_even, q_odd = tl.split(tl.reshape(q16, [BLOCK_G, HALF, 2]))
+    q_even, q_odd = split_query(q, BLOCK_G, BLOCK_D)
     m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc_even = tl.zeros([BLOCK_G, HALF], dtype=tl.float32)
@@ -212,32 +181,8 @@ def fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stri
         kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
                                       BLOCK_N)
         mask = valid[:, None] & pair_ok[None, :]
-        k_even, k_odd = _widen_pairs(tl.load(k_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0), ASM)
-        v_even, v_odd = _widen_pairs(tl.load(v_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0), ASM)
-        s = tl.dot(q_even, tl.trans(k_even))
-        s = tl.dot(q_odd, tl.trans(k_odd), s) * scale_log2e
-        p, alpha, m_new, l = _softmax_step(s, valid, m, l)
-        p16 = p.to(tl.float16)
-        acc_even = tl.dot(p16, v_even, acc_even * alpha[:, None])
-        acc_odd = tl.dot(p16, v_odd, acc_odd * alpha[:, None])
-        m = m_new
-    acc = tl.reshape(tl.join(acc_even, acc_odd), [BLOCK_G, BLOCK_D])
-    return m, l, acc
-
-
-@triton.jit
-def _widen_pairs_kernel(x_ptr, even_ptr, odd_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
-    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    even, odd = _widen_pairs(tl.load(x_ptr + i, mask=i < n, other=0), ASM)
-    tl.store(even_ptr + i, even, mask=i < n)
-    tl.store(odd_ptr + i, odd, mask=i < n)
-
-
-def widen_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """_widen_pairs alone over a flat int16 tensor (the decode loop's widening, for tests): (even, odd) fp16, the
-    inline-PTX path where the kernels compile, the bit moves in Triton's interpreter."""
-    even, odd = (torch.empty(x.shape, dtype=torch.float16, device=x.device) for _ in range(2))
-    block = 1024
-    _widen_pairs_kernel[(triton.cdiv(x.numel(), block),)](x, even, odd, x.numel(), BLOCK=block,
-                                                          ASM=os.environ.get("TRITON_INTERPRET") != "1")
-    return even, odd
+        k = tl.load(k_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0)
+        p, alpha, m, l = _softmax_step(pairs_scores(q_even, q_odd, k, ASM) * scale_log2e, valid, m, l)
+        acc_even, acc_odd = pairs_values(p, v, alpha, acc_even, acc_odd, ASM)
+    return m, l, join_dims(acc_even, acc_odd, BLOCK_G, BLOCK_D)

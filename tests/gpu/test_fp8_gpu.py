@@ -141,7 +141,7 @@ def test_an_fp8_cache_holds_twice_the_blocks_in_the_same_memory():
 def test_pairs_widening_in_ptx_gives_every_e4m3_value_exactly():
     """The "pairs" loop's compiled widening (cvt e4m3x2 -> f16x2 and byte permutes, two int16 per register): every
     int16's low byte is the even output, its high byte the odd one, e4m3 -> fp16 bit for bit (NaN bytes aside)."""
-    from shardserve.kernels.paged_decode_fp8 import widen_pairs
+    from shardserve.kernels.fp8_pairs import widen_pairs
 
     x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
     ok = ((x.view(torch.uint8).view(-1, 2) & 0x7F) != 0x7F).all(dim=1)
