@@ -15,14 +15,11 @@ Tiles are numbered without a host-side list: sequence i's tiles start at query_s
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
-from shardserve.kernels.fp8_pairs import COMPILED, join_dims, pairs_scores, pairs_values, split_query
 from shardserve.kernels.kv_fp8 import dequantize_fp8
 
 
@@ -48,36 +45,6 @@ def _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_
                     DOT_PRECISION: tl.constexpr, FP8: tl.constexpr):
     """One online-softmax step over keys tile_start .. tile_start + BLOCK_N - 1. Without CAUSAL every row sees
     every key of the tile (keys before the query tile's first position), so loads and scores go unmasked."""
-    pos, k, v = _load_kv_tile(tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_cp,
-                              stride_ch, block_size, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL)
-    if FP8:  # (float32 queries) e4m3 -> float32 is exact; the scales are folded in by the caller
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
-    p, alpha, m_new, l = _softmax_step(s, pos, q_pos, m, l, CAUSAL)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l, acc
-
-
-@triton.jit
-def _attend_pairs_tile(q_even, q_odd, q_pos, m, l, acc_even, acc_odd, tile_start, last_q_pos, table, k_cache_ptr,
-                       v_cache_ptr, kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-                       ASM: tl.constexpr):
-    """_attend_kv_tile over an FP8 cache read as int16 pairs (kernels/fp8_pairs.py): the caches, strides and
-    dims are the int16 views' (HEAD_DIM and BLOCK_D halved by the caller); the scales are folded in by the caller."""
-    pos, k, v = _load_kv_tile(tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_cp,
-                              stride_ch, block_size, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, 0)
-    p, alpha, m_new, l = _softmax_step(pairs_scores(q_even, q_odd, k, ASM) * scale_log2e, pos, q_pos, m, l, CAUSAL)
-    acc_even, acc_odd = pairs_values(p, v, alpha, acc_even, acc_odd, ASM)
-    return m_new, l, acc_even, acc_odd
-
-
-@triton.jit
-def _load_kv_tile(tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr, kv_head, stride_cb, stride_cp, stride_ch,
-                  block_size, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, other=0.0):
-    """The positions of keys tile_start .. + BLOCK_N - 1 and their K and V tiles [BLOCK_N, BLOCK_D]."""
     pos = tile_start + tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
     valid = pos <= last_q_pos
@@ -88,23 +55,23 @@ def _load_kv_tile(tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr, kv_he
     kv_off = (block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch)[:, None] + d[None, :]
     if CAUSAL or HEAD_DIM != BLOCK_D:
         kv_mask = valid[:, None] & (d < HEAD_DIM)[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=other)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=other)
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
     else:
         k = tl.load(k_cache_ptr + kv_off)
         v = tl.load(v_cache_ptr + kv_off)
-    return pos, k, v
-
-
-@triton.jit
-def _softmax_step(s, pos, q_pos, m, l, CAUSAL: tl.constexpr):
-    """The online-softmax update over one tile's scores s (log2 domain): (p, alpha, m_new, l_new)."""
+    if FP8:  # e4m3 -> bf16/fp32 is exact; the scales are folded in by the caller
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N], log2 domain
     if CAUSAL:
         s = tl.where(pos[None, :] <= q_pos[:, None], s, NEG_BIG)
     m_new = tl.maximum(m, tl.max(s, 1))
     p = tl.exp2(s - m_new[:, None])
     alpha = tl.exp2(m - m_new)
-    return p, alpha, m_new, l * alpha + tl.sum(p, 1)
+    l = l * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l, acc
 
 
 # num_seqs: a batch of 1 must not compile a constexpr bound; stride_bt: see paged_decode.py
@@ -118,12 +85,10 @@ def _prefill_kernel(
     block_size,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, FP8: tl.constexpr,
 ):
     """Grid (T // BLOCK_Q + B, num_kv_heads). Program (t, h): query tile t (of some sequence) x KV head h.
-    FP8: the KV head's K scale folds into the softmax scale, its V scale into the output. PAIRS (an FP8 cache under
-    16-bit queries): the cache comes as int16 views of its e4m3 pairs, the products in fp16 (kernels/fp8_pairs.py);
-    float32 queries widen the e4m3 tiles to float32 instead, keeping float32's precision."""
+    FP8: the KV head's K scale folds into the softmax scale, its V scale into the output."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = _find_seq(query_start_loc_ptr, tile, num_seqs, BLOCK_Q)
@@ -154,43 +119,20 @@ def _prefill_kernel(
         last_q_pos = context_start + tl.minimum((local_tile + 1) * BLOCK_Q, q_len) - 1
         # keys before the tile's first query are seen by every row: no causal mask needed there
         unmasked_end = (first_q_pos // BLOCK_N) * BLOCK_N
-        if PAIRS:
-            HALF: tl.constexpr = BLOCK_D // 2
-            q_even, q_odd = split_query(q, BLOCK_M, BLOCK_D)
-            acc_even = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-            acc_odd = tl.zeros([BLOCK_M, HALF], dtype=tl.float32)
-            for tile_start in range(0, unmasked_end, BLOCK_N):
-                m, l, acc_even, acc_odd = _attend_pairs_tile(
-                    q_even, q_odd, q_pos, m, l, acc_even, acc_odd, tile_start, last_q_pos, table, k_cache_ptr,
-                    v_cache_ptr, kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e, HEAD_DIM // 2,
-                    HALF, BLOCK_N, False, ASM)
-            for tile_start in range(unmasked_end, last_q_pos + 1, BLOCK_N):
-                m, l, acc_even, acc_odd = _attend_pairs_tile(
-                    q_even, q_odd, q_pos, m, l, acc_even, acc_odd, tile_start, last_q_pos, table, k_cache_ptr,
-                    v_cache_ptr, kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e, HEAD_DIM // 2,
-                    HALF, BLOCK_N, True, ASM)
-            acc = join_dims(acc_even, acc_odd, BLOCK_M, BLOCK_D)
-        else:
-            for tile_start in range(0, unmasked_end, BLOCK_N):
-                m, l, acc = _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr,
-                                            v_cache_ptr, kv_head, stride_cb, stride_cp, stride_ch, block_size,
-                                            scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION, FP8)
-            for tile_start in range(unmasked_end, last_q_pos + 1, BLOCK_N):
-                m, l, acc = _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr,
-                                            v_cache_ptr, kv_head, stride_cb, stride_cp, stride_ch, block_size,
-                                            scale_log2e, HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION, FP8)
+        for tile_start in range(0, unmasked_end, BLOCK_N):
+            m, l, acc = _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
+                                        kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, False, DOT_PRECISION, FP8)
+        for tile_start in range(unmasked_end, last_q_pos + 1, BLOCK_N):
+            m, l, acc = _attend_kv_tile(q, q_pos, m, l, acc, tile_start, last_q_pos, table, k_cache_ptr, v_cache_ptr,
+                                        kv_head, stride_cb, stride_cp, stride_ch, block_size, scale_log2e,
+                                        HEAD_DIM, BLOCK_D, BLOCK_N, True, DOT_PRECISION, FP8)
 
         result = acc / tl.where(l > 0.0, l, 1.0)[:, None]
         if FP8:
             result = result * tl.load(v_scale_ptr + kv_head)
         tl.store(out_ptr + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
-
-
-# An FP8 cache under 16-bit queries read as int16 pairs (kernels/fp8_pairs.py), or (SHARDSERVE_FP8_PREFILL=widen,
-# for measurements) as e4m3 tiles widened to the queries' dtype: this kernel's 64-row products take Hopper's
-# warpgroup instructions, which read an e4m3 tile from shared memory in 16-byte loads, not a byte at a time.
-FP8_PREFILL_PAIRS = os.environ.get("SHARDSERVE_FP8_PREFILL", "pairs") != "widen"
 
 
 def paged_prefill_attention(
@@ -221,9 +163,6 @@ def paged_prefill_attention(
     block_q = block_m // group
     block_d = triton.next_power_of_2(head_dim)
     grid = (tokens // block_q + num_seqs, num_kv_heads)
-    pairs = fp8 and q.dtype != torch.float32 and FP8_PREFILL_PAIRS
-    if pairs:  # the e4m3 cache as int16 pairs (kernels/fp8_pairs.py)
-        k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables,
         k_scale if fp8 else q, v_scale if fp8 else q,  # unused without FP8
@@ -233,7 +172,7 @@ def paged_prefill_attention(
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim,
         BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_N=block_n or (64 if block_d <= 128 else 32),
-        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, PAIRS=pairs, ASM=COMPILED, num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(q.dtype), FP8=fp8, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
