@@ -1,0 +1,119 @@
+"""What the decode kernel compiles to on a GPU, on any machine: Triton compiles it for a given target (sm_90 by
+default) without a device, and this counts the PTX memory, conversion and tensor-core instructions per thread,
+the SASS instruction mix (nvdisasm, shipped with Triton) and the registers. This is how the FP8 decode kernel was
+found reading its e4m3 K tile back from shared memory a byte at a time (docs/performance.md), without device time.
+
+    python -m shardserve.bench.kernel_asm --cache fp8 --variant pairs [--block-n 128 --warps 4 --stages 2]
+
+The counts are static (a loop body counts once per copy the pipeliner made of it). The GPU hosts run Triton 3.6:
+compile with the same version for figures that hold there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import tempfile
+
+_POINTERS = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr", "part_out_ptr",
+             "part_lse_ptr", "k_scale_ptr", "v_scale_ptr")
+_PTX_KINDS = ("ld.global", "ld.shared", "st.shared", "cp.async.c", "ldmatrix", "mma", "wgmma.mma_async", "cvt.rn")
+
+
+def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: int, group: int = 2,
+                   head_dim: int = 128, rows: int = 16, arch: int = 90):
+    """The paged decode kernel compiled for sm_<arch> (pointers and strides 16-byte aligned, as the cache's are)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS
+    from shardserve.kernels.paged_decode import _decode_kernel
+
+    fp8 = cache == "fp8"
+    index = FP8_DECODE_VARIANTS.index(variant) if fp8 else 0
+    kv = ("*i16" if variant == "pairs" else "*fp8e4nv") if fp8 else "*bf16"
+    types = dict.fromkeys(_POINTERS, "*bf16") | {"k_cache_ptr": kv, "v_cache_ptr": kv, "block_tables_ptr": "*i32",
+                                                 "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32",
+                                                 "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+    constants = dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=1, BLOCK_G=rows,
+                     BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, DOT_PRECISION="tf32", NUM_KV_HEADS=8,
+                     FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma", ASM=True)
+    signature, attrs = {}, {}
+    for i, name in enumerate(_decode_kernel.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name], attrs[(i,)] = types[name], [["tt.divisibility", 16]]
+        else:
+            signature[name] = "fp32" if name == "scale_log2e" else "i32"
+            if name.startswith("stride") and name != "stride_bt":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(_decode_kernel, signature, constants, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def count_ptx(ptx: str) -> dict[str, int]:
+    counts = collections.Counter()
+    for line in ptx.splitlines():
+        match = re.match(r"\s*(?:@!?%p\d+\s+)?([a-z][\w.]*)", line)
+        if match and match.group(1).startswith(_PTX_KINDS):
+            counts[match.group(1)] += 1
+    return dict(sorted(counts.items()))
+
+
+def sass_mix(cubin: bytes) -> tuple[int, dict[str, int], str]:
+    """(instructions, the most common opcodes, registers and shared memory) from the cubin, by nvdisasm and
+    cuobjdump from Triton's own CUDA tools; empty where they are missing."""
+    import triton
+
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", f.name], capture_output=True, text=True,
+                                  check=True).stdout
+            usage = subprocess.run([os.path.join(tools, "cuobjdump"), "--dump-resource-usage", f.name],
+                                   capture_output=True, text=True, check=True).stdout
+        except (OSError, subprocess.CalledProcessError):
+            return 0, {}, ""
+    ops = re.findall(r"^\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9]*)", sass, re.M)
+    resources = re.search(r"REG:\d+.*?SHARED:\d+", usage)
+    return len(ops), dict(collections.Counter(ops).most_common(12)), resources.group(0) if resources else ""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cache", choices=("bf16", "fp8"), default="fp8")
+    parser.add_argument("--variant", default="pairs", help="the FP8 loop (kernels/kv_fp8.py FP8_DECODE_VARIANTS)")
+    parser.add_argument("--block-n", type=int, help="keys a tile (default: the kernel's for the cache)")
+    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=16, help="rows of the products (the query group padded)")
+    parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
+    parser.add_argument("--json", action="store_true", help="print the PTX counts as one JSON object instead")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("TRITON_INTERPRET=1: Triton's interpreter compiles nothing; run with TRITON_INTERPRET=0")
+    block_n = args.block_n or (128 if args.cache == "fp8" else 64)
+    kernel = compile_decode(args.cache, args.variant, block_n, args.warps, args.stages, rows=args.rows, arch=args.arch)
+    if args.json:
+        print(json.dumps(count_ptx(kernel.asm["ptx"])))
+        return 0
+    print(f"decode kernel, {args.cache} cache{' (' + args.variant + ')' if args.cache == 'fp8' else ''}, "
+          f"{block_n} keys a tile, {args.warps} warps, {args.stages} stages, sm_{args.arch}")
+    for name, n in count_ptx(kernel.asm["ptx"]).items():
+        print(f"  ptx {name:55s} {n}")
+    total, mix, resources = sass_mix(kernel.asm.get("cubin", b""))
+    if total:
+        print(f"  sass: {total} instructions; {', '.join(f'{k} {v}' for k, v in mix.items())}; {resources}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

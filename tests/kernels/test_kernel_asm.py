@@ -1,0 +1,24 @@
+"""The FP8 decode kernel as compiled for an H200 (sm_90), checked here without a GPU (bench/kernel_asm.py, in a
+process of its own: the tests run Triton's interpreter, which compiles nothing): the "pairs" loop exists to move its
+e4m3 tiles as the bf16 kernel moves its tiles."""
+
+import json
+import os
+import subprocess
+import sys
+
+
+def ptx_counts(*args: str) -> dict[str, int]:
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run([sys.executable, "-m", "shardserve.bench.kernel_asm", "--json", *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_pairs_decode_moves_fp8_tiles_in_16_byte_copies_with_no_byte_loads():
+    ptx = ptx_counts("--cache", "fp8", "--variant", "pairs")
+    assert ptx.get("cp.async.cg.shared.global", 0) >= 16  # K and V: 16-byte asynchronous copies into shared memory
+    assert "cp.async.ca.shared.global" not in ptx  # (the e4m3 loops copy K in 8-byte pieces)
+    assert not [op for op in ptx if op.startswith("ld.shared.b8")]  # (they read K back a byte at a time: 128 a tile)
+    assert ptx.get("ldmatrix.sync.aligned.m8n8.x4.shared.b16", 0) > 0
