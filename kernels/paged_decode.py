@@ -33,7 +33,7 @@ def _decode_kernel(
     scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cp, stride_ch, stride_bt,
-    block_size,
+    block_size: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
