@@ -42,9 +42,8 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
                                                  "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
     constants = dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=1, BLOCK_G=rows,
                      BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, DOT_PRECISION="tf32", NUM_KV_HEADS=8,
-                     FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma", ASM=True)
-    if _decode_kernel.params[_decode_kernel.arg_names.index("block_size")].is_constexpr:
-        constants["block_size"] = 16
+                     FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma", ASM=True,
+                     block_size=16)
     signature, attrs = {}, {}
     for i, name in enumerate(_decode_kernel.arg_names):
         if name in constants:

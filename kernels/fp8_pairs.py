@@ -19,7 +19,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _widen_pairs(x, ASM: tl.constexpr):
+def widen_pairs_tile(x, ASM: tl.constexpr):
     """x: int16 holding two e4m3 (low byte: the even dim) -> (even, odd) as fp16, exactly. ASM (compiled, sm_89+):
     per two elements (one 32-bit register, four bytes), two native e4m3x2 -> f16x2 conversions and two byte
     permutes that regroup the halves into the even and the odd tensor. Else (Triton's interpreter) the same values
@@ -52,21 +52,6 @@ def split_query(q, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 @triton.jit
-def pairs_scores(q_even, q_odd, k, ASM: tl.constexpr):
-    """q . k^T [rows, keys] (unscaled, float32) for a K tile of int16 pairs [keys, BLOCK_D // 2]."""
-    k_even, k_odd = _widen_pairs(k, ASM)
-    return tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even)))
-
-
-@triton.jit
-def pairs_values(p, v, alpha, acc_even, acc_odd, ASM: tl.constexpr):
-    """The online-softmax accumulators' update, acc * alpha + p . v, for a V tile of int16 pairs, per half."""
-    v_even, v_odd = _widen_pairs(v, ASM)
-    p16 = p.to(tl.float16)
-    return tl.dot(p16, v_even, acc_even * alpha[:, None]), tl.dot(p16, v_odd, acc_odd * alpha[:, None])
-
-
-@triton.jit
 def join_dims(acc_even, acc_odd, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     """The even and odd output dims back into one [ROWS, BLOCK_D] tile."""
     return tl.reshape(tl.join(acc_even, acc_odd), [ROWS, BLOCK_D])
@@ -78,13 +63,13 @@ COMPILED = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX only where th
 @triton.jit
 def _widen_pairs_kernel(x_ptr, even_ptr, odd_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    even, odd = _widen_pairs(tl.load(x_ptr + i, mask=i < n, other=0), ASM)
+    even, odd = widen_pairs_tile(tl.load(x_ptr + i, mask=i < n, other=0), ASM)
     tl.store(even_ptr + i, even, mask=i < n)
     tl.store(odd_ptr + i, odd, mask=i < n)
 
 
 def widen_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """_widen_pairs alone over a flat int16 tensor (the decode loop's widening, for tests): (even, odd) fp16, the
+    """widen_pairs_tile alone over a flat int16 tensor (the decode loop's widening, for tests): (even, odd) fp16, the
     inline-PTX path where the kernels compile, the bit moves in Triton's interpreter."""
     even, odd = (torch.empty(x.shape, dtype=torch.float16, device=x.device) for _ in range(2))
     block = 1024
