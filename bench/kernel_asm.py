@@ -103,14 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("TRITON_INTERPRET=1: Triton's interpreter compiles nothing; run with TRITON_INTERPRET=0")
     block_n = args.block_n or (128 if args.cache == "fp8" else 64)
     kernel = compile_decode(args.cache, args.variant, block_n, args.warps, args.stages, rows=args.rows, arch=args.arch)
+    total, mix, resources = sass_mix(kernel.asm.get("cubin", b""))
     if args.json:
-        print(json.dumps(count_ptx(kernel.asm["ptx"])))
+        registers = re.search(r"REG:(\d+)", resources)
+        print(json.dumps({"ptx": count_ptx(kernel.asm["ptx"]), "sass_instructions": total,
+                          "registers": int(registers.group(1)) if registers else None}))
         return 0
     print(f"decode kernel, {args.cache} cache{' (' + args.variant + ')' if args.cache == 'fp8' else ''}, "
           f"{block_n} keys a tile, {args.warps} warps, {args.stages} stages, sm_{args.arch}")
     for name, n in count_ptx(kernel.asm["ptx"]).items():
         print(f"  ptx {name:55s} {n}")
-    total, mix, resources = sass_mix(kernel.asm.get("cubin", b""))
     if total:
         print(f"  sass: {total} instructions; {', '.join(f'{k} {v}' for k, v in mix.items())}; {resources}")
     return 0

@@ -13,7 +13,7 @@ def ptx_counts(*args: str) -> dict[str, int]:
     done = subprocess.run([sys.executable, "-m", "shardserve.bench.kernel_asm", "--json", *args], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return json.loads(done.stdout.strip().splitlines()[-1])["ptx"]
 
 
 def test_the_pairs_decode_moves_fp8_tiles_in_16_byte_copies_with_no_byte_loads():
