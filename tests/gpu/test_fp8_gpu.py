@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _paged_batch import make_batch  # noqa: E402
+from _paged_batch import every_e4m3_pair, make_batch  # noqa: E402
 
 from shardserve.kernels.kv_fp8 import FP8_DTYPE, quantize_fp8, round_query_e4m3, scales_from_amax  # noqa: E402
 from shardserve.kernels.paged_decode import (  # noqa: E402
@@ -143,8 +143,7 @@ def test_pairs_widening_in_ptx_gives_every_e4m3_value_exactly():
     int16's low byte is the even output, its high byte the odd one, e4m3 -> fp16 bit for bit (NaN bytes aside)."""
     from shardserve.kernels.fp8_pairs import widen_pairs
 
-    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    ok = ((x.view(torch.uint8).view(-1, 2) & 0x7F) != 0x7F).all(dim=1)
+    x, ok = every_e4m3_pair()
     even, odd = widen_pairs(x.cuda())
     want = x.view(torch.uint8).view(FP8_DTYPE).to(torch.float16).view(-1, 2)
     assert torch.equal(even.cpu()[ok].view(torch.int16), want[ok, 0].view(torch.int16))

@@ -45,3 +45,9 @@ def make_batch(query_lens: list[int], seq_lens: list[int], *, num_heads: int, nu
         max_seq_len=max(seq_lens),
     )
     return q, k, v, k_cache, v_cache, meta
+
+
+def every_e4m3_pair() -> tuple[torch.Tensor, torch.Tensor]:
+    """All 65,536 int16 values (two e4m3 each, low byte first) and which of them hold no NaN byte."""
+    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    return x, ((x.view(torch.uint8).view(-1, 2) & 0x7F) != 0x7F).all(dim=1)

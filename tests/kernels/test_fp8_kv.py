@@ -13,7 +13,7 @@ from shardserve.kernels.store_kv import store_kv
 from shardserve.kernels.torch_backend import TorchAttentionBackend
 from shardserve.kernels.torch_backend import store_kv as store_kv_ref
 from shardserve.kernels.triton_backend import TritonAttentionBackend
-from _paged_batch import make_batch  # tests/kernels is on sys.path
+from _paged_batch import every_e4m3_pair, make_batch  # tests/kernels is on sys.path
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SCALE = 0.3
@@ -151,13 +151,6 @@ def test_under_e4m3_qk_both_backends_round_the_query_of_decode_only_batches(quer
     if decode_only:  # the rounding is there: the unrounded reference is farther than the tolerance above
         unrounded = paged_prefill_attention_ref(q, kc, vc, *args)
         assert not torch.allclose(outs[0], unrounded, atol=1e-3, rtol=1e-4)
-
-
-def every_e4m3_pair() -> tuple[torch.Tensor, torch.Tensor]:
-    """All 65,536 int16 values (two e4m3 each, low byte first) and which hold no NaN byte."""
-    x = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
-    b = x.view(torch.uint8).view(-1, 2)
-    return x, ((b & 0x7F) != 0x7F).all(dim=1)
 
 
 def test_pairs_widening_gives_every_e4m3_value_exactly():
