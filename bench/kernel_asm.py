@@ -32,7 +32,7 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
     from triton.compiler import ASTSource
 
     from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS
-    from shardserve.kernels.paged_decode import _decode_kernel
+    from shardserve.kernels.paged_decode import DECODE_KERNEL
 
     fp8 = cache == "fp8"
     index = FP8_DECODE_VARIANTS.index(variant) if fp8 else 0
@@ -45,7 +45,7 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
                      FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma", ASM=True,
                      block_size=16)
     signature, attrs = {}, {}
-    for i, name in enumerate(_decode_kernel.arg_names):
+    for i, name in enumerate(DECODE_KERNEL.arg_names):
         if name in constants:
             signature[name] = "constexpr"
         elif name in types:
@@ -54,7 +54,7 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
             signature[name] = "fp32" if name == "scale_log2e" else "i32"
             if name.startswith("stride") and name != "stride_bt":
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(_decode_kernel, signature, constants, attrs)
+    source = ASTSource(DECODE_KERNEL, signature, constants, attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
 
 

@@ -128,6 +128,9 @@ def _decode_kernel(
         tl.store(part_lse_ptr + row, lse, mask=head_ok)
 
 
+DECODE_KERNEL = _decode_kernel  # the jitted kernel itself, which bench/kernel_asm.py compiles for a GPU target
+
+
 @triton.jit
 def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
