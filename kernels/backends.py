@@ -15,7 +15,7 @@ quantizes with them, attend dequantizes with them; a cache in the model's dtype 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -30,6 +30,7 @@ class AttentionMetadata:
     seq_lens_cpu: list[int]
     max_query_len: int
     max_seq_len: int
+    _derived: dict = field(default_factory=dict, repr=False)  # computed once a step for every layer
 
     @property
     def num_seqs(self) -> int:
@@ -38,6 +39,24 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+    def leading_decodes(self) -> int:
+        """How many sequences at the front of the batch are decodes (the scheduler puts running requests first)."""
+        if "decodes" not in self._derived:
+            n = 0
+            for q_len in self.query_lens_cpu:
+                if q_len != 1:
+                    break
+                n += 1
+            self._derived["decodes"] = n
+        return self._derived["decodes"]
+
+    def tail_query_start_loc(self, first: int) -> torch.Tensor:
+        """query_start_loc of sequences first.. with their tokens counted from 0 (the batch from sequence `first` on,
+        when the sequences before it are decodes: first tokens)."""
+        if ("tail", first) not in self._derived:
+            self._derived["tail", first] = self.query_start_loc[first:] - first
+        return self._derived["tail", first]
 
 
 class AttentionBackend:

@@ -2,9 +2,15 @@
 
 Decode-only batches (every query_len 1, the steady state) go to the split-K decode kernel; anything with a
 prefill or chunk in it goes to the varlen prefill kernel, which handles its decodes in the same launch.
+SHARDSERVE_SPLIT_MIXED=N (opt-in, not yet timed on a GPU): a mixed batch that starts with at least N decodes sends
+those to the decode kernel and the rest to the prefill kernel, two launches; on an H200 the prefill kernel read
+decode batches at 74-84% of the copy rate with a bf16 cache and 30-39% with FP8, the decode kernel at 83-104%
+(docs/performance.md).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -12,6 +18,9 @@ from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
 from shardserve.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from shardserve.kernels.prefill import paged_prefill_attention
 from shardserve.kernels.store_kv import store_kv
+
+
+SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "0"))  # 0: off
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -26,12 +35,26 @@ class TritonAttentionBackend(AttentionBackend):
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         if meta.is_decode_only and q.shape[0] == meta.num_seqs:
-            splits = self.decode_num_splits
-            if splits is None:
-                splits = choose_num_splits(meta.num_seqs, k_cache.shape[2], meta.max_seq_len)
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, splits,
-                                          k_scale=k_scale, v_scale=v_scale)
-        return paged_prefill_attention(
-            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-            k_scale=k_scale, v_scale=v_scale,
-        )
+            return self._decode(q, k_cache, v_cache, meta, meta.num_seqs, scale, k_scale, v_scale)
+        decodes = meta.leading_decodes() if SPLIT_MIXED else 0
+        if decodes < max(SPLIT_MIXED, 1):
+            return paged_prefill_attention(
+                q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                k_scale=k_scale, v_scale=v_scale,
+            )
+        out = torch.empty_like(q)
+        self._decode(q[:decodes], k_cache, v_cache, meta, decodes, scale, k_scale, v_scale, out=out[:decodes])
+        paged_prefill_attention(q[decodes:], k_cache, v_cache, meta.tail_query_start_loc(decodes),
+                                meta.seq_lens[decodes:], meta.block_tables[decodes:], scale, out=out[decodes:],
+                                k_scale=k_scale, v_scale=v_scale)
+        return out
+
+    def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                num_seqs: int, scale: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The decode kernel over the batch's first num_seqs sequences (one query token each)."""
+        splits = self.decode_num_splits
+        if splits is None:
+            splits = choose_num_splits(num_seqs, k_cache.shape[2], meta.max_seq_len)
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:num_seqs], meta.seq_lens[:num_seqs],
+                                      scale, splits, out=out, k_scale=k_scale, v_scale=v_scale)

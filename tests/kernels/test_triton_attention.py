@@ -128,3 +128,31 @@ def test_triton_backend_with_fixed_splits_stays_correct_when_context_grows():
         out = backend.forward(q, k, v, k_cache, v_cache, meta, SCALE)
         ref = paged_decode_attention_ref(q, k_ref, v_ref, meta.block_tables, meta.seq_lens, SCALE)
         torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("threshold,launches", [(0, {"prefill": 1}), (2, {"decode": 1, "prefill": 1}),
+                                                (4, {"prefill": 1})])
+def test_split_mixed_sends_the_leading_decodes_to_the_decode_kernel(monkeypatch, threshold, launches):
+    """SHARDSERVE_SPLIT_MIXED=N: a mixed batch whose first N or more sequences decode runs them on the decode kernel
+    and the rest (the third sequence's prefill and every sequence after it, decodes too) on the prefill kernel;
+    the result is the single launch's. Off (0), or fewer leading decodes than N: one prefill launch."""
+    import shardserve.kernels.triton_backend as tb
+
+    q, k, v, k_cache, v_cache, meta = make_batch(
+        [1, 1, 7, 1, 12], [40, 3, 30, 17, 12], num_heads=4, num_kv_heads=2, head_dim=32, block_size=8,
+        dtype=torch.float32, device=DEVICE, seed=9)
+    store_kv_ref(k, v, k_cache, v_cache, meta.slot_mapping)
+    calls = {}
+    for name in ("paged_decode_attention", "paged_prefill_attention"):
+        real = getattr(tb, name)
+
+        def counted(*args, _real=real, _key=name.split("_")[1], **kwargs):
+            calls[_key] = calls.get(_key, 0) + 1
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(tb, name, counted)
+    monkeypatch.setattr(tb, "SPLIT_MIXED", threshold)
+    out = tb.TritonAttentionBackend().attend(q, k_cache, v_cache, meta, SCALE)
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                      SCALE)
+    assert calls == launches
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
