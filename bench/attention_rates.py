@@ -217,6 +217,44 @@ def padded_rows(model: str, shapes: list[tuple[int, int]], rows: list[int], copy
     return out
 
 
+def mixed_split(model: str, shapes: list[tuple[int, int]], prefill_tokens: int, copy_bytes_per_s: float) -> list[dict]:
+    """A mixed batch (batch - 1 decodes, then one sequence extending its context by prefill_tokens) through the Triton
+    backend as one prefill-kernel launch (SHARDSERVE_SPLIT_MIXED=0) and split (=1: the decodes on the decode kernel),
+    per cache: whether the split pays for its second launch."""
+    import shardserve.kernels.triton_backend as tb
+    from shardserve.kernels.backends import AttentionMetadata
+
+    heads, kv_heads, dim = _model_shape(model)
+    out = []
+    for cache_dtype in ("bfloat16", "fp8"):
+        for batch, context in shapes:
+            cases, kv_bytes = _cases(heads, kv_heads, dim, batch, context, cache_dtype)
+            tokens = min(prefill_tokens, context)
+            query_lens = [1] * (batch - 1) + [tokens]
+            for c in cases:
+                c["q"] = torch.randn(batch - 1 + tokens, heads, dim, dtype=torch.bfloat16, device="cuda")
+                c["meta"] = AttentionMetadata(
+                    slot_mapping=torch.full((batch - 1 + tokens,), -1, dtype=torch.int64, device="cuda"),
+                    query_start_loc=torch.tensor([0, *range(1, batch), batch - 1 + tokens], dtype=torch.int32,
+                                                 device="cuda"),
+                    seq_lens=c["seq_lens"], block_tables=c["tables"], query_lens_cpu=query_lens,
+                    seq_lens_cpu=[context] * batch, max_query_len=tokens, max_seq_len=context)
+            row = dict(kv_cache_dtype=cache_dtype, batch=batch, context=context, prefill_tokens=tokens)
+            for name, threshold in (("one_launch_ms", 0), ("split_ms", 1)):
+                tb.SPLIT_MIXED = threshold
+                backend = tb.TritonAttentionBackend()
+                row[name] = graph_ms([(lambda c=c: backend.attend(c["q"], c["k_cache"], c["v_cache"], c["meta"],
+                                                                  dim**-0.5, **c["scales"])) for c in cases])
+            tb.SPLIT_MIXED = 0
+            row["fraction_of_copy_rate_split"] = kv_bytes / (row["split_ms"] / 1e3) / copy_bytes_per_s
+            out.append(row)
+            print(f"mixed {cache_dtype:8s} {batch - 1} decodes x {context} + {tokens} prefill: one launch "
+                  f"{row['one_launch_ms']:.4f} ms, split {row['split_ms']:.4f} ms "
+                  f"({row['one_launch_ms'] / row['split_ms']:.2f}x)", flush=True)
+            del cases
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """python -m shardserve.bench.attention_rates --model M --shapes 32x256,64x4096 [--sweep] --json-out F"""
     import argparse
@@ -234,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-variants", default="", help="FP8 loops to sweep, e.g. fp16,e4m3 (default: all)")
     parser.add_argument("--padded-rows", default="", help="time the decode kernel with the group padded to these "
                         "rows, e.g. 16,32,64, at --sweep-shapes")
+    parser.add_argument("--mixed", default="", help="time mixed batches (BATCHxCONTEXT,...: batch - 1 decodes and one "
+                        "extend) as one launch and split (SHARDSERVE_SPLIT_MIXED)")
+    parser.add_argument("--mixed-prefill", type=int, default=512, help="the extend's new tokens in --mixed")
     parser.add_argument("--json-out", help="write the rows here")
     args = parser.parse_args(argv)
     shapes = [tuple(int(x) for x in spec.split("x")) for spec in filter(None, args.shapes.split(","))]
@@ -247,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         report["padded_rows"] = padded_rows(args.model, [tuple(int(x) for x in spec.split("x"))
                                                          for spec in args.sweep_shapes.split(",")],
                                             [int(r) for r in args.padded_rows.split(",")], copy)
+    if args.mixed:
+        report["mixed"] = mixed_split(args.model, [tuple(int(x) for x in spec.split("x"))
+                                                   for spec in args.mixed.split(",")], args.mixed_prefill, copy)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)
