@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The attention and sampling kernels on one GPU, in one call: their GPU tests, each attention kernel's bytes/s and
-# the decode kernel's launch-setting sweep (bench/attention_rates.py), top-p timing (tests/gpu/sampling_timing.py),
-# then the offline runs of Qwen3-0.6B and Llama-3-8B with the bf16 and the FP8 cache (bench/gpu_run.sh's steps).
+# The attention and sampling kernels on one GPU, in one call: their GPU tests, each attention kernel's bytes/s, the
+# decode kernel's launch-setting sweep and mixed batches as one launch or split (bench/attention_rates.py), top-p
+# timing (tests/gpu/sampling_timing.py), then the offline runs of Qwen3-0.6B and Llama-3-8B with the bf16 and the FP8 cache (bench/gpu_run.sh's steps).
 #
 #   OUT=DIR BUDGET_S=480 bash bench/gpu_kernels.sh     # on the GPU host, from the project root
 #
@@ -34,8 +34,8 @@ if want tests; then
 fi
 if want rates && (( $(left) > 60 )); then
   timeout -k 5 $(( $(left) < 240 ? $(left) : 240 )) $PY -m shardserve.bench.attention_rates --model qwen3-0.6b \
-    ${SWEEP_ARGS:---sweep} --json-out "$OUT/attention_qwen3.json" > "$OUT/attention_qwen3.txt" 2>&1
-  say "attention rates + sweep: exit $?"; grep -E "^(attention decode|sweep)" "$OUT/attention_qwen3.txt" | tee -a "$OUT/log.txt"
+    ${SWEEP_ARGS:---sweep --mixed 64x1024,256x800} --json-out "$OUT/attention_qwen3.json" > "$OUT/attention_qwen3.txt" 2>&1
+  say "attention rates + sweep: exit $?"; grep -E "^(attention decode|sweep|mixed)" "$OUT/attention_qwen3.txt" | tee -a "$OUT/log.txt"
 fi
 if want topp && (( $(left) > 40 )); then
   timeout -k 5 90 $PY tests/gpu/sampling_timing.py "$OUT/topp_timing.json" > "$OUT/topp_timing.txt" 2>&1
