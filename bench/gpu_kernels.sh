@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The attention and sampling kernels on one GPU, in one call: their GPU tests, each attention kernel's bytes/s, the
 # decode kernel's launch-setting sweep and mixed batches as one launch or split (bench/attention_rates.py), top-p
-# timing (tests/gpu/sampling_timing.py), then the offline runs of Qwen3-0.6B and Llama-3-8B with the bf16 and the FP8 cache (bench/gpu_run.sh's steps).
+# timing (tests/gpu/sampling_timing.py), then the offline runs of Qwen3-0.6B and Llama-3-8B with the bf16 and the FP8
+# cache (bench/gpu_run.sh's steps).
 #
 #   OUT=DIR BUDGET_S=480 bash bench/gpu_kernels.sh     # on the GPU host, from the project root
 #
