@@ -56,5 +56,8 @@ class TritonAttentionBackend(AttentionBackend):
         splits = self.decode_num_splits
         if splits is None:
             splits = choose_num_splits(num_seqs, k_cache.shape[2], meta.max_seq_len)
-        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables[:num_seqs], meta.seq_lens[:num_seqs],
-                                      scale, splits, out=out, k_scale=k_scale, v_scale=v_scale)
+        tables, seq_lens = meta.block_tables, meta.seq_lens
+        if num_seqs < meta.num_seqs:
+            tables, seq_lens = tables[:num_seqs], seq_lens[:num_seqs]
+        return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, splits, out=out, k_scale=k_scale,
+                                      v_scale=v_scale)
