@@ -221,8 +221,8 @@ def mixed_split(model: str, shapes: list[tuple[int, int]], prefill_tokens: int, 
     """A mixed batch (batch - 1 decodes, then one sequence extending its context by prefill_tokens) through the Triton
     backend as one prefill-kernel launch (SHARDSERVE_SPLIT_MIXED=0) and split (=1: the decodes on the decode kernel),
     per cache: whether the split pays for its second launch."""
-    import shardserve.kernels.triton_backend as tb
     from shardserve.kernels.backends import AttentionMetadata
+    from shardserve.kernels.triton_backend import TritonAttentionBackend
 
     heads, kv_heads, dim = _model_shape(model)
     out = []
@@ -240,12 +240,10 @@ def mixed_split(model: str, shapes: list[tuple[int, int]], prefill_tokens: int, 
                     seq_lens=c["seq_lens"], block_tables=c["tables"], query_lens_cpu=query_lens,
                     seq_lens_cpu=[context] * batch, max_query_len=tokens, max_seq_len=context)
             row = dict(kv_cache_dtype=cache_dtype, batch=batch, context=context, prefill_tokens=tokens)
-            for name, threshold in (("one_launch_ms", 0), ("split_ms", 1)):
-                tb.SPLIT_MIXED = threshold
-                backend = tb.TritonAttentionBackend()
+            for name, split_mixed in (("one_launch_ms", 0), ("split_ms", 1)):
+                backend = TritonAttentionBackend(split_mixed=split_mixed)
                 row[name] = graph_ms([(lambda c=c: backend.attend(c["q"], c["k_cache"], c["v_cache"], c["meta"],
                                                                   dim**-0.5, **c["scales"])) for c in cases])
-            tb.SPLIT_MIXED = 0
             row["fraction_of_copy_rate_split"] = kv_bytes / (row["split_ms"] / 1e3) / copy_bytes_per_s
             out.append(row)
             print(f"mixed {cache_dtype:8s} {batch - 1} decodes x {context} + {tokens} prefill: one launch "
@@ -253,6 +251,11 @@ def mixed_split(model: str, shapes: list[tuple[int, int]], prefill_tokens: int, 
                   f"({row['one_launch_ms'] / row['split_ms']:.2f}x)", flush=True)
             del cases
     return out
+
+
+def _shapes(text: str) -> list[tuple[int, int]]:
+    """"32x256,64x4096" -> [(32, 256), (64, 4096)] (batch, context); "" -> []."""
+    return [tuple(int(x) for x in spec.split("x")) for spec in filter(None, text.split(","))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -277,20 +280,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed-prefill", type=int, default=512, help="the extend's new tokens in --mixed")
     parser.add_argument("--json-out", help="write the rows here")
     args = parser.parse_args(argv)
-    shapes = [tuple(int(x) for x in spec.split("x")) for spec in filter(None, args.shapes.split(","))]
     copy = measure_rates("cuda", matmul_n=1024).copy_bytes_per_s
-    report = {"model": args.model, "copy_bytes_per_s": copy, "rows": attention_rates(args.model, shapes, copy)}
+    report = {"model": args.model, "copy_bytes_per_s": copy,
+              "rows": attention_rates(args.model, _shapes(args.shapes), copy)}
     if args.sweep:
-        report["sweep"] = sweep(args.model, [tuple(int(x) for x in spec.split("x"))
-                                             for spec in args.sweep_shapes.split(",")], copy,
-                                  variants=set(filter(None, args.sweep_variants.split(","))) or None)
+        report["sweep"] = sweep(args.model, _shapes(args.sweep_shapes), copy,
+                                variants=set(filter(None, args.sweep_variants.split(","))) or None)
     if args.padded_rows:
-        report["padded_rows"] = padded_rows(args.model, [tuple(int(x) for x in spec.split("x"))
-                                                         for spec in args.sweep_shapes.split(",")],
+        report["padded_rows"] = padded_rows(args.model, _shapes(args.sweep_shapes),
                                             [int(r) for r in args.padded_rows.split(",")], copy)
     if args.mixed:
-        report["mixed"] = mixed_split(args.model, [tuple(int(x) for x in spec.split("x"))
-                                                   for spec in args.mixed.split(",")], args.mixed_prefill, copy)
+        report["mixed"] = mixed_split(args.model, _shapes(args.mixed), args.mixed_prefill, copy)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)

@@ -21,7 +21,8 @@ from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS, dequantize_fp8, fp8_d
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
 from shardserve.kernels.paged_decode_fp8 import (fp8_e4m3_loop, fp8_fma_loop, fp8_k_transposed_load_loop,
-                                                 fp8_pairs_loop, fp8_transposed_loop)
+                                                 fp8_pairs_loop, fp8_transposed_loop, load_tiles,
+                                                 softmax_step, start_state)
 
 
 # The block table's row stride is the step's widest table: left unspecialised, or each new value that is (not) a
@@ -65,9 +66,7 @@ def _decode_kernel(
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
 
-    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
-    l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m, l, acc = start_state(BLOCK_G, BLOCK_D)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if FP8:
         scale_log2e = scale_log2e * tl.load(k_scale_ptr + kv_head)
@@ -93,24 +92,14 @@ def _decode_kernel(
         if DOT_FP16:
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
         for tile_start in range(start, end, BLOCK_N):
-            pos = tile_start + tl.arange(0, BLOCK_N)
-            valid = pos < end
-            block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
-            kv_off = block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch
-            kv_mask = valid[:, None] & dim_ok[None, :]
-            k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            k, v, valid = load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp,
+                                     stride_ch, block_size, d, dim_ok, BLOCK_N)
             if FP8:  # e4m3 -> bf16/fp16/fp32 is exact
                 k = k.to(q.dtype)
                 v = v.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_G, BLOCK_N], log2
-            s = tl.where(valid[None, :], s, NEG_BIG)
-            m_new = tl.maximum(m, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m - m_new)
-            l = l * alpha + tl.sum(p, 1)
+            p, alpha, m, l = softmax_step(s, valid, m, l)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m = m_new
 
     has_keys = l > 0.0
     result = acc / tl.where(has_keys, l, 1.0)[:, None]

@@ -24,7 +24,7 @@ def _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_
 
 
 @triton.jit
-def _load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch,
+def load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch,
                 block_size, d, dim_ok, BLOCK_N: tl.constexpr):
     """One tile's K and V [BLOCK_N, BLOCK_D] as stored (e4m3; zeros past the context) and which keys are valid."""
     kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size, BLOCK_N)
@@ -35,7 +35,14 @@ def _load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, strid
 
 
 @triton.jit
-def _softmax_step(s, valid, m, l):
+def start_state(ROWS: tl.constexpr, COLS: tl.constexpr):
+    """The online softmax before any key: running max m and sum l per row, and the [ROWS, COLS] accumulator."""
+    return (tl.full([ROWS], NEG_BIG, dtype=tl.float32), tl.zeros([ROWS], dtype=tl.float32),
+            tl.zeros([ROWS, COLS], dtype=tl.float32))
+
+
+@triton.jit
+def softmax_step(s, valid, m, l):
     """One tile's online-softmax update over scores s [rows, keys] (log2 domain; keys past the context masked):
     returns (p, alpha, m_new, l_new), where the caller scales its accumulator by alpha and adds p's product."""
     s = tl.where(valid[None, :], s, NEG_BIG)
@@ -62,7 +69,7 @@ def fp8_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head,
     l = tl.zeros([BLOCK_G], dtype=tl.float32)
     acc_t = tl.zeros([BLOCK_D, BLOCK_G], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
-        k, v, valid = _load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp,
+        k, v, valid = load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp,
                                   stride_ch, block_size, d, dim_ok, BLOCK_N)
         k, v = k.to(q_t.dtype), v.to(q_t.dtype)
         s_t = tl.dot(k, q_t, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_N, BLOCK_G]
@@ -87,9 +94,7 @@ def fp8_k_transposed_load_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, k
     dim_ok = d < HEAD_DIM
     if DOT_FP16:
         q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
-    l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m, l, acc = start_state(BLOCK_G, BLOCK_D)
     for tile_start in range(start, end, BLOCK_N):
         kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
                                       BLOCK_N)
@@ -98,7 +103,7 @@ def fp8_k_transposed_load_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, k
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=valid[:, None] & dim_ok[None, :],
                     other=0.0).to(q.dtype)
         s = tl.dot(q, k_t, input_precision=DOT_PRECISION) * scale_log2e
-        p, alpha, m_new, l = _softmax_step(s, valid, m, l)
+        p, alpha, m_new, l = softmax_step(s, valid, m, l)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m = m_new
     return m, l, acc
@@ -114,15 +119,13 @@ def fp8_fma_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride
     d = tl.arange(0, BLOCK_D)
     dim_ok = d < HEAD_DIM
     qf = q.to(tl.float32)
-    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
-    l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m, l, acc = start_state(BLOCK_G, BLOCK_D)
     for tile_start in range(start, end, BLOCK_N):
-        k, v, valid = _load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp,
+        k, v, valid = load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp,
                                   stride_ch, block_size, d, dim_ok, BLOCK_N)
         k, v = k.to(tl.float32), v.to(tl.float32)
         s = tl.sum(qf[:, None, :] * k[None, :, :], 2) * scale_log2e  # [BLOCK_G, BLOCK_N]
-        p, alpha, m_new, l = _softmax_step(s, valid, m, l)
+        p, alpha, m_new, l = softmax_step(s, valid, m, l)
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], 1)
         m = m_new
     return m, l, acc
@@ -143,14 +146,12 @@ def fp8_e4m3_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, strid
     q_scale = tl.maximum(tl.max(tl.max(tl.abs(qf), 1), 0), 1e-30) / 448.0
     q8 = (qf / q_scale).to(tl.float8e4nv)
     scale_log2e = scale_log2e * q_scale
-    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
-    l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m, l, acc = start_state(BLOCK_G, BLOCK_D)
     for tile_start in range(start, end, BLOCK_N):
-        k, v, valid = _load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp,
+        k, v, valid = load_tiles(k_cache_ptr, v_cache_ptr, table, tile_start, end, kv_head, stride_cb, stride_cp,
                                   stride_ch, block_size, d, dim_ok, BLOCK_N)
         s = tl.dot(q8, tl.trans(k)) * scale_log2e  # [BLOCK_G, BLOCK_N], log2 domain
-        p, alpha, m_new, l = _softmax_step(s, valid, m, l)
+        p, alpha, m_new, l = softmax_step(s, valid, m, l)
         if E4M3_PV:
             pv = tl.dot((p * 448.0).to(tl.float8e4nv), v)
         else:
@@ -173,9 +174,7 @@ def fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stri
     j = tl.arange(0, HALF)
     pair_ok = j < HEAD_DIM // 2
     q_even, q_odd = split_query(q, BLOCK_G, BLOCK_D)
-    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
-    l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc_even = tl.zeros([BLOCK_G, HALF], dtype=tl.float32)
+    m, l, acc_even = start_state(BLOCK_G, HALF)
     acc_odd = tl.zeros([BLOCK_G, HALF], dtype=tl.float32)
     for tile_start in range(start, end, BLOCK_N):
         kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
@@ -186,7 +185,7 @@ def fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stri
         k_even, k_odd = widen_pairs_tile(tl.load(k_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0), ASM)
         v_even, v_odd = widen_pairs_tile(tl.load(v_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0), ASM)
         s = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) * scale_log2e
-        p, alpha, m, l = _softmax_step(s, valid, m, l)
+        p, alpha, m, l = softmax_step(s, valid, m, l)
         p16 = p.to(tl.float16)
         acc_even = tl.dot(p16, v_even, acc_even * alpha[:, None])
         acc_odd = tl.dot(p16, v_odd, acc_odd * alpha[:, None])

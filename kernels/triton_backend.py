@@ -20,24 +20,25 @@ from shardserve.kernels.prefill import paged_prefill_attention
 from shardserve.kernels.store_kv import store_kv
 
 
-SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "0"))  # 0: off
+SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "0"))  # the default of split_mixed; 0: off
 
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     store_kv = staticmethod(store_kv)
 
-    def __init__(self, decode_num_splits: int | None = None) -> None:
+    def __init__(self, decode_num_splits: int | None = None, split_mixed: int | None = None) -> None:
         # None: pick splits per step from batch size and max_seq_len. A CUDA graph bakes in whatever its
         # capture step chose; any fixed value stays correct at replay (split ranges are computed on device).
         self.decode_num_splits = decode_num_splits
+        self.split_mixed = SPLIT_MIXED if split_mixed is None else split_mixed  # see the module's docstring
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
         if meta.is_decode_only and q.shape[0] == meta.num_seqs:
             return self._decode(q, k_cache, v_cache, meta, meta.num_seqs, scale, k_scale, v_scale)
-        decodes = meta.leading_decodes() if SPLIT_MIXED else 0
-        if decodes < max(SPLIT_MIXED, 1):
+        decodes = meta.leading_decodes() if self.split_mixed else 0
+        if decodes < max(self.split_mixed, 1):
             return paged_prefill_attention(
                 q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
                 k_scale=k_scale, v_scale=v_scale,

@@ -93,12 +93,9 @@ def test_prefill_fp8_mixed_batch(model):
 
 
 @pytest.mark.parametrize("split_mixed", [0, 1])
-def test_backend_fp8_store_then_attend_decode_and_mixed(monkeypatch, split_mixed):
+def test_backend_fp8_store_then_attend_decode_and_mixed(split_mixed):
     """split_mixed 1: SHARDSERVE_SPLIT_MIXED's path, the leading decodes of the mixed batches on the decode kernel."""
-    import shardserve.kernels.triton_backend as tb
-
-    monkeypatch.setattr(tb, "SPLIT_MIXED", split_mixed)
-    backend = TritonAttentionBackend()
+    backend = TritonAttentionBackend(split_mixed=split_mixed)
     for query_lens, seq_lens in (([1] * 32, [100 + 37 * i for i in range(32)]), ([128, 1, 1], [640, 90, 1]),
                                  ([1] * 20 + [300, 1], [900 + 13 * i for i in range(20)] + [300, 77])):
         q, k, v, kc, vc, meta, ks, vs = fp8_batch(query_lens, seq_lens, 16, 8, 128, seed=2)

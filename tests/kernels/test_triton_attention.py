@@ -150,8 +150,7 @@ def test_split_mixed_sends_the_leading_decodes_to_the_decode_kernel(monkeypatch,
             calls[_key] = calls.get(_key, 0) + 1
             return _real(*args, **kwargs)
         monkeypatch.setattr(tb, name, counted)
-    monkeypatch.setattr(tb, "SPLIT_MIXED", threshold)
-    out = tb.TritonAttentionBackend().attend(q, k_cache, v_cache, meta, SCALE)
+    out = tb.TritonAttentionBackend(split_mixed=threshold).attend(q, k_cache, v_cache, meta, SCALE)
     ref = paged_prefill_attention_ref(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                                       SCALE)
     assert calls == launches
