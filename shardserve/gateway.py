@@ -88,10 +88,19 @@ def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tl
 
     @app.get("/health")
     async def health(request: Request) -> Response:
+        """200 while the server is SERVING; 401/403 for a caller the server refuses; else 503, whatever kept the
+        answer from coming (a health check is how a balancer learns to stop sending: never a 500)."""
         try:
             status = await gateway.client.health(timeout=5, metadata=metadata_of(request))
-        except grpc.RpcError as e:
-            return GatewayError.of_rpc(e).response()
+        except (grpc.RpcError, grpc.aio.UsageError) as e:  # (UsageError: the gateway's channel closed, stopping)
+            if isinstance(e, grpc.RpcError):
+                if (error := GatewayError.of_rpc(e)).status < 500:
+                    return error.response()
+                reason = f"{e.code().name}: {e.details()}"
+            else:
+                reason = f"the gateway's channel is closed ({e})"
+            return GatewayError(503, f"the server's health is unknown: {reason}", "service_unavailable_error", None,
+                                "unavailable").response()
         if status != "SERVING":
             return GatewayError(503, f"the server is {status}", "service_unavailable_error", None,
                                 "unavailable").response()

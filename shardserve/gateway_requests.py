@@ -24,6 +24,8 @@ HTTP_OF = {
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error", None),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable_error", "unavailable"),
+    # the call was cancelled under a request the gateway still answers: the server or the gateway is stopping
+    grpc.StatusCode.CANCELLED: (503, "service_unavailable_error", "unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout_error", "deadline_exceeded"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error", "invalid_api_key"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),

@@ -267,7 +267,8 @@ def test_sigterm_drains_health_turns_503_and_the_gateway_stops_with_serve(served
         assert time.monotonic() < deadline
         time.sleep(0.05)
     if reply is not None:  # draining (the gateway stops once the drain is over)
-        assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable_error"
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["type"] == "service_unavailable_error"
     assert server.proc.wait(60) == 0
     assert _get(f"{root}/health") is None  # nothing listens there any more
 

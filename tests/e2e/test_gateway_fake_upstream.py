@@ -91,7 +91,7 @@ def fake():
 
 
 @pytest.mark.parametrize("code,status", [("INVALID_ARGUMENT", 400), ("RESOURCE_EXHAUSTED", 429),
-                                         ("UNAVAILABLE", 503), ("DEADLINE_EXCEEDED", 504), ("INTERNAL", 500),
+                                         ("UNAVAILABLE", 503), ("CANCELLED", 503), ("DEADLINE_EXCEEDED", 504), ("INTERNAL", 500),
                                          ("UNAUTHENTICATED", 401), ("PERMISSION_DENIED", 403)])
 @pytest.mark.parametrize("stream", [False, True])
 def test_grpc_statuses_become_their_http_codes_with_openai_error_bodies(fake, code, status, stream):
@@ -231,3 +231,20 @@ def test_gateway_workers_exit_when_their_parent_is_killed(fake):
     for p in alive:
         p.kill()
     assert not alive
+
+
+def test_health_is_503_not_500_when_the_upstream_cannot_say():
+    """An upstream whose health check fails (here: it has no health service, UNIMPLEMENTED; in a shutting-down
+    server, a call cut off) makes /health answer 503 with the reason: a balancer's probe never sees a 500."""
+    server = grpc.server(ThreadPoolExecutor(2))
+    pb_grpc.add_GenerationServicer_to_server(FakeGeneration(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    gateway = GatewayThread(f"127.0.0.1:{port}", "127.0.0.1", 0)
+    try:
+        reply = httpx.get(f"http://{gateway.address}/health", timeout=30)
+        assert reply.status_code == 503, reply.text
+        assert reply.json()["error"]["code"] == "unavailable" and "UNIMPLEMENTED" in reply.json()["error"]["message"]
+    finally:
+        gateway.stop()
+        server.stop(None)
