@@ -5,6 +5,14 @@ At M = 1 the matmul is a pass over the weight. cuBLAS picks 64-wide tiles and sp
 bs=1 profile). Here each program owns BLOCK_N output columns and walks K in BLOCK_K steps, every row of x against
 the same weight tile (loaded once, coalesced along K), accumulating in float32; SPLIT_K > 1 gives each program
 1/SPLIT_K of K and adds its partial sums into a float32 buffer with atomics (for shapes with few columns).
+
+The layer's small kernels can ride along (gemv_fused), so a one-row decoder layer is four GEMVs and its attention:
+- norm: x is the residual stream and the GEMV reads RMSNorm(x) * weight (each program normalises the row itself;
+  it is a few KB in L2 against the MBs of weight it streams),
+- silu: x is the merged gate_up output [M, 2K] and the GEMV reads silu(gate) * up,
+- residual: the output is x W^T + residual, the new residual stream.
+Each is rounded exactly as the separate kernels round (kernels/rmsnorm.py, activation.py), so the fused layer
+computes what the unfused one does.
 """
 
 from __future__ import annotations
@@ -17,15 +25,23 @@ MAX_ROWS = 4
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N), SPLIT_K). out[m, n] = sum_k x[m, k] * w[n, k] for m < M <= ROWS."""
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
+                 NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr):
+    """Grid (cdiv(N, BLOCK_N), SPLIT_K). out[m, n] = sum_k in(x)[m, k] * w[n, k] (+ res[m, n]) for m < M <= ROWS,
+    in(x) = x, RMSNorm(x) * norm (NORM) or silu(x[:, :K]) * x[:, K:] (SILU)."""
+    dt = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     rows = tl.arange(0, ROWS)
     row_ok = rows < M
+    if NORM:  # the row's 1 / rms in one reduction over all of K, as kernels/rmsnorm.py takes it
+        ks = tl.arange(0, NORM_BLOCK)
+        xs = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
+                     other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 1) / K + eps)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
@@ -34,12 +50,22 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
         k_ok = ks < K
         w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        x_mask = row_ok[:, None] & k_ok[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        if NORM:
+            g = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+            x = ((x * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt).to(tl.float32)
+        if SILU:  # x was the gate; the up half sits K further on
+            up = tl.load(x_ptr + rows[:, None] * stride_xm + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+            x = ((x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32) * up).to(dt).to(tl.float32)
         # [ROWS, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
+        if RESIDUAL:  # the matmul's output rounded, then the add rounded: the unfused order
+            res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
+            acc = acc.to(dt).to(tl.float32) + res.to(tl.float32)
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(ptrs, acc, mask=mask)
@@ -48,9 +74,30 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16, block_k: int = 512, warps: int = 4,
          split_k: int = 1) -> torch.Tensor:
     """x [M, K] (M <= MAX_ROWS), weight [N, K] with K contiguous -> [M, N] in x's dtype."""
-    m, k = x.shape
+    return _launch(x, weight, x.shape[-1], block_n, block_k, warps, split_k)
+
+
+def gemv_fused(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
+               silu: bool = False, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 1024,
+               warps: int = 4) -> torch.Tensor:
+    """The one-pass GEMV with a layer's small kernels in it (the module docstring): norm = (weight [K], eps) reads
+    x through RMSNorm; silu reads x [M, 2K] as silu(gate) * up; residual [M, N] is added to the output."""
+    if norm is not None and silu:
+        raise ValueError("gemv_fused: norm and silu are two readings of x; pick one")
+    k = x.shape[-1] // 2 if silu else x.shape[-1]
+    if norm is not None and norm[0].shape != (k,):
+        raise ValueError(f"gemv_fused: norm weight {tuple(norm[0].shape)} for K = {k}")
+    if residual is not None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(-1) != 1):
+        raise ValueError(f"gemv_fused: residual {tuple(residual.shape)} for {x.shape[0]} x {weight.shape[0]} out")
+    return _launch(x, weight, k, block_n, block_k, warps, 1, norm, silu, residual)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k: int, warps: int, split_k: int,
+            norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
+            residual: torch.Tensor | None = None) -> torch.Tensor:
+    m = x.shape[0]
     n = weight.shape[0]
-    if m > MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
+    if x.dim() != 2 or m > MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} (stride {weight.stride()})")
     x = x.contiguous()
     if split_k == 1:
@@ -58,6 +105,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16, block_k: int 
     else:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), split_k)
-    _gemv_kernel[grid](x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), BLOCK_N=block_n,
-                       BLOCK_K=block_k, ROWS=triton.next_power_of_2(m), SPLIT_K=split_k, num_warps=warps)
+    _gemv_kernel[grid](x, weight, out, norm[0] if norm is not None else x, residual if residual is not None else x,
+                       m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+                       residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,
+                       BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(m), SPLIT_K=split_k,
+                       NORM=norm is not None, NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
+                       SILU=silu, RESIDUAL=residual is not None, num_warps=warps)
     return out if split_k == 1 else out.to(x.dtype)

@@ -7,6 +7,8 @@ most head_dim; equal to it for Llama/Qwen): with x1, x2 the two halves,
 out1 = x1 * cos - x2 * sin, out2 = x2 * cos + x1 * sin, computed in float32 and rounded once.
 With norm weights, each head is first normalised as worker/layers/norm.py does (float32 statistics, rounded to
 the model dtype, times the weight, rounded again); this needs rot_dim == head_dim.
+With a KVWrite the same launch also does store_kv's work: the rotated k and the step's v go straight into the
+paged cache (quantized for an FP8 one), one kernel a layer fewer (the layer takes it on CUDA: decoder.py).
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.kv_fp8 import FP8_MAX
+from shardserve.kernels.store_kv import KVWrite, check_write, quantize_e4m3
+
 
 @triton.jit
 def _rotate_heads(x_ptr, w_ptr, token, stride_t, stride_h, num_heads, cos, sin, eps,
                   HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Token `token`'s heads of x (normalised and) rotated: the two halves, rounded to x's dtype."""
     heads = tl.arange(0, BLOCK_H)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (cols < HALF)
@@ -33,57 +39,109 @@ def _rotate_heads(x_ptr, w_ptr, token, stride_t, stride_h, num_heads, cos, sin, 
         x2 = (x2 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * w2
         x1 = x1.to(x_ptr.dtype.element_ty).to(tl.float32)
         x2 = x2.to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    return (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _store_halves(cache_ptr, dst, x1, x2, scale_ptr, h, num_heads, mask, HALF: tl.constexpr, FP8: tl.constexpr,
+                  FP8_LIMIT: tl.constexpr):
+    """Both halves of a token's heads h into the cache at dst (quantized with the heads' scales for FP8)."""
+    if FP8:
+        scale = tl.load(scale_ptr + h, mask=h < num_heads, other=1.0)
+        x1 = quantize_e4m3(x1, scale, FP8_LIMIT)
+        x2 = quantize_e4m3(x2, scale, FP8_LIMIT)
+    tl.store(cache_ptr + dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(cache_ptr + dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _rope_kernel(
     positions_ptr, q_ptr, k_ptr, cos_ptr, sin_ptr, q_norm_ptr, k_norm_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
+    v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_cos,
+    stride_cache_block, stride_cache_pos, stride_cache_head, block_size,
     num_q_heads, num_k_heads, eps,
     HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr,
 ):
-    """Grid (T,). Program t (normalises and) rotates every q and k head of token t by the angles of positions[t]."""
+    """Grid (T,). Program t (normalises and) rotates every q and k head of token t by the angles of positions[t].
+    q is rotated in place; k too, or with STORE written with v straight into the paged cache at slot_ptr[t] (as
+    kernels/store_kv.py would; slot -1: not stored)."""
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_ptr + pos * stride_cos + cols, mask=cols < HALF, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-    _rotate_heads(q_ptr, q_norm_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, eps,
-                  HALF, NORM, BLOCK_QH, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_norm_ptr, token, stride_kt, stride_kh, num_k_heads, cos, sin, eps,
-                  HALF, NORM, BLOCK_KH, BLOCK_HALF)
+    q1, q2 = _rotate_heads(q_ptr, q_norm_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, eps,
+                           HALF, NORM, BLOCK_QH, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_QH)[:, None]
+    q_at = q_ptr + token * stride_qt + heads * stride_qh + cols
+    q_mask = (heads < num_q_heads) & (cols < HALF)
+    tl.store(q_at, q1, mask=q_mask)
+    tl.store(q_at + HALF, q2, mask=q_mask)
+    k1, k2 = _rotate_heads(k_ptr, k_norm_ptr, token, stride_kt, stride_kh, num_k_heads, cos, sin, eps,
+                           HALF, NORM, BLOCK_KH, BLOCK_HALF)
+    h = tl.arange(0, BLOCK_KH)
+    heads = h[:, None]
+    k_mask = (heads < num_k_heads) & (cols < HALF)
+    if STORE:  # rot_dim == head_dim: the two halves are the whole head
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        if slot >= 0:
+            dst = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_pos
+            dst += heads * stride_cache_head + cols
+            _store_halves(k_cache_ptr, dst, k1, k2, k_scale_ptr, h, num_k_heads, k_mask, HALF, FP8, FP8_LIMIT)
+            v_at = v_ptr + token * stride_vt + heads * stride_vh + cols
+            v1 = tl.load(v_at, mask=k_mask, other=0.0)
+            v2 = tl.load(v_at + HALF, mask=k_mask, other=0.0)
+            _store_halves(v_cache_ptr, dst, v1, v2, v_scale_ptr, h, num_k_heads, k_mask, HALF, FP8, FP8_LIMIT)
+    else:
+        k_at = k_ptr + token * stride_kt + heads * stride_kh + cols
+        tl.store(k_at, k1, mask=k_mask)
+        tl.store(k_at + HALF, k2, mask=k_mask)
 
 
 def apply_rope_(
     positions: torch.Tensor,  # [T] int
     q: torch.Tensor,  # [T, num_heads, head_dim], rotated in place
-    k: torch.Tensor,  # [T, num_kv_heads, head_dim], rotated in place
+    k: torch.Tensor,  # [T, num_kv_heads, head_dim], rotated in place (unless written to the cache)
     cos_cache: torch.Tensor,  # [max_position, rot_dim / 2]
     sin_cache: torch.Tensor,
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,  # (q_norm, k_norm) weights [head_dim]
     eps: float = 1e-6,
+    write: KVWrite | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotates q and k in place (and returns them), after per-head RMSNorm where norm_weights are given."""
+    """Rotates q and k in place (and returns them), after per-head RMSNorm where norm_weights are given. With
+    `write`, the rotated k and write.v go into the paged cache instead (store_kv in the same launch; k is left as
+    it came); this needs rot_dim == head_dim."""
     tokens, num_heads, head_dim = q.shape
     half = cos_cache.shape[1]
     if 2 * half > head_dim or k.shape[-1] != head_dim or k.shape[0] != tokens:
         raise ValueError(f"rope: q {tuple(q.shape)}, k {tuple(k.shape)} and rot_dim {2 * half} do not fit")
-    if norm_weights is not None and (2 * half != head_dim or any(w.shape != (head_dim,) for w in norm_weights)):
-        raise ValueError(f"rope with q/k norm needs rot_dim == head_dim and [head_dim] weights (head_dim {head_dim})")
+    if (norm_weights is not None or write is not None) and 2 * half != head_dim:
+        raise ValueError(f"rope with q/k norm or a cache write needs rot_dim == head_dim (head_dim {head_dim})")
+    if norm_weights is not None and any(w.shape != (head_dim,) for w in norm_weights):
+        raise ValueError(f"rope with q/k norm needs [head_dim] weights (head_dim {head_dim})")
     q_norm, k_norm = norm_weights if norm_weights is not None else (cos_cache, cos_cache)  # unread without NORM
     if q.stride(-1) != 1 or k.stride(-1) != 1 or cos_cache.stride() != sin_cache.stride() or cos_cache.stride(1) != 1:
         raise ValueError("rope needs head_dim contiguous in q and k, and cos/sin caches with the same row-major layout")
+    fp8 = check_write(k, write) if write is not None else False
+    if write is None:  # the cache arguments are unread
+        v, k_cache, v_cache, slots, k_scale, v_scale = k, k, k, positions, cos_cache, cos_cache
+        cache_strides = (0, 0, 0, 1)
+    else:
+        v, k_cache, v_cache, slots = write.v, write.k_cache, write.v_cache, write.slot_mapping
+        k_scale, v_scale = (write.k_scale, write.v_scale) if fp8 else (cos_cache, cos_cache)  # unread without FP8
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1])
     if tokens:
         _rope_kernel[(tokens,)](
             positions, q, k, cos_cache, sin_cache, q_norm, k_norm,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos_cache.stride(0),
+            v, k_cache, v_cache, slots, k_scale, v_scale,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos_cache.stride(0),
+            *cache_strides,
             num_heads, k.shape[1], eps,
             HALF=half, NORM=norm_weights is not None,
             BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
-            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_HALF=triton.next_power_of_2(half), STORE=write is not None, FP8=fp8, FP8_LIMIT=FP8_MAX,
         )
     return q, k
 

@@ -7,6 +7,8 @@ Its torch reference is the torch backend's store_kv (torch_backend.py).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -26,6 +28,36 @@ def _round_to_e4m3(x):
     big = (bits + (20 << 23)).to(tl.float32, bitcast=True)
     r = (a + big) - big
     return tl.where(x < 0, -r, r)
+
+
+@triton.jit
+def quantize_e4m3(x, scale, FP8_LIMIT: tl.constexpr):
+    """x [heads, dims] -> x / scale (scale [heads] float32) rounded to e4m3, still float32 (the store into an FP8
+    cache then converts it exactly)."""
+    # div_rn: IEEE division, as torch divides (Triton's "/" on float32 may be an approximate division)
+    return _round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
+
+
+class KVWrite(NamedTuple):
+    """Where a kernel that produces K and V (kernels/rope.py) writes them, in store_kv's place."""
+    v: torch.Tensor  # [T, num_kv_heads, head_dim]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: torch.Tensor | None
+    v_scale: torch.Tensor | None
+
+
+def check_write(k: torch.Tensor, write: KVWrite) -> bool:
+    """Validates a store of k and write.v (store_kv's rules); returns whether the cache is FP8."""
+    if write.k_cache.shape != write.v_cache.shape or write.k_cache.stride() != write.v_cache.stride():
+        raise ValueError("k_cache and v_cache must have the same shape and strides")
+    if k.shape != write.v.shape or k.stride(-1) != 1 or write.v.stride(-1) != 1 or write.k_cache.stride(-1) != 1:
+        raise ValueError("store_kv needs k and v of one shape, and head_dim contiguous in k, v and the caches")
+    fp8 = is_fp8(write.k_cache)
+    if fp8 and (write.k_scale is None or write.v_scale is None):
+        raise ValueError("an FP8 cache needs k_scale and v_scale")
+    return fp8
 
 
 @triton.jit
@@ -50,11 +82,8 @@ def _store_kv_kernel(
         k = tl.load(k_ptr + token * stride_kt + heads * stride_kh + dims, mask=mask)
         v = tl.load(v_ptr + token * stride_vt + heads * stride_vh + dims, mask=mask)
         if FP8:
-            k_scale = tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
-            v_scale = tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0)
-            # div_rn: IEEE division, as torch divides (Triton's "/" on float32 may be an approximate division)
-            k = _round_to_e4m3(tl.clamp(tl.math.div_rn(k.to(tl.float32), k_scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
-            v = _round_to_e4m3(tl.clamp(tl.math.div_rn(v.to(tl.float32), v_scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
+            k = quantize_e4m3(k, tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0), FP8_LIMIT)
+            v = quantize_e4m3(v, tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0), FP8_LIMIT)
         # k_cache and v_cache share one shape and stride (asserted by the wrapper)
         dst = block * stride_cache_block + offset * stride_cache_pos + heads * stride_cache_head + dims
         tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
@@ -74,13 +103,7 @@ def store_kv(
     tokens, num_kv_heads, head_dim = k.shape
     if tokens == 0:
         return
-    if k_cache.shape != v_cache.shape or k_cache.stride() != v_cache.stride():
-        raise ValueError("k_cache and v_cache must have the same shape and strides")
-    if k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.stride(-1) != 1:
-        raise ValueError("store_kv needs head_dim contiguous in k, v and the caches")
-    fp8 = is_fp8(k_cache)
-    if fp8 and (k_scale is None or v_scale is None):
-        raise ValueError("an FP8 cache needs k_scale and v_scale")
+    fp8 = check_write(k, KVWrite(v, k_cache, v_cache, slot_mapping, k_scale, v_scale))
     _store_kv_kernel[(tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k_scale if fp8 else k, v_scale if fp8 else v,  # unused without FP8

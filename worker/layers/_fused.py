@@ -1,4 +1,4 @@
-"""Whether a layer runs our fused Triton kernels (add+RMSNorm, q/k-norm+RoPE, SiLU-and-mul) on a tensor.
+"""Whether a layer runs our fused Triton kernels (add+RMSNorm, q/k-norm+RoPE+KV store, SiLU-and-mul) on a tensor.
 
 On CUDA they replace chains of small torch ops: a decode step of Llama-3-8B is otherwise ~1,500 kernel launches,
 most of them a few microseconds of elementwise work, which costs milliseconds even inside a CUDA graph.
@@ -12,7 +12,20 @@ import os
 import torch
 
 ENABLED = os.environ.get("SHARDSERVE_FUSED_KERNELS", "1") != "0"
+# A one-row step (bs=1 decode) at TP=1 runs each decoder layer as four GEMVs with the norms, SiLU-and-mul and
+# residual adds inside them (kernels/gemv.py: gemv_fused; decoder.py). SHARDSERVE_ONE_ROW=0 turns it off (A/B runs).
+ONE_ROW = os.environ.get("SHARDSERVE_ONE_ROW", "1") != "0"
 
 
 def use_fused(x: torch.Tensor) -> bool:
     return ENABLED and x.is_cuda
+
+
+def one_row(x: torch.Tensor) -> bool:
+    """Whether the decoder's one-row path takes x [T, hidden]: a single token in half precision on CUDA, one rank
+    (the residual add inside the row-parallel matmul would count it once per rank before the all-reduce)."""
+    from shardserve.worker.distributed import tp_size
+    from shardserve.worker.layers.linear import GEMV
+
+    return (use_fused(x) and ONE_ROW and GEMV and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
+            and tp_size() == 1)

@@ -54,26 +54,33 @@ class DecoderAttention(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
     ) -> torch.Tensor:
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        return self.o_proj(self.attend(positions, self.qkv_proj(x), kv_cache, meta))
+
+    def attend(self, positions: torch.Tensor, qkv: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+               meta: AttentionMetadata) -> torch.Tensor:
+        """The qkv projection's output [T, (q + 2 kv) * head_dim] -> attention's [T, heads * head_dim] (before
+        o_proj): q/k norm, RoPE, the KV store and attention."""
+        tokens = qkv.shape[0]
         q, k, v = self.qkv_proj.split(qkv)
         q = q.reshape(tokens, -1, self.head_dim)
         k = k.reshape(tokens, -1, self.head_dim)
-        if _fused.use_fused(x):  # one kernel: (q/k norm and) RoPE, in place in the qkv output
+        if _fused.use_fused(qkv):  # one kernel: (q/k norm and) RoPE, in place in the qkv output, and the KV store
             from shardserve.kernels.rope import apply_rope_
 
             norms = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else None
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            apply_rope_(positions, q, k, self.rotary.cos_cache, self.rotary.sin_cache, norms, eps)
-        elif self.q_norm is None and not x.is_cuda:  # q and k heads are side by side in qkv: rotated in place
+            whole_head = 2 * self.rotary.cos_cache.shape[1] == self.head_dim  # the store needs every dim rotated
+            write = self.attn.kv_write(v, kv_cache, meta) if whole_head else None
+            apply_rope_(positions, q, k, self.rotary.cos_cache, self.rotary.sin_cache, norms, eps, write)
+            return self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, kv_cache, meta, stored=write is not None)
+        if self.q_norm is None and not qkv.is_cuda:  # q and k heads are side by side in qkv: rotated in place
             heads = q.shape[1] + k.shape[1]
             self.rotary.rotate_(positions, qkv[:, : heads * self.head_dim].view(tokens, heads, self.head_dim))
         else:
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary(positions, q, k)
-        out = self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, kv_cache, meta)
-        return self.o_proj(out)
+        return self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, kv_cache, meta)
 
 
 class DecoderMLP(nn.Module):
@@ -98,8 +105,12 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(hf_config, variant)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.one_row_ok = not (variant.o_bias or variant.mlp_bias)  # forward_one_row adds no bias after o_proj/down
 
-    def forward(self, positions, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(x, residual) -> (x, residual) of the next layer; residual None: x is the whole residual stream."""
+        if residual is None and self.one_row_ok and _fused.one_row(x):
+            return self.forward_one_row(positions, x, kv_cache, meta), None
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -107,6 +118,21 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(positions, x, kv_cache, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def forward_one_row(self, positions, h, kv_cache, meta) -> torch.Tensor:
+        """One token through the layer as four GEMVs and attention (kernels/gemv.py: gemv_fused): the norms read
+        inside the qkv and gate_up GEMVs, SiLU-and-mul inside the down one, the residual adds in o_proj's and down's
+        outputs. h is the residual stream in and out; the same values as forward, in 5 launches fewer."""
+        from shardserve.kernels.gemv import gemv_fused
+
+        attn, mlp = self.self_attn, self.mlp
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        qkv = gemv_fused(h, attn.qkv_proj.weight, norm=(norm_in.weight, norm_in.eps))
+        if attn.qkv_proj.bias is not None:
+            qkv = qkv + attn.qkv_proj.bias
+        h = gemv_fused(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight, residual=h)
+        gate_up = gemv_fused(h, mlp.gate_up_proj.weight, norm=(norm_post.weight, norm_post.eps))
+        return gemv_fused(gate_up, mlp.down_proj.weight, silu=True, residual=h)
 
 
 class DecoderModel(nn.Module):
@@ -126,7 +152,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        x, _ = self.norm(x, residual)
+        x = self.norm(x) if residual is None else self.norm(x, residual)[0]
         return x
 
 
