@@ -38,8 +38,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, s
     rows = tl.arange(0, ROWS)
     row_ok = rows < M
     if NORM:  # the row's 1 / rms in one reduction over all of K, as kernels/rmsnorm.py takes it
-        ks = tl.arange(0, NORM_BLOCK)
-        xs = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
+        whole = tl.arange(0, NORM_BLOCK)
+        xs = tl.load(x_ptr + rows[:, None] * stride_xm + whole[None, :], mask=row_ok[:, None] & (whole < K)[None, :],
                      other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 1) / K + eps)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)

@@ -30,11 +30,11 @@ def model_dir(tmp_path_factory) -> str:
                            head_dim=64, hidden_size=128, intermediate_size=256, vocab_size=512)
 
 
-def generate(model_dir: str, **kwargs) -> tuple[list, dict]:
+def generate(model_dir: str, prompts: list | None = None, dtype: str = "float32", **kwargs) -> tuple[list, dict]:
     """Greedy outputs (with top-1 logprobs) of a fresh LLM, and what it said about its graphs."""
     from shardserve import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, device="cuda", dtype="float32", max_num_seqs=8, max_model_len=512, num_kv_blocks=256,
+    llm = LLM(model=model_dir, device="cuda", dtype=dtype, max_num_seqs=8, max_model_len=512, num_kv_blocks=256,
               **kwargs)
     info = {}
     try:
@@ -52,7 +52,7 @@ def generate(model_dir: str, **kwargs) -> tuple[list, dict]:
 
                 runner.decode_graphs.run = counting
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        outputs = llm.generate(PROMPTS if prompts is None else prompts, params, use_tqdm=False)
     finally:
         llm.shutdown()
         del llm
@@ -99,6 +99,26 @@ def test_greedy_with_the_lm_head_inside_the_graphs_equals_eager(model_dir, eager
     assert graphs is not None and graphs.with_head
     assert info["served"] and all(info["served"])
     assert_greedy_equal_or_near_tie(eager, outputs)
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_bs1_bf16_one_row_layers_equal_the_layer_by_layer_path(model_dir, enforce_eager, monkeypatch):
+    """One prompt at a time (decode at batch 1) in bf16: the one-row layers (four fused GEMVs a layer, _fused.one_row)
+    give the layer-by-layer path's greedy tokens, eagerly and inside the batch-1 graph."""
+    from shardserve.worker.layers import _fused
+    from shardserve.worker.models.decoder import DecoderLayer
+
+    calls = []
+    original = DecoderLayer.forward_one_row
+    monkeypatch.setattr(DecoderLayer, "forward_one_row", lambda self, *a: calls.append(1) or original(self, *a))
+    prompts = PROMPTS[1:2]
+    monkeypatch.setattr(_fused, "ONE_ROW", False)
+    plain, _ = generate(model_dir, prompts, "bfloat16", enforce_eager=True)
+    assert not calls
+    monkeypatch.setattr(_fused, "ONE_ROW", True)
+    one_row, _ = generate(model_dir, prompts, "bfloat16", enforce_eager=enforce_eager)
+    assert calls  # the layers took the one-row path (in the graph: at capture)
+    assert_greedy_equal_or_near_tie(plain, one_row)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
