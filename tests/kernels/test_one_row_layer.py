@@ -128,6 +128,6 @@ def test_one_row_decode_equals_the_layer_by_layer_path(arch, backend_name, tmp_p
     assert len(one_row_layers) == config.num_hidden_layers  # every layer took the one-row path, once
     torch.testing.assert_close(fused, plain, atol=1e-5, rtol=1e-5)
     for (k_p, v_p), (k_f, v_f) in zip(plain_caches, fused_caches):
-        torch.testing.assert_close(k_f, k_p, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(v_f, v_p, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(k_f, k_p, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(v_f, v_p, atol=1e-5, rtol=1e-5)
     assert not torch.equal(plain_caches[0][0], k_cache)  # the step stored its K

@@ -1,0 +1,105 @@
+"""Times the one-row decoder layer's GEMVs (kernels/gemv.py: gemv_fused) against the kernels they replace, at
+Llama-3-8B's and Qwen3-0.6B's shapes, batch 1, bf16, on one GPU:
+
+    python tests/gpu/one_row_timing.py OUT.json     # on a CUDA host, from the project root
+
+Each figure is one CUDA graph of REPEATS calls cycling over COPIES weight copies (more bytes than the L2 holds, as
+a model's layers are), replayed and timed with CUDA events, divided by REPEATS. Not a test (no timing asserts).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from shardserve.kernels.activation import silu_and_mul
+from shardserve.kernels.gemv import gemv, gemv_fused
+from shardserve.kernels.rmsnorm import add_rms_norm
+
+REPEATS, COPIES = 32, 4
+MODELS = {"llama8b": (4096, 6144, 14336), "qwen3": (1024, 4096, 3072)}  # hidden, qkv width, intermediate
+SETTINGS = [(8, 1024, 4), (16, 1024, 4), (16, 512, 4), (8, 512, 4), (4, 1024, 4), (16, 1024, 8)]
+
+
+def graph_us(calls) -> float:
+    """calls: REPEATS zero-argument functions; the graph holds them in turn."""
+    for c in calls[:2]:
+        c()
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for c in calls[:2]:
+            c()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    best = float("inf")
+    for _ in range(5):
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
+    return best
+
+
+def main(out_path: str) -> None:
+    torch.manual_seed(0)
+    result = {"device": torch.cuda.get_device_name(), "repeats": REPEATS, "copies": COPIES, "models": {}}
+    for model, (hidden, qkv_n, inter) in MODELS.items():
+        bf = dict(dtype=torch.bfloat16, device="cuda")
+        ws = {name: [torch.randn(n, k, **bf) * 0.02 for _ in range(COPIES)]
+              for name, (n, k) in {"qkv": (qkv_n, hidden), "o_proj": (hidden, hidden if model == "llama8b" else 2048),
+                                   "gate_up": (2 * inter, hidden), "down": (hidden, inter)}.items()}
+        g = torch.rand(hidden, **bf) + 0.5
+        h, res = torch.randn(1, hidden, **bf), torch.randn(1, hidden, **bf)
+        attn = torch.randn(1, ws["o_proj"][0].shape[1], **bf)
+        gu = torch.randn(1, 2 * inter, **bf)
+
+        def each(fn):
+            return [lambda i=i: fn(i % COPIES) for i in range(REPEATS)]
+
+        times = {}
+        for proj in ("qkv", "gate_up"):
+            w = ws[proj]
+            times[f"{proj}: add_rms_norm + gemv"] = graph_us(
+                each(lambda i: gemv(add_rms_norm(h, res, g, 1e-5)[0], w[i], 8, 1024, 4)))
+            times[f"{proj}: gemv alone"] = graph_us(each(lambda i: gemv(h, w[i], 8, 1024, 4)))
+            for mode in (1, 2):
+                for bn, bk, warps in SETTINGS:
+                    times[f"{proj}: fused norm{mode} {bn}x{bk}x{warps}"] = graph_us(
+                        each(lambda i: gemv_fused(h, w[i], norm=(g, 1e-5), block_n=bn, block_k=bk, warps=warps,
+                                                  norm_mode=mode)))
+        w = ws["o_proj"]
+        times["o_proj: gemv"] = graph_us(each(lambda i: gemv(attn, w[i], 8, 1024, 4)))
+        for bn, bk, warps in SETTINGS:
+            times[f"o_proj: fused residual {bn}x{bk}x{warps}"] = graph_us(
+                each(lambda i: gemv_fused(attn, w[i], residual=h, block_n=bn, block_k=bk, warps=warps)))
+        w = ws["down"]
+        times["down: silu + cuBLAS"] = graph_us(each(lambda i: F.linear(silu_and_mul(gu), w[i])))
+        times["down: silu + gemv"] = graph_us(each(lambda i: gemv(silu_and_mul(gu), w[i], 8, 1024, 4)))
+        act = torch.randn(1, inter, **bf)
+        times["down: cuBLAS alone"] = graph_us(each(lambda i: F.linear(act, w[i])))
+        for bn, bk, warps in SETTINGS:
+            times[f"down: fused silu residual {bn}x{bk}x{warps}"] = graph_us(
+                each(lambda i: gemv_fused(gu, w[i], silu=True, residual=h, block_n=bn, block_k=bk, warps=warps)))
+        result["models"][model] = times
+        for name, us in times.items():
+            print(f"{model} {name}: {us:.2f} us")
+        del ws
+        torch.cuda.empty_cache()
+    with open(out_path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "one_row_timing.json")
