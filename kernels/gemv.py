@@ -17,14 +17,11 @@ computes what the unfused one does.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 MAX_ROWS = 4
-NORM_MODE = int(os.environ.get("SHARDSERVE_GEMV_NORM", "2"))  # experiment: 1 normalise first, 2 scale the sums
 
 
 @triton.jit
@@ -40,12 +37,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, s
     col_ok = cols < N
     rows = tl.arange(0, ROWS)
     row_ok = rows < M
-    if NORM == 1:  # the row's 1 / rms in one reduction over all of K first, as kernels/rmsnorm.py takes it
+    if NORM:  # the row's 1 / rms in one reduction over all of K first, as kernels/rmsnorm.py takes it
         whole = tl.arange(0, NORM_BLOCK)
         xs = tl.load(x_ptr + rows[:, None] * stride_xm + whole[None, :], mask=row_ok[:, None] & (whole < K)[None, :],
                      other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 1) / K + eps)
-    squares = tl.zeros((ROWS,), dtype=tl.float32)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
     k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
     k_start = pid_k * k_per_split
@@ -56,19 +52,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, s
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
         x_mask = row_ok[:, None] & k_ok[None, :]
         x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        if NORM == 1:
+        if NORM:
             g = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
             x = ((x * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt).to(tl.float32)
-        if NORM == 2:  # the sum of squares on the way, 1 / rms applied to the sums at the end
-            squares += tl.sum(x * x, 1)
-            x = x * tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         if SILU:  # x was the gate; the up half sits K further on
             up = tl.load(x_ptr + rows[:, None] * stride_xm + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
             x = ((x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32) * up).to(dt).to(tl.float32)
         # [ROWS, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    if NORM == 2:
-        acc = acc * (1.0 / tl.sqrt(squares / K + eps))[:, None]
     ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
@@ -88,7 +79,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16, block_k: int 
 
 def gemv_fused(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
                silu: bool = False, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 1024,
-               warps: int = 4, norm_mode: int = NORM_MODE) -> torch.Tensor:
+               warps: int = 4) -> torch.Tensor:
     """The one-pass GEMV with a layer's small kernels in it (the module docstring): norm = (weight [K], eps) reads
     x through RMSNorm; silu reads x [M, 2K] as silu(gate) * up; residual [M, N] is added to the output."""
     if norm is not None and silu:
@@ -98,12 +89,12 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, 
         raise ValueError(f"gemv_fused: norm weight {tuple(norm[0].shape)} for K = {k}")
     if residual is not None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(-1) != 1):
         raise ValueError(f"gemv_fused: residual {tuple(residual.shape)} for {x.shape[0]} x {weight.shape[0]} out")
-    return _launch(x, weight, k, block_n, block_k, warps, 1, norm, silu, residual, norm_mode)
+    return _launch(x, weight, k, block_n, block_k, warps, 1, norm, silu, residual)
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k: int, warps: int, split_k: int,
             norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
-            residual: torch.Tensor | None = None, norm_mode: int = 0) -> torch.Tensor:
+            residual: torch.Tensor | None = None) -> torch.Tensor:
     m = x.shape[0]
     n = weight.shape[0]
     if x.dim() != 2 or m > MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
@@ -118,7 +109,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
                        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                        residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,
                        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(m), SPLIT_K=split_k,
-                       NORM=norm_mode if norm is not None else 0,
-                       NORM_BLOCK=triton.next_power_of_2(k) if norm is not None and norm_mode == 1 else 1,
+                       NORM=norm is not None, NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
                        SILU=silu, RESIDUAL=residual is not None, num_warps=warps)
     return out if split_k == 1 else out.to(x.dtype)

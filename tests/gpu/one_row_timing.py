@@ -74,11 +74,9 @@ def main(out_path: str) -> None:
             times[f"{proj}: add_rms_norm + gemv"] = graph_us(
                 each(lambda i: gemv(add_rms_norm(h, res, g, 1e-5)[0], w[i], 8, 1024, 4)))
             times[f"{proj}: gemv alone"] = graph_us(each(lambda i: gemv(h, w[i], 8, 1024, 4)))
-            for mode in (1, 2):
-                for bn, bk, warps in SETTINGS:
-                    times[f"{proj}: fused norm{mode} {bn}x{bk}x{warps}"] = graph_us(
-                        each(lambda i: gemv_fused(h, w[i], norm=(g, 1e-5), block_n=bn, block_k=bk, warps=warps,
-                                                  norm_mode=mode)))
+            for bn, bk, warps in SETTINGS:
+                times[f"{proj}: fused norm {bn}x{bk}x{warps}"] = graph_us(
+                    each(lambda i: gemv_fused(h, w[i], norm=(g, 1e-5), block_n=bn, block_k=bk, warps=warps)))
         w = ws["o_proj"]
         times["o_proj: gemv"] = graph_us(each(lambda i: gemv(attn, w[i], 8, 1024, 4)))
         for bn, bk, warps in SETTINGS:
