@@ -13,23 +13,67 @@ The layer's small kernels can ride along (gemv_fused), so a one-row decoder laye
 - residual: the output is x W^T + residual, the new residual stream.
 Each is rounded exactly as the separate kernels round (kernels/rmsnorm.py, activation.py), so the fused layer
 computes what the unfused one does.
+
+On Hopper a one-pass GEMV is launched as a programmatic dependent of the kernel before it (PDL): its programs may
+start while that kernel finishes and load their first weight tile, then wait (griddepcontrol.wait) before reading
+x. Everything it writes comes after the wait, and every program waits, so the kernel after it sees all before it.
 """
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 4
+# Programmatic dependent launch on CUDA (Hopper and later; SHARDSERVE_GEMV_PDL=0 turns it off): a GEMV may start, and
+# read its first weight tile, while the kernel before it finishes; it waits for that kernel before reading x.
+PDL = os.environ.get("SHARDSERVE_GEMV_PDL", "1") != "0"
+
+
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@triton.jit
+def _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K: tl.constexpr):
+    ks = k0 + tl.arange(0, BLOCK_K)
+    return tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
+                   mask=col_ok[:, None] & (ks < K)[None, :], other=0.0, eviction_policy="evict_first")
+
+
+@triton.jit
+def _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd,
+                BLOCK_K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr):
+    """in(x)[:, k0:k0 + BLOCK_K] in float32, rounded where the separate kernels round."""
+    dt = x_ptr.dtype.element_ty
+    ks = k0 + tl.arange(0, BLOCK_K)
+    k_ok = ks < K
+    x_mask = row_ok[:, None] & k_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+    if NORM:
+        g = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x = ((x * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt).to(tl.float32)
+    if SILU:  # x was the gate; the up half sits K further on
+        up = tl.load(x_ptr + rows[:, None] * stride_xm + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
+        x = ((x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32) * up).to(dt).to(tl.float32)
+    return x
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
-                 NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr):
+                 NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr,
+                 PDL: tl.constexpr):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K). out[m, n] = sum_k in(x)[m, k] * w[n, k] (+ res[m, n]) for m < M <= ROWS,
-    in(x) = x, RMSNorm(x) * norm (NORM) or silu(x[:, :K]) * x[:, K:] (SILU)."""
+    in(x) = x, RMSNorm(x) * norm (NORM) or silu(x[:, :K]) * x[:, K:] (SILU). PDL: launched as a programmatic
+    dependent of the kernel before it, the program loads its first weight tile (which no kernel writes) before
+    waiting for that kernel's output."""
     dt = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -37,28 +81,25 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, s
     col_ok = cols < N
     rows = tl.arange(0, ROWS)
     row_ok = rows < M
+    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    if PDL:
+        gdc_launch_dependents()  # the next kernel may start its own weight loads once every program is running
+    w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start, K, BLOCK_K)
+    if PDL:
+        gdc_wait()  # x and the residual are the previous kernel's output
+    rstd = tl.zeros((ROWS,), dtype=tl.float32)
     if NORM:  # the row's 1 / rms in one reduction over all of K first, as kernels/rmsnorm.py takes it
         whole = tl.arange(0, NORM_BLOCK)
         xs = tl.load(x_ptr + rows[:, None] * stride_xm + whole[None, :], mask=row_ok[:, None] & (whole < K)[None, :],
                      other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 1) / K + eps)
-    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    k_per_split = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_per_split
-    for k0 in range(k_start, min(k_start + k_per_split, K), BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        w = tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
-                    mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        x_mask = row_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-        if NORM:
-            g = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-            x = ((x * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt).to(tl.float32)
-        if SILU:  # x was the gate; the up half sits K further on
-            up = tl.load(x_ptr + rows[:, None] * stride_xm + K + ks[None, :], mask=x_mask, other=0.0).to(tl.float32)
-            x = ((x / (1.0 + tl.exp(-x))).to(dt).to(tl.float32) * up).to(dt).to(tl.float32)
-        # [ROWS, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K
+    # [ROWS, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K, the first tile peeled off the loop
+    x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k_start, K, rstd, BLOCK_K, NORM, SILU)
+    acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    for k0 in range(k_start + BLOCK_K, min(k_start + k_per_split, K), BLOCK_K):
+        w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K)
+        x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
         acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
@@ -105,10 +146,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
     else:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), split_k)
+    pdl = PDL and x.is_cuda and split_k == 1 and _has_pdl(x.device)  # split-K: its output is zero-filled before
     _gemv_kernel[grid](x, weight, out, norm[0] if norm is not None else x, residual if residual is not None else x,
                        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                        residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,
                        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(m), SPLIT_K=split_k,
                        NORM=norm is not None, NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
-                       SILU=silu, RESIDUAL=residual is not None, num_warps=warps)
+                       SILU=silu, RESIDUAL=residual is not None, PDL=pdl, num_warps=warps, launch_pdl=pdl)
     return out if split_k == 1 else out.to(x.dtype)
