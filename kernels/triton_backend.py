@@ -2,11 +2,15 @@
 
 Decode-only batches (every query_len 1, the steady state) go to the split-K decode kernel; anything with a
 prefill or chunk in it goes to the varlen prefill kernel, which handles its decodes in the same launch.
-A mixed batch that starts with at least split_mixed decodes (SHARDSERVE_SPLIT_MIXED, default 32; 0: never) sends
+SHARDSERVE_SPLIT_MIXED=N (opt-in; 0, the default: never): a mixed batch that starts with at least N decodes sends
 those to the decode kernel and the rest to the prefill kernel, two launches: the prefill kernel reads decode rows at
-74-84% of the copy rate with a bf16 cache and 30-39% with FP8, the decode kernel at 83-107%. On an H200, 63 or 255
-decodes beside a 512-token prefill ran 1.12-1.20x (bf16) and 1.42-1.80x (FP8) faster split (docs/performance.md);
-fewer decodes than the threshold were not timed and keep the one launch.
+74-84% of the copy rate with a bf16 cache and 30-39% with FP8, the decode kernel at 83-107%. On an H200, timed warm,
+63 or 255 decodes beside a 512-token prefill ran 1.12-1.20x (bf16) and 1.42-1.80x (FP8) faster split; but with the
+split on from 32 decodes an offline Qwen3-0.6B run spent 2.43 s instead of 0.46 s in its prefill steps
+(docs/performance.md). The likely cause, not yet verified: kernel variants compiled during the run (the decode
+kernel's NUM_SPLITS is a compile-time constant chosen from the mixed batch's longest sequence; the prefill kernel's
+tail pointers, seq_lens[decodes:], change 16-byte alignment with the number of decodes). Compiling those variants
+at start-up, or passing offsets instead of sliced tensors, comes before turning it on.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from shardserve.kernels.prefill import paged_prefill_attention
 from shardserve.kernels.store_kv import store_kv
 
 
-SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "32"))  # the default of split_mixed; 0: off
+SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "0"))  # the default of split_mixed; 0: off
 
 
 class TritonAttentionBackend(AttentionBackend):
