@@ -51,11 +51,14 @@ class AttentionMetadata:
             self._derived["decodes"] = n
         return self._derived["decodes"]
 
-    def tail_query_start_loc(self, first: int) -> torch.Tensor:
-        """query_start_loc of sequences first.. with their tokens counted from 0 (the batch from sequence `first` on,
-        when the sequences before it are decodes: first tokens)."""
+    def tail(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query_start_loc, seq_lens, block_tables) of sequences first.. as a batch of their own, the tokens counted
+        from 0 (the sequences before `first` being decodes: first tokens). Fresh tensors, not views: a view's
+        address moves by 4 bytes a sequence, and Triton compiles a kernel anew for each 16-byte alignment of its
+        pointers (a compile of seconds in the middle of a run)."""
         if ("tail", first) not in self._derived:
-            self._derived["tail", first] = self.query_start_loc[first:] - first
+            self._derived["tail", first] = (self.query_start_loc[first:] - first, self.seq_lens[first:].clone(),
+                                            self.block_tables[first:].clone())
         return self._derived["tail", first]
 
 

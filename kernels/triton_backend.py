@@ -7,10 +7,10 @@ those to the decode kernel and the rest to the prefill kernel, two launches: the
 74-84% of the copy rate with a bf16 cache and 30-39% with FP8, the decode kernel at 83-107%. On an H200, timed warm,
 63 or 255 decodes beside a 512-token prefill ran 1.12-1.20x (bf16) and 1.42-1.80x (FP8) faster split; but with the
 split on from 32 decodes an offline Qwen3-0.6B run spent 2.43 s instead of 0.46 s in its prefill steps
-(docs/performance.md). The likely cause, not yet verified: kernel variants compiled during the run (the decode
-kernel's NUM_SPLITS is a compile-time constant chosen from the mixed batch's longest sequence; the prefill kernel's
-tail pointers, seq_lens[decodes:], change 16-byte alignment with the number of decodes). Compiling those variants
-at start-up, or passing offsets instead of sliced tensors, comes before turning it on.
+(docs/performance.md). The likely cause: the prefill kernel was handed seq_lens[decodes:], a view whose address is
+16-byte aligned only when decodes is a multiple of 4, and Triton compiles a new variant for an unaligned pointer
+(1.8-3.2 s for sm_90 on a 2-core machine, about the time lost); the tails are fresh tensors now
+(AttentionMetadata.tail), which an offline run has yet to confirm before the split is turned on.
 """
 
 from __future__ import annotations
@@ -50,9 +50,9 @@ class TritonAttentionBackend(AttentionBackend):
             )
         out = torch.empty_like(q)
         self._decode(q[:decodes], k_cache, v_cache, meta, decodes, scale, k_scale, v_scale, out=out[:decodes])
-        paged_prefill_attention(q[decodes:], k_cache, v_cache, meta.tail_query_start_loc(decodes),
-                                meta.seq_lens[decodes:], meta.block_tables[decodes:], scale, out=out[decodes:],
-                                k_scale=k_scale, v_scale=v_scale)
+        query_start_loc, seq_lens, block_tables = meta.tail(decodes)
+        paged_prefill_attention(q[decodes:], k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
+                                out=out[decodes:], k_scale=k_scale, v_scale=v_scale)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

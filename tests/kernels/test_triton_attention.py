@@ -155,3 +155,17 @@ def test_split_mixed_sends_the_leading_decodes_to_the_decode_kernel(monkeypatch,
                                       SCALE)
     assert calls == launches
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_tail_of_a_mixed_batch_is_fresh_16_byte_aligned_tensors():
+    """AttentionMetadata.tail(first) (the prefill half of a split mixed batch): the same values as the slices, in
+    tensors of their own, 16-byte aligned for any first (a view of seq_lens from sequence 3 on is 12 bytes off, and
+    Triton compiles a kernel anew for each pointer alignment)."""
+    *_, meta = make_batch([1, 1, 1, 7, 1, 12], [40, 3, 9, 30, 17, 12], num_heads=4, num_kv_heads=2, head_dim=32,
+                          block_size=8, dtype=torch.float32, device=DEVICE, seed=3)
+    assert meta.seq_lens[3:].data_ptr() % 16 != 0  # what a view would hand the kernel
+    query_start_loc, seq_lens, block_tables = meta.tail(3)
+    assert torch.equal(query_start_loc, meta.query_start_loc[3:] - 3)
+    assert torch.equal(seq_lens, meta.seq_lens[3:]) and torch.equal(block_tables, meta.block_tables[3:])
+    assert all(t.data_ptr() % 16 == 0 for t in (query_start_loc, seq_lens, block_tables))
+    assert meta.tail(3)[1] is seq_lens  # computed once a step, for every layer
