@@ -4,6 +4,7 @@ the SASS instruction mix (nvdisasm, shipped with Triton) and the registers. This
 found reading its e4m3 K tile back from shared memory a byte at a time (docs/performance.md), without device time.
 
     python -m shardserve.bench.kernel_asm --cache fp8 --variant pairs [--block-n 128 --warps 4 --stages 2]
+    python -m shardserve.bench.kernel_asm --one-row     # the one-row layer's kernels (gemv.py, rope.py)
 
 The counts are static (a loop body counts once per copy the pipeliner made of it). The GPU hosts run Triton 3.6:
 compile with the same version for figures that hold there.
@@ -24,12 +25,27 @@ _POINTERS = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_len
 _PTX_KINDS = ("ld.global", "ld.shared", "st.shared", "cp.async.c", "ldmatrix", "mma", "wgmma.mma_async", "cvt.rn")
 
 
+def compile_kernel(fn, types: dict[str, str], constants: dict, aligned: set[str], arch: int = 90, **options):
+    """A @triton.jit kernel compiled for sm_<arch>: types names each non-constexpr argument's type (default i32);
+    the arguments in `aligned` are taken as 16-byte aligned pointers or multiples of 16, as Triton specializes
+    them at a launch with such values."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        signature[name] = "constexpr" if name in constants else types.get(name, "i32")
+        if name in aligned and name not in constants:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
+                          options=options)
+
+
 def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: int, group: int = 2,
                    head_dim: int = 128, rows: int = 16, arch: int = 90):
     """The paged decode kernel compiled for sm_<arch> (pointers and strides 16-byte aligned, as the cache's are)."""
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS
     from shardserve.kernels.paged_decode import DECODE_KERNEL
@@ -39,23 +55,45 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
     kv = ("*i16" if variant == "pairs" else "*fp8e4nv") if fp8 else "*bf16"
     types = dict.fromkeys(_POINTERS, "*bf16") | {"k_cache_ptr": kv, "v_cache_ptr": kv, "block_tables_ptr": "*i32",
                                                  "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32",
-                                                 "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32"}
+                                                 "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                                                 "scale_log2e": "fp32"}
     constants = dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=1, BLOCK_G=rows,
                      BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, DOT_PRECISION="tf32", NUM_KV_HEADS=8,
                      FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma", ASM=True,
                      block_size=16)
-    signature, attrs = {}, {}
-    for i, name in enumerate(DECODE_KERNEL.arg_names):
-        if name in constants:
-            signature[name] = "constexpr"
-        elif name in types:
-            signature[name], attrs[(i,)] = types[name], [["tt.divisibility", 16]]
-        else:
-            signature[name] = "fp32" if name == "scale_log2e" else "i32"
-            if name.startswith("stride") and name != "stride_bt":
-                attrs[(i,)] = [["tt.divisibility", 16]]
-    source = ASTSource(DECODE_KERNEL, signature, constants, attrs)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": warps, "num_stages": stages})
+    aligned = set(_POINTERS) | {n for n in DECODE_KERNEL.arg_names if n.startswith("stride") and n != "stride_bt"}
+    return compile_kernel(DECODE_KERNEL, types, constants, aligned, arch, num_warps=warps, num_stages=stages)
+
+
+def compile_one_row(arch: int = 90) -> dict[str, object]:
+    """The one-row layer's kernels at Llama-3-8B's shapes, compiled for sm_<arch> as they launch on an H200: the
+    fused GEMVs (with programmatic dependent launch) and RoPE writing a bf16 and an FP8 cache."""
+    from shardserve.kernels.gemv import GEMV_KERNEL
+    from shardserve.kernels.rope import ROPE_KERNEL
+
+    gemv_types = dict.fromkeys(("x_ptr", "w_ptr", "out_ptr", "norm_ptr", "res_ptr"), "*bf16") | {"eps": "fp32"}
+    gemv_aligned = set(gemv_types) - {"eps"} | {"N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm"}
+    base = dict(BLOCK_N=8, BLOCK_K=1024, ROWS=1, SPLIT_K=1, NORM=False, NORM_BLOCK=1, SILU=False, RESIDUAL=False,
+                PDL=True)
+    kernels = {
+        "gemv_norm": (base | dict(NORM=True, NORM_BLOCK=4096)),
+        "gemv_silu_residual": (base | dict(SILU=True, RESIDUAL=True)),
+        "gemv_norm_flat": (base | dict(NORM=True, NORM_BLOCK=4096, FLAT=True)),
+        "gemv_silu_residual_flat": (base | dict(SILU=True, RESIDUAL=True, FLAT=True)),
+    }
+    out = {name: compile_kernel(GEMV_KERNEL, gemv_types, c, gemv_aligned, arch, num_warps=4, launch_pdl=True)
+           for name, c in kernels.items()}
+    rope_types = dict.fromkeys(("q_ptr", "k_ptr", "q_norm_ptr", "k_norm_ptr", "v_ptr"), "*bf16") | {
+        "positions_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_scale_ptr": "*fp32",
+        "v_scale_ptr": "*fp32", "eps": "fp32"}
+    rope_aligned = {n for n in rope_types if n.endswith("_ptr")}
+    for cache in ("bf16", "fp8"):
+        kv = "*fp8e4nv" if cache == "fp8" else "*bf16"
+        c = dict(HALF=64, NORM=False, BLOCK_QH=32, BLOCK_KH=8, BLOCK_HALF=64, STORE=True, FP8=cache == "fp8",
+                 FP8_LIMIT=448.0)
+        out[f"rope_store_{cache}"] = compile_kernel(ROPE_KERNEL, rope_types | {"k_cache_ptr": kv, "v_cache_ptr": kv},
+                                                    c, rope_aligned, arch, num_warps=4)
+    return out
 
 
 def count_ptx(ptx: str) -> dict[str, int]:
@@ -98,9 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=16, help="rows of the products (the query group padded)")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
     parser.add_argument("--json", action="store_true", help="print the PTX counts as one JSON object instead")
+    parser.add_argument("--one-row", action="store_true",
+                        help="instead: the one-row layer's GEMVs and RoPE-with-store (PTX counts per kernel)")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("TRITON_INTERPRET=1: Triton's interpreter compiles nothing; run with TRITON_INTERPRET=0")
+    if args.one_row:
+        counts = {name: count_ptx(k.asm["ptx"]) | {"griddepcontrol": k.asm["ptx"].count("griddepcontrol")}
+                  for name, k in compile_one_row(args.arch).items()}
+        print(json.dumps(counts) if args.json else "\n".join(f"{n}: {c}" for n, c in counts.items()))
+        return 0
     block_n = args.block_n or (128 if args.cache == "fp8" else 64)
     kernel = compile_decode(args.cache, args.variant, block_n, args.warps, args.stages, rows=args.rows, arch=args.arch)
     total, mix, resources = sass_mix(kernel.asm.get("cubin", b""))

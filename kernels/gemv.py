@@ -37,6 +37,9 @@ MAX_ROWS = 4
 # 0.968 ms and Llama-3-8B's (34-235 MB) 4.608 -> 4.947 ms (docs/performance.md); one pair of runs each.
 PDL = os.environ.get("SHARDSERVE_GEMV_PDL", "1") != "0"
 PDL_MAX_BYTES = 16 << 20
+# SHARDSERVE_GEMV_FLAT=1 (opt-in, not yet timed on a GPU): one-row GEMVs sum their products lane by lane and keep the
+# weight tile out of shared memory (the kernel's FLAT).
+FLAT = os.environ.get("SHARDSERVE_GEMV_FLAT", "0") == "1"
 
 
 @functools.cache
@@ -73,11 +76,13 @@ def _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd,
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
                  NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, FLAT: tl.constexpr = False):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K). out[m, n] = sum_k in(x)[m, k] * w[n, k] (+ res[m, n]) for m < M <= ROWS,
     in(x) = x, RMSNorm(x) * norm (NORM) or silu(x[:, :K]) * x[:, K:] (SILU). PDL: launched as a programmatic
     dependent of the kernel before it, the program loads its first weight tile (which no kernel writes) before
-    waiting for that kernel's output."""
+    waiting for that kernel's output. FLAT (ROWS == 1): the weight tile stays in the layout it was loaded in (the
+    [ROWS, BLOCK_N, BLOCK_K] product has Triton pass every weight tile through shared memory, with barriers, to
+    reduce it; kernel_asm --one-row shows it)."""
     dt = x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -100,11 +105,19 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, s
         rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 1) / K + eps)
     # [ROWS, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K, the first tile peeled off the loop
     x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k_start, K, rstd, BLOCK_K, NORM, SILU)
-    acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
-    for k0 in range(k_start + BLOCK_K, min(k_start + k_per_split, K), BLOCK_K):
-        w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K)
-        x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
-        acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if FLAT:  # one row: products summed lane by lane over K, reduced across lanes once at the end
+        part = x * w.to(tl.float32)
+        for k0 in range(k_start + BLOCK_K, min(k_start + k_per_split, K), BLOCK_K):
+            w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K)
+            x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
+            part += x * w.to(tl.float32)
+        acc = tl.sum(part, axis=1)[None, :]
+    else:
+        acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        for k0 in range(k_start + BLOCK_K, min(k_start + k_per_split, K), BLOCK_K):
+            w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K)
+            x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
+            acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
@@ -114,6 +127,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, s
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(ptrs, acc, mask=mask)
+
+
+GEMV_KERNEL = _gemv_kernel  # the jitted kernel itself, which bench/kernel_asm.py compiles for a GPU target
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16, block_k: int = 512, warps: int = 4,
@@ -157,5 +173,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
                        residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,
                        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(m), SPLIT_K=split_k,
                        NORM=norm is not None, NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
-                       SILU=silu, RESIDUAL=residual is not None, PDL=pdl, num_warps=warps, launch_pdl=pdl)
+                       SILU=silu, RESIDUAL=residual is not None, PDL=pdl, FLAT=FLAT and m == 1, num_warps=warps,
+                       launch_pdl=pdl)
     return out if split_k == 1 else out.to(x.dtype)

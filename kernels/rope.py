@@ -100,6 +100,9 @@ def _rope_kernel(
         tl.store(k_at + HALF, k2, mask=k_mask)
 
 
+ROPE_KERNEL = _rope_kernel  # the jitted kernel itself, which bench/kernel_asm.py compiles for a GPU target
+
+
 def apply_rope_(
     positions: torch.Tensor,  # [T] int
     q: torch.Tensor,  # [T, num_heads, head_dim], rotated in place

@@ -22,3 +22,23 @@ def test_the_pairs_decode_moves_fp8_tiles_in_16_byte_copies_with_no_byte_loads()
     assert "cp.async.ca.shared.global" not in ptx  # (the e4m3 loops copy K in 8-byte pieces)
     assert not [op for op in ptx if op.startswith("ld.shared.b8")]  # (they read K back a byte at a time: 128 a tile)
     assert ptx.get("ldmatrix.sync.aligned.m8n8.x4.shared.b16", 0) > 0
+
+
+def test_the_one_row_kernels_compile_for_sm90_with_their_launch_settings():
+    """The one-row layer's GEMVs (programmatic dependent launch on) and RoPE writing the cache compile for an H200 at
+    Llama-3-8B's shapes (the interpreter the other tests run checks less than the compiler: a loop variable that
+    changes shape passed there and failed on the GPU). PDL GEMVs wait on the previous kernel (griddepcontrol); the
+    FLAT GEMV keeps its weight tiles out of shared memory, where the reducing one passes each through it."""
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    done = subprocess.run([sys.executable, "-m", "shardserve.bench.kernel_asm", "--one-row", "--json"], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    kernels = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(kernels) == {"gemv_norm", "gemv_silu_residual", "gemv_norm_flat", "gemv_silu_residual_flat",
+                            "rope_store_bf16", "rope_store_fp8"}
+    for name, ptx in kernels.items():
+        assert ptx["griddepcontrol"] == (2 if name.startswith("gemv") else 0), name
+    assert kernels["rope_store_fp8"].get("cvt.rn.satfinite.e4m3x2.f32", 0) > 0  # quantized on the way to the cache
+    for reading in ("gemv_norm", "gemv_silu_residual"):
+        assert kernels[reading]["st.shared.v4.b32"] >= 16  # the weight tiles through shared memory
+        assert kernels[reading + "_flat"].get("st.shared.v4.b32", 0) <= 4  # only the final cross-lane sum

@@ -131,3 +131,23 @@ def test_one_row_decode_equals_the_layer_by_layer_path(arch, backend_name, tmp_p
         torch.testing.assert_close(k_f, k_p, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(v_f, v_p, atol=1e-5, rtol=1e-5)
     assert not torch.equal(plain_caches[0][0], k_cache)  # the step stored its K
+
+
+@pytest.mark.parametrize("reading", ["plain", "norm", "silu_residual"])
+def test_flat_gemv_sums_lane_by_lane_to_the_same_result(reading, monkeypatch):
+    """SHARDSERVE_GEMV_FLAT=1 (the one-row GEMV summing its products lane by lane over K): the reduced GEMV's
+    result within float32 rounding, over several K steps and a masked tail."""
+    from shardserve.kernels import gemv as gemv_module
+
+    gen = torch.Generator().manual_seed(11)
+    k = 300
+    x = torch.randn(1, 2 * k if reading == "silu_residual" else k, generator=gen).to(DEVICE)
+    w = (torch.randn(37, k, generator=gen) * 0.1).to(DEVICE)
+    kwargs = {"norm": ((torch.rand(k, generator=gen) + 0.5).to(DEVICE), 1e-6)} if reading == "norm" else {}
+    if reading == "silu_residual":
+        kwargs = {"silu": True, "residual": torch.randn(1, 37, generator=gen).to(DEVICE)}
+    reduced = gemv_fused(x, w, block_n=16, block_k=64, **kwargs)
+    monkeypatch.setattr(gemv_module, "FLAT", True)
+    flat = gemv_fused(x, w, block_n=16, block_k=64, **kwargs)
+    torch.testing.assert_close(flat, reduced, atol=1e-5, rtol=1e-5)
+    assert flat.abs().max() > 0.1
