@@ -15,6 +15,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from shardserve.kernels import gemv as gemv_module
 from shardserve.kernels.activation import silu_and_mul
 from shardserve.kernels.gemv import gemv, gemv_fused
 from shardserve.kernels.rmsnorm import add_rms_norm
@@ -90,6 +91,14 @@ def main(out_path: str) -> None:
         for bn, bk, warps in SETTINGS:
             times[f"down: fused silu residual {bn}x{bk}x{warps}"] = graph_us(
                 each(lambda i: gemv_fused(gu, w[i], silu=True, residual=h, block_n=bn, block_k=bk, warps=warps)))
+        gemv_module.FLAT = True  # the lane-by-lane sums (SHARDSERVE_GEMV_FLAT=1) at the default launch settings
+        for proj, reading in (("qkv", "norm"), ("gate_up", "norm"), ("o_proj", "residual"), ("down", "silu")):
+            w = ws[proj]
+            fused = {"norm": lambda i: gemv_fused(h, w[i], norm=(g, 1e-5)),
+                     "residual": lambda i: gemv_fused(attn, w[i], residual=h),
+                     "silu": lambda i: gemv_fused(gu, w[i], silu=True, residual=h)}[reading]
+            times[f"{proj}: fused {reading} flat 8x1024x4"] = graph_us(each(fused))
+        gemv_module.FLAT = False
         result["models"][model] = times
         for name, us in times.items():
             print(f"{model} {name}: {us:.2f} us")
