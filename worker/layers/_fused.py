@@ -11,10 +11,14 @@ import os
 
 import torch
 
+from shardserve.worker import distributed
+from shardserve.worker.layers import linear
+
 ENABLED = os.environ.get("SHARDSERVE_FUSED_KERNELS", "1") != "0"
 # A one-row step (bs=1 decode) at TP=1 runs each decoder layer as four GEMVs with the norms, SiLU-and-mul and
 # residual adds inside them (kernels/gemv.py: gemv_fused; decoder.py). SHARDSERVE_ONE_ROW=0 turns it off (A/B runs).
 ONE_ROW = os.environ.get("SHARDSERVE_ONE_ROW", "1") != "0"
+_HALF = (torch.bfloat16, torch.float16)
 
 
 def use_fused(x: torch.Tensor) -> bool:
@@ -24,8 +28,5 @@ def use_fused(x: torch.Tensor) -> bool:
 def one_row(x: torch.Tensor) -> bool:
     """Whether the decoder's one-row path takes x [T, hidden]: a single token in half precision on CUDA, one rank
     (the residual add inside the row-parallel matmul would count it once per rank before the all-reduce)."""
-    from shardserve.worker.distributed import tp_size
-    from shardserve.worker.layers.linear import GEMV
-
-    return (use_fused(x) and ONE_ROW and GEMV and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16)
-            and tp_size() == 1)
+    return (x.shape[0] == 1 and ONE_ROW and linear.GEMV and use_fused(x) and x.dtype in _HALF
+            and distributed.tp_size() == 1)
