@@ -24,11 +24,9 @@ or is -1 where the context length is 0: store_kv skips padding rows and the deco
 Attention: only the Triton backend is graph-safe here. Its decode kernel computes the split ranges on the device
 from seq_lens, so a split count fixed per captured size (chosen for max_model_len) is correct for any length.
 
-Memory: all graphs share one pool, captured largest first so the smaller ones reuse its blocks. The KV cache is
-sized before capture, so ModelRunner.profile_num_blocks asks measure_graph_memory() for a reserve: a dry run on a
-one-block scratch cache captures the largest size, then a few graphs of the smallest, reading free device memory
-(torch.cuda.mem_get_info) before and after; reserve = largest + (number of sizes - 1) * one smallest + 10 % of the
-largest. After the real capture the memory taken is measured again and printed next to the reserve.
+Memory: all graphs share one pool, captured largest first so the smaller ones reuse its blocks; what they will
+take is reserved before the KV cache is sized (worker/graph_memory.py). After the real capture the memory taken is
+measured again and printed next to the reserve.
 """
 
 from __future__ import annotations
@@ -52,7 +50,6 @@ from shardserve.worker.device_copy import copy_to_buffer
 from shardserve.worker.input_batch import StepInputs, slot_mapping
 
 MAX_GRAPH_BATCH_SIZE = 512  # a larger max_num_seqs still runs: bigger decode batches go eager
-PROBE_COPIES = 4  # graphs of the smallest size the memory dry run captures to measure one graph's cost
 
 
 def graph_lm_head() -> bool:
@@ -276,81 +273,20 @@ def capture_decode_graphs(
         with torch.inference_mode():
             runner.capture()
     except Exception as exc:  # a capture failure must cost speed, never the engine
-        _say(f"WARNING: CUDA graph capture failed ({type(exc).__name__}: {exc}); decode steps run eagerly")
+        say(f"WARNING: CUDA graph capture failed ({type(exc).__name__}: {exc}); decode steps run eagerly")
         runner = None
-        _release_memory()
+        release_memory()
         return None
     reserve = f", reserved {reserved_bytes / 2**20:.0f} MiB" if reserved_bytes is not None else ""
-    _say(f"captured {len(sizes)} decode CUDA graphs (batch sizes {sizes[0]}..{sizes[-1]}) in {runner.capture_s:.1f} s, "
+    say(f"captured {len(sizes)} decode CUDA graphs (batch sizes {sizes[0]}..{sizes[-1]}) in {runner.capture_s:.1f} s, "
          f"{runner.memory_bytes / 2**20:.0f} MiB{reserve}")
     if reserved_bytes is not None and runner.memory_bytes > reserved_bytes:
-        _say(f"WARNING: the graphs took {runner.memory_bytes / 2**20:.0f} MiB, more than the "
+        say(f"WARNING: the graphs took {runner.memory_bytes / 2**20:.0f} MiB, more than the "
              f"{reserved_bytes / 2**20:.0f} MiB the KV sizing reserved for them")
     return runner
 
 
-def leave_room_for_graphs(
-    blocks: int, model: nn.Module, backend: AttentionBackend, config: EngineConfig, device: torch.device,
-    dtype: torch.dtype,
-) -> tuple[int, int | None]:
-    """(a profiled block count minus what the decode graphs will take, the reserve in bytes or None).
-
-    Only where graphs will be captured and the memory budget bound the count: a fixed num_kv_blocks or
-    kv_cache_memory_gb is the user's choice, and a count capped at what max_num_seqs sequences can use had room.
-    """
-    from shardserve.worker.kv_cache import bytes_per_block, max_useful_blocks
-
-    fixed = config.num_kv_blocks is not None or config.kv_cache_memory_gb is not None
-    if graphs_unsupported_reason(config, device, backend) is not None or fixed:
-        return blocks, None
-    try:
-        reserve = measure_graph_memory(model, backend, config, device, dtype)
-    except Exception as exc:  # the real capture will most likely fail the same way and fall back to eager
-        _say(f"WARNING: CUDA graph dry run failed ({type(exc).__name__}: {exc}); no memory reserved for graphs")
-        return blocks, None
-    if blocks >= max_useful_blocks(config):
-        return blocks, reserve
-    left = blocks - cdiv(reserve, bytes_per_block(model, config.block_size, dtype))
-    if left < 1:
-        raise RuntimeError(
-            f"no memory left for the KV cache after reserving {reserve / 2**20:.0f} MiB for CUDA graphs: "
-            "lower max_num_seqs, raise gpu_memory_utilization, or set enforce_eager"
-        )
-    return left, reserve
-
-
-def measure_graph_memory(
-    model: nn.Module, backend: AttentionBackend, config: EngineConfig, device: torch.device, dtype: torch.dtype
-) -> int:
-    """Bytes to keep free for the decode graphs: a dry run on a one-block scratch cache (see the module doc)."""
-    from shardserve.worker.kv_cache import allocate_kv_cache
-
-    sizes = graph_batch_sizes(config.max_num_seqs)
-    scratch = allocate_kv_cache(model, 1, config.block_size, dtype, device)
-    gc.collect()
-    torch.cuda.synchronize(device)
-    free_start = torch.cuda.mem_get_info(device)[0]
-    runner = DecodeGraphRunner(model, scratch, backend, sizes, config.block_size, config.max_model_len, device,
-                               with_head=graph_lm_head())
-    probes: list = []
-    try:
-        with torch.inference_mode():
-            runner.capture([sizes[-1]])
-            after_largest = torch.cuda.mem_get_info(device)[0]
-            # Every other size adds its own graph (and maybe pool growth): measured over a few copies of the
-            # smallest, so the driver's allocation granularity averages out.
-            copies = min(PROBE_COPIES, len(sizes) - 1)
-            if copies:
-                probes = runner.probe(sizes[0], copies)
-            each_other = max(0, after_largest - torch.cuda.mem_get_info(device)[0]) // max(copies, 1)
-    finally:
-        del runner, scratch, probes
-        _release_memory()
-    largest = max(0, free_start - after_largest)
-    return largest + (len(sizes) - 1) * each_other + largest // 10
-
-
-def _release_memory() -> None:
+def release_memory() -> None:
     gc.collect()
     try:
         torch.cuda.synchronize()
@@ -359,5 +295,5 @@ def _release_memory() -> None:
         pass
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     print(f"[shardserve] {message}", file=sys.stderr, flush=True)

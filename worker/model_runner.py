@@ -20,7 +20,7 @@ from shardserve.kernels.backend_choice import get_backend
 from shardserve.kernels.kv_fp8 import FP8_DTYPE
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, cdiv
-from shardserve.worker import cuda_graphs, kv_cache, kv_scales
+from shardserve.worker import cuda_graphs, graph_memory, kv_cache, kv_scales
 from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.layers import cpu_packed
 from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
@@ -106,7 +106,7 @@ class ModelRunner:
 
     def profile_num_blocks(self) -> int:
         blocks = kv_cache.profile_num_blocks(self.config, self.model, self.kv_dtype, self.device, self._profile_forward)
-        blocks, self._graph_reserve = cuda_graphs.leave_room_for_graphs(
+        blocks, self._graph_reserve = graph_memory.leave_room_for_graphs(
             blocks, self.model, self.attn_backend, self.config, self.device, self.kv_dtype
         )
         return blocks
