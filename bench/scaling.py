@@ -189,7 +189,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.bench.scaling_client import ClientPool
     from shardserve.config import build_engine_config, read_model_facts
     from shardserve.launcher import ensure_ray
-    from shardserve.ray_cluster import resolve_ray_address
+    from shardserve.serve import resolve_ray_address
 
     base = build_engine_config(**engine_kwargs)
     ensure_ray(resolve_ray_address(args.ray_address))

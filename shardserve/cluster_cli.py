@@ -164,7 +164,7 @@ def _check_port_free(host: str, port: int | None, flag: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from shardserve.cluster.step_deadline import StepDeadline
     from shardserve.config import build_engine_config
-    from shardserve.ray_cluster import serve
+    from shardserve.serve import serve
 
     _check_port_free(args.host, args.port, "--port")
     if args.metrics_port:
