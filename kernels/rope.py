@@ -43,15 +43,16 @@ def _rotate_heads(x_ptr, w_ptr, token, stride_t, stride_h, num_heads, cos, sin, 
 
 
 @triton.jit
-def _store_halves(cache_ptr, dst, x1, x2, scale_ptr, h, num_heads, mask, HALF: tl.constexpr, FP8: tl.constexpr,
+def _store_halves(ptr, dst, x1, x2, scale_ptr, h, num_heads, mask, HALF: tl.constexpr, FP8: tl.constexpr,
                   FP8_LIMIT: tl.constexpr):
-    """Both halves of a token's heads h into the cache at dst (quantized with the heads' scales for FP8)."""
+    """Both halves of a token's heads h at ptr + dst (q or k in place, or the cache: quantized with the heads'
+    scales where it is FP8)."""
     if FP8:
         scale = tl.load(scale_ptr + h, mask=h < num_heads, other=1.0)
         x1 = quantize_e4m3(x1, scale, FP8_LIMIT)
         x2 = quantize_e4m3(x2, scale, FP8_LIMIT)
-    tl.store(cache_ptr + dst, x1.to(cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(cache_ptr + dst + HALF, x2.to(cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + dst, x1.to(ptr.dtype.element_ty), mask=mask)
+    tl.store(ptr + dst + HALF, x2.to(ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -74,11 +75,9 @@ def _rope_kernel(
     sin = tl.load(sin_ptr + pos * stride_cos + cols, mask=cols < HALF, other=0.0).to(tl.float32)
     q1, q2 = _rotate_heads(q_ptr, q_norm_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, eps,
                            HALF, NORM, BLOCK_QH, BLOCK_HALF)
-    heads = tl.arange(0, BLOCK_QH)[:, None]
-    q_at = q_ptr + token * stride_qt + heads * stride_qh + cols
-    q_mask = (heads < num_q_heads) & (cols < HALF)
-    tl.store(q_at, q1, mask=q_mask)
-    tl.store(q_at + HALF, q2, mask=q_mask)
+    q_heads = tl.arange(0, BLOCK_QH)
+    _store_halves(q_ptr, token * stride_qt + q_heads[:, None] * stride_qh + cols, q1, q2, q_ptr, q_heads, num_q_heads,
+                  (q_heads[:, None] < num_q_heads) & (cols < HALF), HALF, False, FP8_LIMIT)
     k1, k2 = _rotate_heads(k_ptr, k_norm_ptr, token, stride_kt, stride_kh, num_k_heads, cos, sin, eps,
                            HALF, NORM, BLOCK_KH, BLOCK_HALF)
     h = tl.arange(0, BLOCK_KH)
@@ -95,9 +94,8 @@ def _rope_kernel(
             v2 = tl.load(v_at + HALF, mask=k_mask, other=0.0)
             _store_halves(v_cache_ptr, dst, v1, v2, v_scale_ptr, h, num_k_heads, k_mask, HALF, FP8, FP8_LIMIT)
     else:
-        k_at = k_ptr + token * stride_kt + heads * stride_kh + cols
-        tl.store(k_at, k1, mask=k_mask)
-        tl.store(k_at + HALF, k2, mask=k_mask)
+        _store_halves(k_ptr, token * stride_kt + heads * stride_kh + cols, k1, k2, k_ptr, h, num_k_heads, k_mask,
+                      HALF, False, FP8_LIMIT)
 
 
 ROPE_KERNEL = _rope_kernel  # the jitted kernel itself, which bench/kernel_asm.py compiles for a GPU target

@@ -4,7 +4,8 @@ Llama-3-8B's and Qwen3-0.6B's shapes, batch 1, bf16, on one GPU:
     python tests/gpu/one_row_timing.py OUT.json     # on a CUDA host, from the project root
 
 Each figure is one CUDA graph of REPEATS calls cycling over COPIES weight copies (more bytes than the L2 holds, as
-a model's layers are), replayed and timed with CUDA events, divided by REPEATS. Not a test (no timing asserts).
+a model's layers are), replayed and timed with CUDA events: the median replay divided by REPEATS (the records at
+d548168 took the fastest of 5). Not a test (no timing asserts).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from shardserve.bench.attention_rates import graph_ms
 from shardserve.kernels import gemv as gemv_module
 from shardserve.kernels.activation import silu_and_mul
 from shardserve.kernels.gemv import gemv, gemv_fused
@@ -25,32 +27,10 @@ MODELS = {"llama8b": (4096, 6144, 14336), "qwen3": (1024, 4096, 3072)}  # hidden
 SETTINGS = [(8, 1024, 4), (16, 1024, 4), (16, 512, 4), (8, 512, 4), (4, 1024, 4), (16, 1024, 8)]
 
 
-def graph_us(calls) -> float:
-    """calls: REPEATS zero-argument functions; the graph holds them in turn."""
-    for c in calls[:2]:
-        c()
-    torch.cuda.synchronize()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls[:2]:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for c in calls:
-            c()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / len(calls))
-    return best
+def us(fn) -> float:
+    """Device us per call of fn(i), i cycling over the COPIES weight copies, REPEATS calls in one CUDA graph
+    (shardserve.bench.attention_rates.graph_ms: the median of its replays)."""
+    return graph_ms([lambda i=i: fn(i) for i in range(COPIES)], launches=REPEATS) * 1e3
 
 
 def main(out_path: str) -> None:
@@ -66,42 +46,39 @@ def main(out_path: str) -> None:
         attn = torch.randn(1, ws["o_proj"][0].shape[1], **bf)
         gu = torch.randn(1, 2 * inter, **bf)
 
-        def each(fn):
-            return [lambda i=i: fn(i % COPIES) for i in range(REPEATS)]
-
         times = {}
         for proj in ("qkv", "gate_up"):
             w = ws[proj]
-            times[f"{proj}: add_rms_norm + gemv"] = graph_us(
-                each(lambda i: gemv(add_rms_norm(h, res, g, 1e-5)[0], w[i], 8, 1024, 4)))
-            times[f"{proj}: gemv alone"] = graph_us(each(lambda i: gemv(h, w[i], 8, 1024, 4)))
+            times[f"{proj}: add_rms_norm + gemv"] = us(
+                lambda i: gemv(add_rms_norm(h, res, g, 1e-5)[0], w[i], 8, 1024, 4))
+            times[f"{proj}: gemv alone"] = us(lambda i: gemv(h, w[i], 8, 1024, 4))
             for bn, bk, warps in SETTINGS:
-                times[f"{proj}: fused norm {bn}x{bk}x{warps}"] = graph_us(
-                    each(lambda i: gemv_fused(h, w[i], norm=(g, 1e-5), block_n=bn, block_k=bk, warps=warps)))
+                times[f"{proj}: fused norm {bn}x{bk}x{warps}"] = us(
+                    lambda i: gemv_fused(h, w[i], norm=(g, 1e-5), block_n=bn, block_k=bk, warps=warps))
         w = ws["o_proj"]
-        times["o_proj: gemv"] = graph_us(each(lambda i: gemv(attn, w[i], 8, 1024, 4)))
+        times["o_proj: gemv"] = us(lambda i: gemv(attn, w[i], 8, 1024, 4))
         for bn, bk, warps in SETTINGS:
-            times[f"o_proj: fused residual {bn}x{bk}x{warps}"] = graph_us(
-                each(lambda i: gemv_fused(attn, w[i], residual=h, block_n=bn, block_k=bk, warps=warps)))
+            times[f"o_proj: fused residual {bn}x{bk}x{warps}"] = us(
+                lambda i: gemv_fused(attn, w[i], residual=h, block_n=bn, block_k=bk, warps=warps))
         w = ws["down"]
-        times["down: silu + cuBLAS"] = graph_us(each(lambda i: F.linear(silu_and_mul(gu), w[i])))
-        times["down: silu + gemv"] = graph_us(each(lambda i: gemv(silu_and_mul(gu), w[i], 8, 1024, 4)))
+        times["down: silu + cuBLAS"] = us(lambda i: F.linear(silu_and_mul(gu), w[i]))
+        times["down: silu + gemv"] = us(lambda i: gemv(silu_and_mul(gu), w[i], 8, 1024, 4))
         act = torch.randn(1, inter, **bf)
-        times["down: cuBLAS alone"] = graph_us(each(lambda i: F.linear(act, w[i])))
+        times["down: cuBLAS alone"] = us(lambda i: F.linear(act, w[i]))
         for bn, bk, warps in SETTINGS:
-            times[f"down: fused silu residual {bn}x{bk}x{warps}"] = graph_us(
-                each(lambda i: gemv_fused(gu, w[i], silu=True, residual=h, block_n=bn, block_k=bk, warps=warps)))
+            times[f"down: fused silu residual {bn}x{bk}x{warps}"] = us(
+                lambda i: gemv_fused(gu, w[i], silu=True, residual=h, block_n=bn, block_k=bk, warps=warps))
         gemv_module.FLAT = True  # the lane-by-lane sums (SHARDSERVE_GEMV_FLAT=1) at the default launch settings
         for proj, reading in (("qkv", "norm"), ("gate_up", "norm"), ("o_proj", "residual"), ("down", "silu")):
             w = ws[proj]
             fused = {"norm": lambda i: gemv_fused(h, w[i], norm=(g, 1e-5)),
                      "residual": lambda i: gemv_fused(attn, w[i], residual=h),
                      "silu": lambda i: gemv_fused(gu, w[i], silu=True, residual=h)}[reading]
-            times[f"{proj}: fused {reading} flat 8x1024x4"] = graph_us(each(fused))
+            times[f"{proj}: fused {reading} flat 8x1024x4"] = us(fused)
         gemv_module.FLAT = False
         result["models"][model] = times
-        for name, us in times.items():
-            print(f"{model} {name}: {us:.2f} us")
+        for name, t in times.items():
+            print(f"{model} {name}: {t:.2f} us")
         del ws
         torch.cuda.empty_cache()
     with open(out_path, "w") as f:
