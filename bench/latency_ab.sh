@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# bs=1 latency with a switch on and off (AB=VAR: VAR=1 / VAR=0, default SHARDSERVE_ONE_ROW), paired runs on one GPU:
+# bs=1 latency with a switch on and off (AB=VAR: VAR=1 / VAR=0, default SHARDSERVE_ONE_ROW; VALUES="auto 0" for
+# other values), paired runs on one GPU:
 # MODELS (default Llama-3-8B, then Qwen3-0.6B; dummy weights), RUNS pairs each (default "a b"), after the GPU tests
 # (GPU_TESTS: `-m gpu` tests, default the GPU suite; KERNEL_TESTS: kernel tests run compiled, default the one-row
 # layer's and the GEMV's).
@@ -9,7 +10,7 @@
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-AB=${AB:-SHARDSERVE_ONE_ROW}; MODELS=${MODELS:-"llama-3-8b qwen3-0.6b"}; RUNS=${RUNS:-"a b"}
+AB=${AB:-SHARDSERVE_ONE_ROW}; VALUES=${VALUES:-"1 0"}; MODELS=${MODELS:-"llama-3-8b qwen3-0.6b"}; RUNS=${RUNS:-"a b"}
 GPU_TESTS=${GPU_TESTS-tests/gpu}; KERNEL_TESTS=${KERNEL_TESTS-"tests/kernels/test_one_row_layer.py tests/kernels/test_gemv.py"}
 WORK=$(mktemp -d)
 say() { echo "[latency_ab $SECONDS s] $*" | tee -a "$OUT/log.txt"; }
@@ -26,7 +27,7 @@ run_tests() {  # run_tests NAME PYTEST_ARGS...
 [ -n "$GPU_TESTS" ] && run_tests gpu_tests -m gpu $GPU_TESTS
 for model in $MODELS; do
   for run in $RUNS; do
-    for v in 1 0; do
+    for v in $VALUES; do
       name=latency_${model}_${AB}${v}_$run
       env "$AB=$v" timeout 90 python3 -m shardserve.cli bench latency --model $model --device cuda \
         --load-format dummy --tp 1 --input-len 128 --output-len 256 --max-model-len 1024 \

@@ -37,9 +37,19 @@ MAX_ROWS = 4
 # 0.968 ms and Llama-3-8B's (34-235 MB) 4.608 -> 4.947 ms (docs/performance.md); one pair of runs each.
 PDL = os.environ.get("SHARDSERVE_GEMV_PDL", "1") != "0"
 PDL_MAX_BYTES = 16 << 20
-# SHARDSERVE_GEMV_FLAT=1 (opt-in, not yet timed on a GPU): one-row GEMVs sum their products lane by lane and keep the
-# weight tile out of shared memory (the kernel's FLAT).
-FLAT = os.environ.get("SHARDSERVE_GEMV_FLAT", "0") == "1"
+# One-row GEMVs that read x through the norm or SiLU sum their products lane by lane and keep the weight tile out of
+# shared memory (the kernel's FLAT). Timed on an H200 (docs/performance.md, one-row GEMV timing at a28d0ee), flat
+# against reduced, us: Llama-3-8B qkv+norm 15.5/15.9, gate_up+norm 57.0/60.2, down+silu+residual 30.6/36.3 (cuBLAS
+# alone 31.9), but o_proj+residual 15.6/11.7; Qwen3-0.6B 3.2/4.3, 5.3/5.1, 4.0/5.6, o_proj 3.8/3.5. Hence "auto":
+# flat where the GEMV reads x through the norm or SiLU. SHARDSERVE_GEMV_FLAT=1: flat for every one-row GEMV; 0: never.
+FLAT = os.environ.get("SHARDSERVE_GEMV_FLAT", "auto")
+if FLAT not in ("auto", "0", "1"):
+    raise ValueError(f"SHARDSERVE_GEMV_FLAT={FLAT!r}: auto, 0 or 1")
+
+
+def _flat(m: int, norm: bool, silu: bool) -> bool:
+    """Whether a GEMV of m rows runs the kernel's FLAT variant (FLAT above)."""
+    return m == 1 and (FLAT == "1" or (FLAT == "auto" and (norm or silu)))
 
 
 @functools.cache
@@ -173,6 +183,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
                        residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,
                        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(m), SPLIT_K=split_k,
                        NORM=norm is not None, NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
-                       SILU=silu, RESIDUAL=residual is not None, PDL=pdl, FLAT=FLAT and m == 1, num_warps=warps,
-                       launch_pdl=pdl)
+                       SILU=silu, RESIDUAL=residual is not None, PDL=pdl, FLAT=_flat(m, norm is not None, silu),
+                       num_warps=warps, launch_pdl=pdl)
     return out if split_k == 1 else out.to(x.dtype)

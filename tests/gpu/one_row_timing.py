@@ -47,6 +47,7 @@ def main(out_path: str) -> None:
         gu = torch.randn(1, 2 * inter, **bf)
 
         times = {}
+        gemv_module.FLAT = "0"  # the reduced sums (SHARDSERVE_GEMV_FLAT=0) for the launch settings compared below
         for proj in ("qkv", "gate_up"):
             w = ws[proj]
             times[f"{proj}: add_rms_norm + gemv"] = us(
@@ -68,18 +69,28 @@ def main(out_path: str) -> None:
         for bn, bk, warps in SETTINGS:
             times[f"down: fused silu residual {bn}x{bk}x{warps}"] = us(
                 lambda i: gemv_fused(gu, w[i], silu=True, residual=h, block_n=bn, block_k=bk, warps=warps))
-        gemv_module.FLAT = True  # the lane-by-lane sums (SHARDSERVE_GEMV_FLAT=1) at the default launch settings
+        gemv_module.FLAT = "1"  # the lane-by-lane sums (SHARDSERVE_GEMV_FLAT=1) at the default launch settings
+        times["o_proj: gemv flat 8x1024x4"] = us(lambda i: gemv(attn, ws["o_proj"][i], 8, 1024, 4))
         for proj, reading in (("qkv", "norm"), ("gate_up", "norm"), ("o_proj", "residual"), ("down", "silu")):
             w = ws[proj]
             fused = {"norm": lambda i: gemv_fused(h, w[i], norm=(g, 1e-5)),
                      "residual": lambda i: gemv_fused(attn, w[i], residual=h),
                      "silu": lambda i: gemv_fused(gu, w[i], silu=True, residual=h)}[reading]
             times[f"{proj}: fused {reading} flat 8x1024x4"] = us(fused)
-        gemv_module.FLAT = False
+        gemv_module.FLAT = "auto"
+        ws.clear()
+        vocab = 128256 if model == "llama8b" else 151936  # the LM head at batch 1 (layers/linear.py: matmul)
+        heads = [torch.randn(vocab, hidden, **bf) * 0.02 for _ in range(COPIES)]
+        times["lm_head: cuBLAS"] = us(lambda i: F.linear(h, heads[i]))
+        for flat in ("0", "1"):
+            gemv_module.FLAT = flat
+            name = f"lm_head: gemv{' flat' if flat == '1' else ''} 8x1024x4"
+            times[name] = us(lambda i: gemv(h, heads[i], 8, 1024, 4))
+        gemv_module.FLAT = "auto"
+        heads.clear()
         result["models"][model] = times
         for name, t in times.items():
             print(f"{model} {name}: {t:.2f} us")
-        del ws
         torch.cuda.empty_cache()
     with open(out_path, "w") as f:
         json.dump(result, f, indent=1)
