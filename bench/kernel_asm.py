@@ -74,7 +74,7 @@ def compile_one_row(arch: int = 90) -> dict[str, object]:
     gemv_types = dict.fromkeys(("x_ptr", "w_ptr", "out_ptr", "norm_ptr", "res_ptr"), "*bf16") | {"eps": "fp32"}
     gemv_aligned = set(gemv_types) - {"eps"} | {"N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm"}
     base = dict(BLOCK_N=8, BLOCK_K=1024, ROWS=1, SPLIT_K=1, NORM=False, NORM_BLOCK=1, SILU=False, RESIDUAL=False,
-                PDL=True)
+                PDL=True, FLAT=False)  # FLAT named: left out, it would compile as an argument, both branches in
     kernels = {
         "gemv_norm": (base | dict(NORM=True, NORM_BLOCK=4096)),
         "gemv_silu_residual": (base | dict(SILU=True, RESIDUAL=True)),

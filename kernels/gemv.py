@@ -116,9 +116,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, s
     # [ROWS, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K, the first tile peeled off the loop
     x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k_start, K, rstd, BLOCK_K, NORM, SILU)
     if FLAT:  # one row: products summed lane by lane over K, reduced across lanes once at the end
+        # Each weight tile is loaded one step ahead of its use, so the next tile's loads are in flight while this one
+        # is summed (without it ptxas may issue a plain read's loads one after another, each waiting for the last).
+        k_end = tl.minimum(k_start + k_per_split, K)
+        w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start + BLOCK_K, k_end, BLOCK_K)
         part = x * w.to(tl.float32)
-        for k0 in range(k_start + BLOCK_K, min(k_start + k_per_split, K), BLOCK_K):
-            w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            w = w_next
+            w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K)
             x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
             part += x * w.to(tl.float32)
         acc = tl.sum(part, axis=1)[None, :]

@@ -24,7 +24,7 @@ from shardserve.kernels.rmsnorm import add_rms_norm
 
 REPEATS, COPIES = 32, 4
 MODELS = {"llama8b": (4096, 6144, 14336), "qwen3": (1024, 4096, 3072)}  # hidden, qkv width, intermediate
-SETTINGS = [(8, 1024, 4), (16, 1024, 4), (16, 512, 4), (8, 512, 4), (4, 1024, 4), (16, 1024, 8)]
+SETTINGS = [(8, 1024, 4), (16, 1024, 4), (4, 1024, 4), (4, 2048, 4), (2, 4096, 4), (4, 4096, 8), (8, 2048, 8)]
 
 
 def us(fn) -> float:
@@ -69,14 +69,16 @@ def main(out_path: str) -> None:
         for bn, bk, warps in SETTINGS:
             times[f"down: fused silu residual {bn}x{bk}x{warps}"] = us(
                 lambda i: gemv_fused(gu, w[i], silu=True, residual=h, block_n=bn, block_k=bk, warps=warps))
-        gemv_module.FLAT = "1"  # the lane-by-lane sums (SHARDSERVE_GEMV_FLAT=1) at the default launch settings
+        gemv_module.FLAT = "1"  # the lane-by-lane sums (SHARDSERVE_GEMV_FLAT=1)
         times["o_proj: gemv flat 8x1024x4"] = us(lambda i: gemv(attn, ws["o_proj"][i], 8, 1024, 4))
         for proj, reading in (("qkv", "norm"), ("gate_up", "norm"), ("o_proj", "residual"), ("down", "silu")):
             w = ws[proj]
-            fused = {"norm": lambda i: gemv_fused(h, w[i], norm=(g, 1e-5)),
-                     "residual": lambda i: gemv_fused(attn, w[i], residual=h),
-                     "silu": lambda i: gemv_fused(gu, w[i], silu=True, residual=h)}[reading]
-            times[f"{proj}: fused {reading} flat 8x1024x4"] = us(fused)
+            for bn, bk, warps in SETTINGS:
+                launch = dict(block_n=bn, block_k=bk, warps=warps)
+                fused = {"norm": lambda i: gemv_fused(h, w[i], norm=(g, 1e-5), **launch),
+                         "residual": lambda i: gemv_fused(attn, w[i], residual=h, **launch),
+                         "silu": lambda i: gemv_fused(gu, w[i], silu=True, residual=h, **launch)}[reading]
+                times[f"{proj}: fused {reading} flat {bn}x{bk}x{warps}"] = us(fused)
         gemv_module.FLAT = "auto"
         ws.clear()
         vocab = 128256 if model == "llama8b" else 151936  # the LM head at batch 1 (layers/linear.py: matmul)
