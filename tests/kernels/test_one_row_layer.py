@@ -133,7 +133,7 @@ def test_one_row_decode_equals_the_layer_by_layer_path(arch, backend_name, tmp_p
     assert not torch.equal(plain_caches[0][0], k_cache)  # the step stored its K
 
 
-@pytest.mark.parametrize("reading", ["plain", "norm", "silu_residual"])
+@pytest.mark.parametrize("reading", ["plain", "plain_split_k", "norm", "silu_residual"])
 def test_flat_gemv_sums_lane_by_lane_to_the_same_result(reading, monkeypatch):
     """The FLAT GEMV (one row, its products summed lane by lane over K; SHARDSERVE_GEMV_FLAT): the reduced GEMV's
     result within float32 rounding, over several K steps and a masked tail."""
@@ -146,24 +146,28 @@ def test_flat_gemv_sums_lane_by_lane_to_the_same_result(reading, monkeypatch):
     kwargs = {"norm": ((torch.rand(k, generator=gen) + 0.5).to(DEVICE), 1e-6)} if reading == "norm" else {}
     if reading == "silu_residual":
         kwargs = {"silu": True, "residual": torch.randn(1, 37, generator=gen).to(DEVICE)}
+    # plain_split_k: two programs along K, each loading ahead only within its own part
+    run = (lambda x, w, **launch: gemv(x, w, split_k=2, **launch)) if reading == "plain_split_k" else gemv_fused
     monkeypatch.setattr(gemv_module, "FLAT", "0")
-    reduced = gemv_fused(x, w, block_n=16, block_k=64, **kwargs)
+    reduced = run(x, w, block_n=16, block_k=64, **kwargs)
     monkeypatch.setattr(gemv_module, "FLAT", "1")
-    flat = gemv_fused(x, w, block_n=16, block_k=64, **kwargs)
+    flat = run(x, w, block_n=16, block_k=64, **kwargs)
     torch.testing.assert_close(flat, reduced, atol=1e-5, rtol=1e-5)
     assert flat.abs().max() > 0.1
 
 
-def test_flat_gemv_is_chosen_for_one_row_read_through_the_norm_or_silu(monkeypatch):
-    """SHARDSERVE_GEMV_FLAT=auto (the default) takes the FLAT variant where it was timed faster (the one-row qkv,
-    gate_up and down reads) and not for a plain read (o_proj, where it was slower), nor for more than one row."""
+def test_flat_gemv_is_chosen_for_the_one_row_layer_reads(monkeypatch):
+    """SHARDSERVE_GEMV_FLAT=auto (the default) takes the FLAT variant where it was timed faster (the one-row
+    layer's reads: through the norm, through SiLU, adding the residual) and not for the plain GEMV (the LM head,
+    where it was slower), nor for more than one row."""
     from shardserve.kernels import gemv as gemv_module
 
     monkeypatch.setattr(gemv_module, "FLAT", "auto")
-    assert gemv_module._flat(1, norm=True, silu=False) and gemv_module._flat(1, norm=False, silu=True)
-    assert not gemv_module._flat(1, norm=False, silu=False)
-    assert not gemv_module._flat(2, norm=True, silu=False)
+    for reading in ({"norm": True}, {"silu": True}, {"residual": True}):
+        assert gemv_module._flat(1, **({"norm": False, "silu": False, "residual": False} | reading))
+        assert not gemv_module._flat(2, **({"norm": False, "silu": False, "residual": False} | reading))
+    assert not gemv_module._flat(1, norm=False, silu=False, residual=False)
     monkeypatch.setattr(gemv_module, "FLAT", "1")
-    assert gemv_module._flat(1, norm=False, silu=False) and not gemv_module._flat(2, norm=False, silu=True)
+    assert gemv_module._flat(1, norm=False, silu=False, residual=False)
     monkeypatch.setattr(gemv_module, "FLAT", "0")
-    assert not gemv_module._flat(1, norm=True, silu=False)
+    assert not gemv_module._flat(1, norm=True, silu=False, residual=True)
