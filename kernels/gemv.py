@@ -35,8 +35,9 @@ MAX_ROWS = 4
 # read its first weight tile, while the kernel before it finishes; it waits for that kernel before reading x. Only
 # for weights of at most PDL_MAX_BYTES: on an H200 it made Qwen3-0.6B's bs=1 decode (weights of 2-12 MB) 1.022 ->
 # 0.968 ms and Llama-3-8B's (34-235 MB) 4.608 -> 4.947 ms (docs/performance.md); one pair of runs each.
+# SHARDSERVE_GEMV_PDL=all: for every weight (A/B runs).
 PDL = os.environ.get("SHARDSERVE_GEMV_PDL", "1") != "0"
-PDL_MAX_BYTES = 16 << 20
+PDL_MAX_BYTES = float("inf") if os.environ.get("SHARDSERVE_GEMV_PDL") == "all" else 16 << 20
 # The one-row layer's GEMVs sum their products lane by lane and keep the weight tile out of shared memory (the
 # kernel's FLAT). Timed on an H200 (docs/performance.md, "FLAT one-row GEMVs"), flat against reduced, us:
 # Llama-3-8B qkv+norm 15.5/15.9, gate_up+norm 57.0/60.2, down+silu+residual 30.6/36.3 (cuBLAS alone 31.9), o_proj
