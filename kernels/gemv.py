@@ -14,9 +14,8 @@ The layer's small kernels can ride along (gemv_fused), so a one-row decoder laye
 Each is rounded exactly as the separate kernels round (kernels/rmsnorm.py, activation.py), so the fused layer
 computes what the unfused one does.
 
-On Hopper a one-pass GEMV of a small weight (PDL_MAX_BYTES) is launched as a programmatic dependent of the kernel
-before it (PDL): its programs may start while that kernel finishes and load their first weight tile, then wait
-(griddepcontrol.wait) before reading x. Everything it writes comes after the wait, and every program waits, so the
+On Hopper a one-pass GEMV is launched as a programmatic dependent of the kernel before it (PDL): its programs may
+start while that kernel finishes and load their first weight tile, then wait (griddepcontrol.wait) before reading x. Everything it writes comes after the wait, and every program waits, so the
 kernel after it sees all before it.
 """
 
@@ -32,12 +31,11 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MAX_ROWS = 4
 # Programmatic dependent launch on CUDA (Hopper and later; SHARDSERVE_GEMV_PDL=0 turns it off): a GEMV may start, and
-# read its first weight tile, while the kernel before it finishes; it waits for that kernel before reading x. Only
-# for weights of at most PDL_MAX_BYTES: on an H200 it made Qwen3-0.6B's bs=1 decode (weights of 2-12 MB) 1.022 ->
-# 0.968 ms and Llama-3-8B's (34-235 MB) 4.608 -> 4.947 ms (docs/performance.md); one pair of runs each.
-# SHARDSERVE_GEMV_PDL=all: for every weight (A/B runs).
+# read its first weight tile, while the kernel before it finishes; it waits for that kernel before reading x. On an
+# H200 (docs/performance.md): Qwen3-0.6B bs=1 1.022 -> 0.968 ms; Llama-3-8B (weights of 34-235 MB) 4.304 -> 4.145 ms
+# with the FLAT GEMVs below (two pairs at c5ce5fd; before them it was slower, 4.608 -> 4.947, and was kept to
+# weights of at most 16 MB until then).
 PDL = os.environ.get("SHARDSERVE_GEMV_PDL", "1") != "0"
-PDL_MAX_BYTES = float("inf") if os.environ.get("SHARDSERVE_GEMV_PDL") == "all" else 16 << 20
 # The one-row layer's GEMVs sum their products lane by lane and keep the weight tile out of shared memory (the
 # kernel's FLAT). Timed on an H200 (docs/performance.md, "FLAT one-row GEMVs"), flat against reduced, us:
 # Llama-3-8B qkv+norm 15.5/15.9, gate_up+norm 57.0/60.2, down+silu+residual 30.6/36.3 (cuBLAS alone 31.9), o_proj
@@ -191,8 +189,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
     else:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), split_k)
-    pdl = (PDL and x.is_cuda and split_k == 1  # split-K: its output is zero-filled before
-           and weight.numel() * weight.element_size() <= PDL_MAX_BYTES and _has_pdl(x.device))
+    pdl = PDL and x.is_cuda and split_k == 1 and _has_pdl(x.device)  # split-K: its output is zero-filled before
     _gemv_kernel[grid](x, weight, out, norm[0] if norm is not None else x, residual if residual is not None else x,
                        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                        residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,
