@@ -15,8 +15,8 @@ Each is rounded exactly as the separate kernels round (kernels/rmsnorm.py, activ
 computes what the unfused one does.
 
 On Hopper a one-pass GEMV is launched as a programmatic dependent of the kernel before it (PDL): its programs may
-start while that kernel finishes and load their first weight tile, then wait (griddepcontrol.wait) before reading x. Everything it writes comes after the wait, and every program waits, so the
-kernel after it sees all before it.
+start while that kernel finishes and load their first weight tile, then wait (griddepcontrol.wait) before reading x.
+Everything it writes comes after the wait, and every program waits, so the kernel after it sees all before it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ PDL = os.environ.get("SHARDSERVE_GEMV_PDL", "1") != "0"
 # Llama-3-8B qkv+norm 15.5/15.9, gate_up+norm 57.0/60.2, down+silu+residual 30.6/36.3 (cuBLAS alone 31.9), o_proj
 # +residual 11.4/11.7 (4x2048 tiles, loading ahead); Qwen3-0.6B 3.2/4.3, 5.3/5.1, 4.0/5.6, o_proj 1.9/3.5. The plain
 # GEMV (the LM head at batch 1) stays reduced: flat it read Qwen3-0.6B's in 81.8 us against 72.2. Hence "auto": flat
-# where the GEMV reads x through the norm or SiLU or adds a residual. SHARDSERVE_GEMV_FLAT=1: every one-row GEMV; 0: none.
+# where the GEMV reads x through the norm or SiLU or adds a residual. SHARDSERVE_GEMV_FLAT=1: every one-row GEMV;
+# 0: none.
 FLAT = os.environ.get("SHARDSERVE_GEMV_FLAT", "auto")
 if FLAT not in ("auto", "0", "1"):
     raise ValueError(f"SHARDSERVE_GEMV_FLAT={FLAT!r}: auto, 0 or 1")
@@ -115,23 +116,22 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, s
         rstd = 1.0 / tl.sqrt(tl.sum(xs * xs, 1) / K + eps)
     # [ROWS, 1, BLOCK_K] * [1, BLOCK_N, BLOCK_K] summed over K, the first tile peeled off the loop
     x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k_start, K, rstd, BLOCK_K, NORM, SILU)
-    if FLAT and not (NORM or SILU):  # one plain row: as below, each weight tile loaded one step ahead of its use
-        # (without it ptxas issued the loop's loads one after another, each waiting for the last: 8 LDG.128 into one
-        # register in the SASS for sm_90; with it, an H200 read Qwen3-0.6B's o_proj in 1.9 us against 3.5)
+    if FLAT:  # one row: products summed lane by lane over K, reduced across lanes once at the end
+        # A plain read loads each weight tile one step ahead of its use (without it ptxas issued the loop's loads one
+        # after another, each waiting for the last: 8 LDG.128 into one register in the SASS for sm_90; with it, an
+        # H200 read Qwen3-0.6B's o_proj in 1.9 us against 3.5). Through the norm or SiLU that was slower (Llama-3-8B's
+        # down 30.4 -> 42.1 us: more registers a program), so those load each tile where it is used.
+        AHEAD: tl.constexpr = not (NORM or SILU)
         k_end = tl.minimum(k_start + k_per_split, K)
-        w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start + BLOCK_K, k_end, BLOCK_K)
+        if AHEAD:
+            w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start + BLOCK_K, k_end, BLOCK_K)
         part = x * w.to(tl.float32)
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            w = w_next
-            w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K)
-            x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
-            part += x * w.to(tl.float32)
-        acc = tl.sum(part, axis=1)[None, :]
-    elif FLAT:  # one row read through the norm or SiLU: products summed lane by lane over K, reduced once at the end
-        # (loading ahead here was slower on an H200: Llama-3-8B's down 30.4 -> 42.1 us, more registers a program)
-        part = x * w.to(tl.float32)
-        for k0 in range(k_start + BLOCK_K, min(k_start + k_per_split, K), BLOCK_K):
-            w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K)
+            if AHEAD:
+                w = w_next
+                w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K)
+            else:
+                w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K)
             x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
             part += x * w.to(tl.float32)
         acc = tl.sum(part, axis=1)[None, :]
@@ -195,6 +195,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
                        residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,
                        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(m), SPLIT_K=split_k,
                        NORM=norm is not None, NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
-                       SILU=silu, RESIDUAL=residual is not None, PDL=pdl, FLAT=_flat(m, norm is not None, silu, residual is not None),
-                       num_warps=warps, launch_pdl=pdl)
+                       SILU=silu, RESIDUAL=residual is not None, PDL=pdl,
+                       FLAT=_flat(m, norm is not None, silu, residual is not None), num_warps=warps, launch_pdl=pdl)
     return out if split_k == 1 else out.to(x.dtype)
