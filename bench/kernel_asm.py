@@ -43,8 +43,9 @@ def compile_kernel(fn, types: dict[str, str], constants: dict, aligned: set[str]
 
 
 def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: int, group: int = 2,
-                   head_dim: int = 128, rows: int = 16, arch: int = 90):
-    """The paged decode kernel compiled for sm_<arch> (pointers and strides 16-byte aligned, as the cache's are)."""
+                   head_dim: int = 128, rows: int = 16, arch: int = 90, pdl: bool = False):
+    """The paged decode kernel compiled for sm_<arch> (pointers and strides 16-byte aligned, as the cache's are);
+    pdl: launched as a programmatic dependent (kernels/pdl.py)."""
     import triton
 
     from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS
@@ -60,9 +61,10 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
     constants = dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=1, BLOCK_G=rows,
                      BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, DOT_PRECISION="tf32", NUM_KV_HEADS=8,
                      FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma", ASM=True,
-                     block_size=16)
+                     block_size=16, PDL=pdl)
     aligned = set(_POINTERS) | {n for n in DECODE_KERNEL.arg_names if n.startswith("stride") and n != "stride_bt"}
-    return compile_kernel(DECODE_KERNEL, types, constants, aligned, arch, num_warps=warps, num_stages=stages)
+    return compile_kernel(DECODE_KERNEL, types, constants, aligned, arch, num_warps=warps, num_stages=stages,
+                          launch_pdl=pdl)
 
 
 def compile_one_row(arch: int = 90) -> dict[str, object]:
@@ -87,12 +89,15 @@ def compile_one_row(arch: int = 90) -> dict[str, object]:
         "positions_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_scale_ptr": "*fp32",
         "v_scale_ptr": "*fp32", "eps": "fp32"}
     rope_aligned = {n for n in rope_types if n.endswith("_ptr")}
-    for cache in ("bf16", "fp8"):
+    for cache, pdl in (("bf16", False), ("fp8", False), ("fp8", True)):
         kv = "*fp8e4nv" if cache == "fp8" else "*bf16"
         c = dict(HALF=64, NORM=False, BLOCK_QH=32, BLOCK_KH=8, BLOCK_HALF=64, STORE=True, FP8=cache == "fp8",
-                 FP8_LIMIT=448.0)
-        out[f"rope_store_{cache}"] = compile_kernel(ROPE_KERNEL, rope_types | {"k_cache_ptr": kv, "v_cache_ptr": kv},
-                                                    c, rope_aligned, arch, num_warps=4)
+                 FP8_LIMIT=448.0, PDL=pdl)
+        out[f"rope_store_{cache}{'_pdl' if pdl else ''}"] = compile_kernel(
+            ROPE_KERNEL, rope_types | {"k_cache_ptr": kv, "v_cache_ptr": kv}, c, rope_aligned, arch, num_warps=4,
+            launch_pdl=pdl)
+    # the decode kernel and its split merge as programmatic dependents (SHARDSERVE_PDL_CHAIN=1)
+    out["decode_bf16_pdl"] = compile_decode("bf16", "pairs", 64, 4, 2, group=4, pdl=True, arch=arch)
     return out
 
 

@@ -21,13 +21,14 @@ Everything it writes comes after the wait, and every program waits, so the kerne
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from shardserve.kernels.pdl import supported as pdl_supported
 
 MAX_ROWS = 4
 # Programmatic dependent launch on CUDA (Hopper and later; SHARDSERVE_GEMV_PDL=0 turns it off): a GEMV may start, and
@@ -51,11 +52,6 @@ if FLAT not in ("auto", "0", "1"):
 def _flat(m: int, norm: bool, silu: bool, residual: bool) -> bool:
     """Whether a GEMV of m rows runs the kernel's FLAT variant (FLAT above)."""
     return m == 1 and (FLAT == "1" or (FLAT == "auto" and (norm or silu or residual)))
-
-
-@functools.cache
-def _has_pdl(device: torch.device) -> bool:
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit
@@ -189,7 +185,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
     else:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), split_k)
-    pdl = PDL and x.is_cuda and split_k == 1 and _has_pdl(x.device)  # split-K: its output is zero-filled before
+    pdl = PDL and x.is_cuda and split_k == 1 and pdl_supported(x.device)  # split-K: its output is zero-filled before
     _gemv_kernel[grid](x, weight, out, norm[0] if norm is not None else x, residual if residual is not None else x,
                        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                        residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,

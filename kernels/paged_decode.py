@@ -15,9 +15,11 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from shardserve.kernels.fp8_pairs import COMPILED
 from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS, dequantize_fp8, fp8_decode_variant
+from shardserve.kernels.pdl import chained
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
 from shardserve.kernels.paged_decode_fp8 import (fp8_e4m3_loop, fp8_fma_loop, fp8_k_transposed_load_loop,
@@ -38,7 +40,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
-    ASM: tl.constexpr = False,
+    ASM: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid (num_seqs * num_kv_heads, NUM_SPLITS). Program (s * num_kv_heads + h, j) attends the query heads
     h*GROUP .. h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles).
@@ -49,7 +51,10 @@ def _decode_kernel(
     into the output. FP8_DOT (see FP8_DECODE_VARIANTS) says how the e4m3 tiles meet the tensor cores; DOT_FP16:
     16-bit operands become fp16 (e4m3 -> fp16 is one native conversion; q is clamped to fp16's range).
     block_size is a compile-time constant: a position's block and slot by shifts (12% fewer instructions than by
-    division, compiled for sm_90)."""
+    division, compiled for sm_90). PDL: launched as a programmatic dependent (kernels/pdl.py)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0) // NUM_KV_HEADS
     kv_head = tl.program_id(0) % NUM_KV_HEADS
     split = tl.program_id(1)
@@ -125,8 +130,13 @@ def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """Grid (num_seqs, num_heads). Merges one head's split partials by their log-sum-exp (log2 domain)."""
+    """Grid (num_seqs, num_heads). Merges one head's split partials by their log-sum-exp (log2 domain). PDL: as
+    the decode kernel."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -225,6 +235,7 @@ def paged_decode_attention(
     default_n, default_warps, default_stages = decode_launch(fp8, head_dim)
     if variant == FP8_DECODE_VARIANTS.index("pairs"):  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
+    pdl = chained(q)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
         k_scale if fp8 else q, v_scale if fp8 else q,  # unused without FP8
@@ -238,13 +249,14 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
-        ASM=COMPILED,
-        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages,
+        ASM=COMPILED, PDL=pdl,
+        num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
+            PDL=pdl, launch_pdl=pdl,
         )
     return out
 

@@ -16,8 +16,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from shardserve.kernels.kv_fp8 import FP8_MAX
+from shardserve.kernels.pdl import chained
 from shardserve.kernels.store_kv import KVWrite, check_write, quantize_e4m3
 
 
@@ -64,10 +66,14 @@ def _rope_kernel(
     num_q_heads, num_k_heads, eps,
     HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (T,). Program t (normalises and) rotates every q and k head of token t by the angles of positions[t].
     q is rotated in place; k too, or with STORE written with v straight into the paged cache at slot_ptr[t] (as
-    kernels/store_kv.py would; slot -1: not stored)."""
+    kernels/store_kv.py would; slot -1: not stored). PDL: launched as a programmatic dependent (kernels/pdl.py)."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
@@ -143,6 +149,7 @@ def apply_rope_(
             HALF=half, NORM=norm_weights is not None,
             BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
             BLOCK_HALF=triton.next_power_of_2(half), STORE=write is not None, FP8=fp8, FP8_LIMIT=FP8_MAX,
+            PDL=chained(q), launch_pdl=chained(q),
         )
     return q, k
 

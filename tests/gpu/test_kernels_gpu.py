@@ -177,3 +177,48 @@ def test_gemv_bf16_one_row_equals_cublas_and_the_layers_take_it(n, k, monkeypatc
     linear.matmul(x[:1], w)
     linear.matmul(x, w)
     assert calls == ([torch.Size([1, k])] if linear.GEMV else [])
+
+
+def test_rope_decode_and_merge_chained_as_dependents_compute_what_plain_launches_do(monkeypatch):
+    """SHARDSERVE_PDL_CHAIN=1 (kernels/pdl.py): a bs=1 layer's chain (GEMV, RoPE writing the cache, decode attention
+    over 8 splits and their merge, GEMV) launched as programmatic dependents, eagerly and replayed in a CUDA graph,
+    gives bit for bit what plain launches give: each kernel waits for the one before it before its first load."""
+    from shardserve.kernels import pdl
+    from shardserve.kernels.gemv import gemv
+    from shardserve.kernels.store_kv import KVWrite
+
+    heads, kv_heads, dim = HEADS["llama-3-8b"]
+    _, _, _, kc0, vc0, meta = make_batch([1], [700], num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                                          block_size=16, dtype=torch.bfloat16, device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w_qkv = torch.randn((heads + 2 * kv_heads) * dim, heads * dim, generator=gen, device="cuda").bfloat16() * 0.02
+    w_o = torch.randn(heads * dim, heads * dim, generator=gen, device="cuda").bfloat16() * 0.02
+    x = torch.randn(1, heads * dim, generator=gen, device="cuda").bfloat16()
+    inv_freq = 1.0 / 500000.0 ** (torch.arange(0, dim, 2, device="cuda").float() / dim)
+    freqs = torch.outer(torch.arange(2048, device="cuda").float(), inv_freq)
+    cos, sin = freqs.cos(), freqs.sin()
+    positions = torch.tensor([699], device="cuda")
+    slot = meta.block_tables[0, 699 // 16].long() * 16 + 699 % 16
+
+    def layer(kc, vc):
+        qkv = gemv(x, w_qkv).view(1, heads + 2 * kv_heads, dim)
+        q, k, v = (t.contiguous() for t in qkv.split([heads, kv_heads, kv_heads], dim=1))
+        apply_rope_(positions, q, k, cos, sin, write=KVWrite(v, kc, vc, slot.view(1), None, None))
+        attn = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, dim**-0.5, num_splits=8)
+        return gemv(attn.view(1, -1), w_o)
+
+    plain_k, plain_v = kc0.clone(), vc0.clone()
+    plain = layer(plain_k, plain_v)
+    monkeypatch.setattr(pdl, "CHAIN", True)
+    chained_k, chained_v = kc0.clone(), vc0.clone()
+    assert torch.equal(layer(chained_k, chained_v), plain)
+    assert torch.equal(chained_k, plain_k) and torch.equal(chained_v, plain_v)
+    graph_k, graph_v = kc0.clone(), vc0.clone()
+    layer(graph_k, graph_v)  # warm: every kernel compiled before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer(graph_k, graph_v)
+    graph_k.copy_(kc0), graph_v.copy_(vc0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, plain) and torch.equal(graph_k, plain_k)

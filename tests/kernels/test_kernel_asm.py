@@ -25,7 +25,8 @@ def test_the_pairs_decode_moves_fp8_tiles_in_16_byte_copies_with_no_byte_loads()
 
 
 def test_the_one_row_kernels_compile_for_sm90_with_their_launch_settings():
-    """The one-row layer's GEMVs (programmatic dependent launch on) and RoPE writing the cache compile for an H200 at
+    """The one-row layer's GEMVs (programmatic dependent launch on), RoPE writing the cache and the decode kernel
+    (with SHARDSERVE_PDL_CHAIN's dependent launch as well) compile for an H200 at
     Llama-3-8B's shapes (the interpreter the other tests run checks less than the compiler: a loop variable that
     changes shape passed there and failed on the GPU). PDL GEMVs wait on the previous kernel (griddepcontrol); the
     FLAT GEMV keeps its weight tiles out of shared memory, where the reducing one passes each through it."""
@@ -35,9 +36,9 @@ def test_the_one_row_kernels_compile_for_sm90_with_their_launch_settings():
     assert done.returncode == 0, done.stderr[-2000:]
     kernels = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(kernels) == {"gemv_norm", "gemv_silu_residual", "gemv_norm_flat", "gemv_silu_residual_flat",
-                            "rope_store_bf16", "rope_store_fp8"}
-    for name, ptx in kernels.items():
-        assert ptx["griddepcontrol"] == (2 if name.startswith("gemv") else 0), name
+                            "rope_store_bf16", "rope_store_fp8", "rope_store_fp8_pdl", "decode_bf16_pdl"}
+    for name, ptx in kernels.items():  # launch_dependents and wait where launched as a dependent, none elsewhere
+        assert ptx["griddepcontrol"] == (2 if name.startswith("gemv") or name.endswith("_pdl") else 0), name
     assert kernels["rope_store_fp8"].get("cvt.rn.satfinite.e4m3x2.f32", 0) > 0  # quantized on the way to the cache
     for reading in ("gemv_norm", "gemv_silu_residual"):
         assert kernels[reading]["st.shared.v4.b32"] >= 16  # the weight tiles through shared memory

@@ -1,0 +1,30 @@
+"""Programmatic dependent launch (PDL) on Hopper and later: a kernel launched as a programmatic dependent of the
+kernel before it on the stream may start once every program of that kernel has signalled
+(`gdc_launch_dependents`), and waits (`gdc_wait`) for that kernel to finish, its writes visible, before it reads
+what that kernel wrote. The launch and the programs' start overlap the previous kernel's tail: at bs=1 a decoder
+layer is a chain of short kernels, each of which otherwise waits for the last to end before it is even launched.
+
+The one-pass GEMV takes it by default (kernels/gemv.py: PDL). SHARDSERVE_PDL_CHAIN=1 (opt-in, not yet timed on a
+GPU) also launches RoPE with its cache write, decode attention and the split merge as dependents: each signals its
+dependents and waits at its very start, before any load, so it computes exactly what a plain launch computes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+CHAIN = os.environ.get("SHARDSERVE_PDL_CHAIN", "0") == "1"
+
+
+@functools.cache
+def supported(device: torch.device) -> bool:
+    """Whether kernels on this CUDA device may be launched as programmatic dependents (compute capability >= 9)."""
+    return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def chained(t: torch.Tensor) -> bool:
+    """Whether the RoPE, decode attention and merge kernels working on t launch as programmatic dependents."""
+    return CHAIN and t.is_cuda and supported(t.device)
