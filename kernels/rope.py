@@ -140,6 +140,7 @@ def apply_rope_(
         k_scale, v_scale = (write.k_scale, write.v_scale) if fp8 else (cos_cache, cos_cache)  # unread without FP8
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1])
     if tokens:
+        pdl = chained(q)
         _rope_kernel[(tokens,)](
             positions, q, k, cos_cache, sin_cache, q_norm, k_norm,
             v, k_cache, v_cache, slots, k_scale, v_scale,
@@ -149,7 +150,7 @@ def apply_rope_(
             HALF=half, NORM=norm_weights is not None,
             BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
             BLOCK_HALF=triton.next_power_of_2(half), STORE=write is not None, FP8=fp8, FP8_LIMIT=FP8_MAX,
-            PDL=chained(q), launch_pdl=chained(q),
+            PDL=pdl, launch_pdl=pdl,
         )
     return q, k
 
