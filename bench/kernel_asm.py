@@ -70,7 +70,7 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
 def compile_one_row(arch: int = 90) -> dict[str, object]:
     """The one-row layer's kernels at Llama-3-8B's shapes, compiled for sm_<arch> as they launch on an H200: the
     fused GEMVs (with programmatic dependent launch), RoPE writing a bf16 and an FP8 cache, and RoPE and the decode
-    kernel as SHARDSERVE_PDL_CHAIN launches them."""
+    kernel as the PDL chain (kernels/pdl.py) launches them."""
     from shardserve.kernels.gemv import GEMV_KERNEL
     from shardserve.kernels.rope import ROPE_KERNEL
 
@@ -97,7 +97,7 @@ def compile_one_row(arch: int = 90) -> dict[str, object]:
         out[f"rope_store_{cache}{'_pdl' if pdl else ''}"] = compile_kernel(
             ROPE_KERNEL, rope_types | {"k_cache_ptr": kv, "v_cache_ptr": kv}, c, rope_aligned, arch, num_warps=4,
             launch_pdl=pdl)
-    # the decode kernel launched as a programmatic dependent (SHARDSERVE_PDL_CHAIN=1)
+    # the decode kernel launched as a programmatic dependent (the PDL chain, on by default)
     out["decode_bf16_pdl"] = compile_decode("bf16", "pairs", 64, 4, 2, group=4, pdl=True, arch=arch)
     return out
 

@@ -180,7 +180,7 @@ def test_gemv_bf16_one_row_equals_cublas_and_the_layers_take_it(n, k, monkeypatc
 
 
 def test_rope_decode_and_merge_chained_as_dependents_compute_what_plain_launches_do(monkeypatch):
-    """SHARDSERVE_PDL_CHAIN=1 (kernels/pdl.py): a bs=1 layer's chain (GEMV, RoPE writing the cache, decode attention
+    """The PDL chain (kernels/pdl.py, on by default): a bs=1 layer's chain (GEMV, RoPE writing the cache, decode attention
     over 8 splits and their merge, GEMV) launched as programmatic dependents, eagerly and replayed in a CUDA graph,
     gives bit for bit what plain launches give: each kernel waits for the one before it before its first load."""
     from shardserve.kernels import pdl
@@ -207,6 +207,7 @@ def test_rope_decode_and_merge_chained_as_dependents_compute_what_plain_launches
         attn = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, dim**-0.5, num_splits=8)
         return gemv(attn.view(1, -1), w_o)
 
+    monkeypatch.setattr(pdl, "CHAIN", False)  # SHARDSERVE_PDL_CHAIN=0
     plain_k, plain_v = kc0.clone(), vc0.clone()
     plain = layer(plain_k, plain_v)
     monkeypatch.setattr(pdl, "CHAIN", True)

@@ -26,7 +26,7 @@ def test_the_pairs_decode_moves_fp8_tiles_in_16_byte_copies_with_no_byte_loads()
 
 def test_the_one_row_kernels_compile_for_sm90_with_their_launch_settings():
     """The one-row layer's GEMVs (programmatic dependent launch on), RoPE writing the cache and the decode kernel
-    (with SHARDSERVE_PDL_CHAIN's dependent launch as well) compile for an H200 at
+    (launched as programmatic dependents as well, kernels/pdl.py) compile for an H200 at
     Llama-3-8B's shapes (the interpreter the other tests run checks less than the compiler: a loop variable that
     changes shape passed there and failed on the GPU). PDL GEMVs wait on the previous kernel (griddepcontrol); the
     FLAT GEMV keeps its weight tiles out of shared memory, where the reducing one passes each through it."""
