@@ -109,13 +109,14 @@ def test_thresholds_do_not_depend_on_the_compaction_capacity(cap, monkeypatch):
 
 
 def test_thresholds_at_a_larger_vocabulary_equal_the_sorted_reference():
-    """20,000 entries: 8 parts of 2,560, so the search narrows with the pivots over whole chunks first, then copies
-    [lo, hi) (bf16 rows: many tied values; flat rows, hot rows, peaked rows, top-k then top-p)."""
+    """10,000 entries: 16 parts of 640 (the last 400), more than a part's buffer holds (512), so the search
+    narrows with the pivots over whole chunks first, then copies [lo, hi) (bf16 rows: many tied values; flat rows,
+    hot rows, peaked rows, top-k then top-p)."""
     torch.manual_seed(5)
     rows = [(1 / 0.7, 0, 0.9, 0.0), (0.5, 0, 0.95, 0.0), (1.0, 40, 0.9, 0.0), (2.0, 0, 0.5, 0.02),
             (1.0, 700, 1.0, 0.0), (0.8, 3000, 0.99, 0.0)]
-    logits = torch.randn(len(rows), 20000, device=DEVICE) * 2
-    logits[3, torch.randperm(20000)[:8]] = 14.0
+    logits = torch.randn(len(rows), 10000, device=DEVICE) * 2
+    logits[3, torch.randperm(10000)[:8]] = 14.0
     params = _params(*zip(*rows))
     for dtype in (torch.bfloat16, torch.float32):
         x = logits.to(dtype)
