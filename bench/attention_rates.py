@@ -65,9 +65,12 @@ def _cases(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_
     return [_case(heads, kv_heads, dim, batch, context, cache_dtype, "cuda") for _ in range(_copies(kv_bytes))], kv_bytes
 
 
-def _case(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_dtype: str, device) -> dict:
+def _case(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_dtype: str, device,
+          contexts: list[int] | None = None) -> dict:
+    """contexts: each sequence's own context (batch of them, none over context), else context for every one."""
     from shardserve.kernels.kv_fp8 import quantize_fp8
 
+    contexts = contexts or [context] * batch
     blocks_each = cdiv(context, BLOCK_SIZE)
     num_blocks = 2 * batch * blocks_each
     shape = (num_blocks, BLOCK_SIZE, kv_heads, dim)
@@ -81,9 +84,9 @@ def _case(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_d
     tables = torch.randperm(num_blocks, device=device)[: batch * blocks_each].view(batch, blocks_each).to(torch.int32)
     return dict(
         q=torch.randn(batch, heads, dim, dtype=torch.bfloat16, device=device), k_cache=k_cache, v_cache=v_cache,
-        tables=tables, seq_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        tables=tables, seq_lens=torch.tensor(contexts, dtype=torch.int32, device=device),
         query_start_loc=torch.arange(batch + 1, dtype=torch.int32, device=device), scales=scales,
-        kv_bytes=batch * context * kv_heads * dim * 2 * k_cache.element_size(),
+        kv_bytes=sum(contexts) * kv_heads * dim * 2 * k_cache.element_size(),
     )
 
 
@@ -95,6 +98,52 @@ def _model_shape(model: str) -> tuple[int, int, int]:
     hf = AutoConfig.from_pretrained(resolve_model(model, "dummy").model_dir)
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads
     return heads, kv_heads, getattr(hf, "head_dim", None) or hf.hidden_size // heads
+
+
+def spread_contexts(batch: int, low: int, high: int, seed: int = 0) -> list[int]:
+    """batch contexts evenly spread over [low, high], in a shuffled order (what a running batch of requests of
+    unequal lengths holds)."""
+    import random
+
+    step = (high - low) / max(1, batch - 1)
+    contexts = [round(low + i * step) for i in range(batch)]
+    random.Random(seed).shuffle(contexts)
+    return contexts
+
+
+def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: float) -> list[dict]:
+    """The decode kernel on batches of unequal contexts (BATCH, LOW, HIGH: spread_contexts), its programs started
+    in batch order and longest first (SHARDSERVE_DECODE_ORDER=longest), next to a batch of equal contexts holding as
+    many tokens (the probe's usual case): how much a batch's long tail costs, and how much the order wins back."""
+    from shardserve.kernels.paged_decode import choose_num_splits
+    from shardserve.kernels.triton_backend import longest_first
+
+    heads, kv_heads, dim = _model_shape(model)
+    out = []
+    for cache_dtype in ("bfloat16", "fp8"):
+        for batch, low, high in specs:
+            contexts = spread_contexts(batch, low, high)
+            kv_bytes = sum(contexts) * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
+            cases = [_case(heads, kv_heads, dim, batch, high, cache_dtype, "cuda", contexts)
+                     for _ in range(_copies(kv_bytes))]
+            splits = choose_num_splits(batch, kv_heads, high)
+            row = dict(kv_cache_dtype=cache_dtype, batch=batch, contexts=f"{low}-{high}", splits=splits,
+                       kv_bytes=kv_bytes)
+            row["batch_order_ms"] = graph_ms([_decode(c, splits) for c in cases])
+            row["longest_first_ms"] = graph_ms([_decode(c, splits, order=longest_first(c["seq_lens"])) for c in cases])
+            del cases
+            mean = round(sum(contexts) / batch)
+            even, _ = _cases(heads, kv_heads, dim, batch, mean, cache_dtype)
+            row["equal_contexts_ms"] = graph_ms([_decode(c, choose_num_splits(batch, kv_heads, mean)) for c in even])
+            del even
+            for key in ("batch_order", "longest_first"):
+                row[f"{key}_fraction_of_copy_rate"] = kv_bytes / (row[f"{key}_ms"] / 1e3) / copy_bytes_per_s
+            out.append(row)
+            print(f"ragged {cache_dtype:8s} {batch} x {low}-{high}: batch order {row['batch_order_ms']:.4f} ms "
+                  f"({row['batch_order_fraction_of_copy_rate']:.0%} of copy), longest first "
+                  f"{row['longest_first_ms']:.4f} ms ({row['longest_first_fraction_of_copy_rate']:.0%}), "
+                  f"equal contexts of {mean} {row['equal_contexts_ms']:.4f} ms", flush=True)
+    return out
 
 
 def _decode(c: dict, splits: int, **launch):
@@ -278,11 +327,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mixed", default="", help="time mixed batches (BATCHxCONTEXT,...: batch - 1 decodes and one "
                         "extend) as one launch and split (SHARDSERVE_SPLIT_MIXED)")
     parser.add_argument("--mixed-prefill", type=int, default=512, help="the extend's new tokens in --mixed")
+    parser.add_argument("--ragged", default="", help="time batches of unequal contexts in batch order and longest "
+                        "first (BATCHxLOW-HIGH,..., e.g. 192x100-2048)")
     parser.add_argument("--json-out", help="write the rows here")
     args = parser.parse_args(argv)
     copy = measure_rates("cuda", matmul_n=1024).copy_bytes_per_s
     report = {"model": args.model, "copy_bytes_per_s": copy,
               "rows": attention_rates(args.model, _shapes(args.shapes), copy)}
+    if args.ragged:
+        report["ragged"] = ragged(args.model, [(int(b), *(int(x) for x in r.split("-")))
+                                               for b, r in (spec.split("x") for spec in args.ragged.split(","))], copy)
     if args.sweep:
         report["sweep"] = sweep(args.model, _shapes(args.sweep_shapes), copy,
                                 variants=set(filter(None, args.sweep_variants.split(","))) or None)

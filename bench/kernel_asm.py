@@ -20,8 +20,8 @@ import re
 import subprocess
 import tempfile
 
-_POINTERS = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "out_ptr", "part_out_ptr",
-             "part_lse_ptr", "k_scale_ptr", "v_scale_ptr")
+_POINTERS = ("q_ptr", "k_cache_ptr", "v_cache_ptr", "block_tables_ptr", "seq_lens_ptr", "order_ptr", "out_ptr",
+             "part_out_ptr", "part_lse_ptr", "k_scale_ptr", "v_scale_ptr")
 _PTX_KINDS = ("ld.global", "ld.shared", "st.shared", "cp.async.c", "ldmatrix", "mma", "wgmma.mma_async", "cvt.rn")
 
 
@@ -55,13 +55,13 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
     index = FP8_DECODE_VARIANTS.index(variant) if fp8 else 0
     kv = ("*i16" if variant == "pairs" else "*fp8e4nv") if fp8 else "*bf16"
     types = dict.fromkeys(_POINTERS, "*bf16") | {"k_cache_ptr": kv, "v_cache_ptr": kv, "block_tables_ptr": "*i32",
-                                                 "seq_lens_ptr": "*i32", "part_out_ptr": "*fp32",
+                                                 "seq_lens_ptr": "*i32", "order_ptr": "*i32", "part_out_ptr": "*fp32",
                                                  "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
                                                  "scale_log2e": "fp32"}
     constants = dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=1, BLOCK_G=rows,
                      BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, DOT_PRECISION="tf32", NUM_KV_HEADS=8,
                      FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma", ASM=True,
-                     block_size=16, PDL=pdl)
+                     block_size=16, PDL=pdl, ORDERED=False)
     aligned = set(_POINTERS) | {n for n in DECODE_KERNEL.arg_names if n.startswith("stride") and n != "stride_bt"}
     return compile_kernel(DECODE_KERNEL, types, constants, aligned, arch, num_warps=warps, num_stages=stages,
                           launch_pdl=pdl)

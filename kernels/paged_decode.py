@@ -31,7 +31,7 @@ from shardserve.kernels.paged_decode_fp8 import (fp8_e4m3_loop, fp8_fma_loop, fp
 # multiple of 16 compiles another variant in the middle of serving (~1 s for this kernel).
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr, order_ptr,
     out_ptr, part_out_ptr, part_lse_ptr, k_scale_ptr, v_scale_ptr,
     scale_log2e,
     stride_qt, stride_qh, stride_ot, stride_oh,
@@ -40,7 +40,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
-    ASM: tl.constexpr = False, PDL: tl.constexpr = False,
+    ASM: tl.constexpr = False, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
 ):
     """Grid (num_seqs * num_kv_heads, NUM_SPLITS). Program (s * num_kv_heads + h, j) attends the query heads
     h*GROUP .. h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles).
@@ -51,11 +51,15 @@ def _decode_kernel(
     into the output. FP8_DOT (see FP8_DECODE_VARIANTS) says how the e4m3 tiles meet the tensor cores; DOT_FP16:
     16-bit operands become fp16 (e4m3 -> fp16 is one native conversion; q is clamped to fp16's range).
     block_size is a compile-time constant: a position's block and slot by shifts (12% fewer instructions than by
-    division, compiled for sm_90). PDL: launched as a programmatic dependent (kernels/pdl.py)."""
+    division, compiled for sm_90). PDL: launched as a programmatic dependent (kernels/pdl.py).
+    ORDERED: program row s attends sequence order_ptr[s] instead of s (the GPU starts programs about in grid order,
+    so an order longest first leaves short programs, not long ones, for the end of a batch of unequal contexts)."""
     if PDL:
         gdc_launch_dependents()
         gdc_wait()
     seq = tl.program_id(0) // NUM_KV_HEADS
+    if ORDERED:
+        seq = tl.load(order_ptr + seq)
     kv_head = tl.program_id(0) % NUM_KV_HEADS
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -214,6 +218,7 @@ def paged_decode_attention(
     v_scale: torch.Tensor | None = None,
     fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: SHARDSERVE_FP8_DECODE, default "pairs"
     block_g: int | None = None,  # rows of the products (the group padded); None: the fewest the loop can take
+    order: torch.Tensor | None = None,  # [num_seqs] int32, a permutation: the order the sequences' programs start in
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
@@ -237,7 +242,7 @@ def paged_decode_attention(
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     pdl = chained(q)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order, out, part_out, part_lse,
         k_scale if fp8 else q, v_scale if fp8 else q,  # unused without FP8
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -249,7 +254,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
-        ASM=COMPILED, PDL=pdl,
+        ASM=COMPILED, PDL=pdl, ORDERED=order is not None,
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

@@ -27,6 +27,11 @@ from shardserve.kernels.store_kv import store_kv
 
 
 SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "0"))  # the default of split_mixed; 0: off
+# SHARDSERVE_DECODE_ORDER=longest (opt-in, for measurements): the decode kernel starts the programs of the longest
+# contexts first (one argsort a step, shared by every layer; inside the decode graphs it is captured with them).
+DECODE_ORDER = os.environ.get("SHARDSERVE_DECODE_ORDER", "batch")
+if DECODE_ORDER not in ("batch", "longest"):
+    raise ValueError(f"SHARDSERVE_DECODE_ORDER: expected batch or longest, got {DECODE_ORDER!r}")
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -66,5 +71,15 @@ class TritonAttentionBackend(AttentionBackend):
         tables, seq_lens = meta.block_tables, meta.seq_lens
         if num_seqs < meta.num_seqs:
             tables, seq_lens = tables[:num_seqs], seq_lens[:num_seqs]
+        order = None
+        if DECODE_ORDER == "longest" and num_seqs > 1:
+            if ("order", num_seqs) not in meta._derived:
+                meta._derived["order", num_seqs] = longest_first(seq_lens)
+            order = meta._derived["order", num_seqs]
         return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, splits, out=out, k_scale=k_scale,
-                                      v_scale=v_scale)
+                                      v_scale=v_scale, order=order)
+
+
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """[num_seqs] int32: the sequences' indices by context length, longest first (ties in batch order)."""
+    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)

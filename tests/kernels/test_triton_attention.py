@@ -42,6 +42,41 @@ def test_decode_split_k_merges_to_the_same_result(num_splits):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("num_splits", [1, 2])
+def test_decode_programs_started_longest_first_give_each_sequence_its_own_output(num_splits):
+    """order= only changes which sequence a program row attends: under any permutation every output row equals the
+    batch-order launch's, bit for bit (a kernel that read a sequence through the order but wrote its result, or
+    its splits' partials, in the program row's place would not)."""
+    from shardserve.kernels.triton_backend import longest_first
+
+    q, _, _, k_cache, v_cache, meta = make_batch(
+        [1] * 5, [17, 300, 5, 130, 64], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+        dtype=torch.float32, device=DEVICE, seed=4)
+    order = longest_first(meta.seq_lens)
+    assert order.tolist() == [1, 3, 4, 0, 2] and order.dtype == torch.int32
+    plain = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE, num_splits)
+    ordered = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE, num_splits,
+                                     order=order)
+    assert torch.equal(ordered, plain)
+    shuffled = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE, num_splits,
+                                      order=order.flip(0))
+    assert torch.equal(shuffled, plain)
+
+
+def test_triton_backend_ordering_longest_first_attends_like_batch_order(monkeypatch):
+    """SHARDSERVE_DECODE_ORDER=longest: the backend sorts once a step (the order is kept for every layer)."""
+    from shardserve.kernels import triton_backend
+
+    q, k, v, k_cache, v_cache, meta = make_batch(
+        [1, 1, 1], [40, 200, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
+        device=DEVICE, seed=5)
+    plain = TritonAttentionBackend().attend(q, k_cache, v_cache, meta, SCALE)
+    monkeypatch.setattr(triton_backend, "DECODE_ORDER", "longest")
+    ordered = TritonAttentionBackend().attend(q, k_cache, v_cache, meta, SCALE)
+    assert torch.equal(ordered, plain)
+    assert meta._derived["order", 3].tolist() == [1, 0, 2]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize(
     "query_lens,seq_lens",
