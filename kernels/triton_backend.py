@@ -27,11 +27,15 @@ from shardserve.kernels.store_kv import store_kv
 
 
 SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "0"))  # the default of split_mixed; 0: off
-# SHARDSERVE_DECODE_ORDER=longest (opt-in, for measurements): the decode kernel starts the programs of the longest
-# contexts first (one argsort a step, shared by every layer; inside the decode graphs it is captured with them).
-DECODE_ORDER = os.environ.get("SHARDSERVE_DECODE_ORDER", "batch")
-if DECODE_ORDER not in ("batch", "longest"):
-    raise ValueError(f"SHARDSERVE_DECODE_ORDER: expected batch or longest, got {DECODE_ORDER!r}")
+# The order the decode kernel starts its programs in (SHARDSERVE_DECODE_ORDER): "auto" (the default) the longest
+# contexts first from ORDER_FROM sequences, "longest" always, "batch" never. One argsort a step, shared by every
+# layer (inside the decode graphs it is captured with them). On an H200, batches of 128-256 unequal contexts
+# (100-1,024 or 100-2,048 tokens) read 7-20% faster longest first; at 32-64 sequences (split or not) it was
+# faster or slower by case (docs/performance.md).
+DECODE_ORDER = os.environ.get("SHARDSERVE_DECODE_ORDER", "auto")
+if DECODE_ORDER not in ("auto", "batch", "longest"):
+    raise ValueError(f"SHARDSERVE_DECODE_ORDER: expected auto, batch or longest, got {DECODE_ORDER!r}")
+ORDER_FROM = 128
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -72,12 +76,19 @@ class TritonAttentionBackend(AttentionBackend):
         if num_seqs < meta.num_seqs:
             tables, seq_lens = tables[:num_seqs], seq_lens[:num_seqs]
         order = None
-        if DECODE_ORDER == "longest" and num_seqs > 1:
+        if ordered(num_seqs):
             if ("order", num_seqs) not in meta._derived:
                 meta._derived["order", num_seqs] = longest_first(seq_lens)
             order = meta._derived["order", num_seqs]
         return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, splits, out=out, k_scale=k_scale,
                                       v_scale=v_scale, order=order)
+
+
+def ordered(num_seqs: int) -> bool:
+    """Whether the decode kernel starts a batch of num_seqs sequences longest first (DECODE_ORDER)."""
+    if DECODE_ORDER == "batch":
+        return False
+    return num_seqs >= (ORDER_FROM if DECODE_ORDER == "auto" else 2)
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:

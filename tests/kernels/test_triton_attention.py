@@ -64,8 +64,12 @@ def test_decode_programs_started_longest_first_give_each_sequence_its_own_output
 
 
 def test_triton_backend_ordering_longest_first_attends_like_batch_order(monkeypatch):
-    """SHARDSERVE_DECODE_ORDER=longest: the backend sorts once a step (the order is kept for every layer)."""
+    """SHARDSERVE_DECODE_ORDER=longest: the backend sorts once a step (the order is kept for every layer); the
+    default (auto) orders only batches of ORDER_FROM sequences or more."""
     from shardserve.kernels import triton_backend
+
+    assert triton_backend.DECODE_ORDER == "auto"
+    assert [triton_backend.ordered(n) for n in (1, 3, 127, 128, 256)] == [False, False, False, True, True]
 
     q, k, v, k_cache, v_cache, meta = make_batch(
         [1, 1, 1], [40, 200, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
