@@ -27,15 +27,14 @@ from shardserve.kernels.store_kv import store_kv
 
 
 SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "0"))  # the default of split_mixed; 0: off
-# The order the decode kernel starts its programs in (SHARDSERVE_DECODE_ORDER): "auto" (the default) the longest
-# contexts first from ORDER_FROM sequences, "longest" always, "batch" never. One argsort a step, shared by every
-# layer (inside the decode graphs it is captured with them). On an H200, batches of 128-256 unequal contexts
-# (100-1,024 or 100-2,048 tokens) read 7-20% faster longest first; at 32-64 sequences (split or not) it was
-# faster or slower by case (docs/performance.md).
-DECODE_ORDER = os.environ.get("SHARDSERVE_DECODE_ORDER", "auto")
-if DECODE_ORDER not in ("auto", "batch", "longest"):
-    raise ValueError(f"SHARDSERVE_DECODE_ORDER: expected auto, batch or longest, got {DECODE_ORDER!r}")
-ORDER_FROM = 128
+# The order the decode kernel starts its programs in (SHARDSERVE_DECODE_ORDER): "longest" (the default) the
+# longest contexts first, "batch" the batch's order. One argsort a step, shared by every layer (inside the decode
+# graphs it is captured with them). On an H200, kernel alone, batches of 128-256 unequal contexts (100-1,024 or
+# 100-2,048 tokens) read 7-20% faster longest first, 32-64 sequences over 100-4,096 faster or slower by case; the
+# offline Qwen3-0.6B run spent 2-3% less in its decode steps, every batch size from 32 up (docs/performance.md).
+DECODE_ORDER = os.environ.get("SHARDSERVE_DECODE_ORDER", "longest")
+if DECODE_ORDER not in ("batch", "longest"):
+    raise ValueError(f"SHARDSERVE_DECODE_ORDER: expected longest or batch, got {DECODE_ORDER!r}")
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -76,19 +75,12 @@ class TritonAttentionBackend(AttentionBackend):
         if num_seqs < meta.num_seqs:
             tables, seq_lens = tables[:num_seqs], seq_lens[:num_seqs]
         order = None
-        if ordered(num_seqs):
+        if DECODE_ORDER == "longest" and num_seqs > 1:
             if ("order", num_seqs) not in meta._derived:
                 meta._derived["order", num_seqs] = longest_first(seq_lens)
             order = meta._derived["order", num_seqs]
         return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, splits, out=out, k_scale=k_scale,
                                       v_scale=v_scale, order=order)
-
-
-def ordered(num_seqs: int) -> bool:
-    """Whether the decode kernel starts a batch of num_seqs sequences longest first (DECODE_ORDER)."""
-    if DECODE_ORDER == "batch":
-        return False
-    return num_seqs >= (ORDER_FROM if DECODE_ORDER == "auto" else 2)
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:

@@ -64,21 +64,22 @@ def test_decode_programs_started_longest_first_give_each_sequence_its_own_output
 
 
 def test_triton_backend_ordering_longest_first_attends_like_batch_order(monkeypatch):
-    """SHARDSERVE_DECODE_ORDER=longest: the backend sorts once a step (the order is kept for every layer); the
-    default (auto) orders only batches of ORDER_FROM sequences or more."""
+    """SHARDSERVE_DECODE_ORDER=longest (the default): the backend sorts once a step (the order is kept for every
+    layer) and attends as in the batch's order (=batch)."""
     from shardserve.kernels import triton_backend
 
-    assert triton_backend.DECODE_ORDER == "auto"
-    assert [triton_backend.ordered(n) for n in (1, 3, 127, 128, 256)] == [False, False, False, True, True]
+    assert triton_backend.DECODE_ORDER == "longest"
 
     q, k, v, k_cache, v_cache, meta = make_batch(
         [1, 1, 1], [40, 200, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
         device=DEVICE, seed=5)
-    plain = TritonAttentionBackend().attend(q, k_cache, v_cache, meta, SCALE)
-    monkeypatch.setattr(triton_backend, "DECODE_ORDER", "longest")
     ordered = TritonAttentionBackend().attend(q, k_cache, v_cache, meta, SCALE)
-    assert torch.equal(ordered, plain)
     assert meta._derived["order", 3].tolist() == [1, 0, 2]
+    monkeypatch.setattr(triton_backend, "DECODE_ORDER", "batch")
+    meta._derived.clear()
+    plain = TritonAttentionBackend().attend(q, k_cache, v_cache, meta, SCALE)
+    assert ("order", 3) not in meta._derived
+    assert torch.equal(ordered, plain)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
