@@ -114,7 +114,9 @@ def spread_contexts(batch: int, low: int, high: int, seed: int = 0) -> list[int]
 def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: float) -> list[dict]:
     """The decode kernel on batches of unequal contexts (BATCH, LOW, HIGH: spread_contexts), its programs started
     in batch order and longest first (SHARDSERVE_DECODE_ORDER=longest), next to a batch of equal contexts holding as
-    many tokens (the probe's usual case): how much a batch's long tail costs, and how much the order wins back."""
+    many tokens (the probe's usual case): how much a batch's long tail costs, and how much the order wins back.
+    Longest first is also timed at 2x and 4x choose_num_splits' splits (more, shorter programs for the long
+    contexts: what a batch too small to fill the GPU twice over may need)."""
     from shardserve.kernels.paged_decode import choose_num_splits
     from shardserve.kernels.triton_backend import longest_first
 
@@ -131,6 +133,9 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
                        kv_bytes=kv_bytes)
             row["batch_order_ms"] = graph_ms([_decode(c, splits) for c in cases])
             row["longest_first_ms"] = graph_ms([_decode(c, splits, order=longest_first(c["seq_lens"])) for c in cases])
+            for more in (2, 4):
+                row[f"longest_first_{more}x_splits_ms"] = graph_ms(
+                    [_decode(c, more * splits, order=longest_first(c["seq_lens"])) for c in cases])
             del cases
             mean = round(sum(contexts) / batch)
             even, _ = _cases(heads, kv_heads, dim, batch, mean, cache_dtype)
@@ -141,7 +146,8 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
             out.append(row)
             print(f"ragged {cache_dtype:8s} {batch} x {low}-{high}: batch order {row['batch_order_ms']:.4f} ms "
                   f"({row['batch_order_fraction_of_copy_rate']:.0%} of copy), longest first "
-                  f"{row['longest_first_ms']:.4f} ms ({row['longest_first_fraction_of_copy_rate']:.0%}), "
+                  f"{row['longest_first_ms']:.4f} ms ({row['longest_first_fraction_of_copy_rate']:.0%}; splits x2 "
+                  f"{row['longest_first_2x_splits_ms']:.4f}, x4 {row['longest_first_4x_splits_ms']:.4f}), "
                   f"equal contexts of {mean} {row['equal_contexts_ms']:.4f} ms", flush=True)
     return out
 
