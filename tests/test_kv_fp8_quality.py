@@ -19,12 +19,19 @@ KL_BOUND = 0.03
 TOP1_FLOOR = 0.9
 
 
-@pytest.mark.parametrize("variant", ["fp16", "e4m3_qk"])
-def test_fp8_cache_keeps_the_default_models_next_token_distributions(default_model_dir, variant, monkeypatch):
-    monkeypatch.setenv("SHARDSERVE_FP8_DECODE", variant)
+@pytest.fixture(scope="module")
+def fp32_cache_run(default_model_dir):
+    """The fp32 cache's greedy tokens and log-probabilities (the reference both variants are held to)."""
     engine = dict(model=default_model_dir, max_num_seqs=4, max_model_len=512)
     prompts, ref_tokens, ref_logprobs, name = run_cache(engine, "auto", None, 32, num_prompts=4)
     assert name == "float32"
+    return engine, prompts, ref_tokens, ref_logprobs
+
+
+@pytest.mark.parametrize("variant", ["fp16", "e4m3_qk"])
+def test_fp8_cache_keeps_the_default_models_next_token_distributions(fp32_cache_run, variant, monkeypatch):
+    monkeypatch.setenv("SHARDSERVE_FP8_DECODE", variant)
+    engine, prompts, ref_tokens, ref_logprobs = fp32_cache_run
     _, fp8_tokens, fp8_logprobs, _ = run_cache(engine, "fp8", prompts, 32, reference=ref_tokens)  # backend made here
     result = compare(ref_tokens, fp8_tokens, ref_logprobs, fp8_logprobs)
     assert result["positions"] == 4 * 32
