@@ -31,7 +31,7 @@ SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "0"))  # the default 
 # longest contexts first, "batch" the batch's order. One argsort a step, shared by every layer (inside the decode
 # graphs it is captured with them). On an H200, kernel alone, batches of 128-256 unequal contexts (100-1,024 or
 # 100-2,048 tokens) read 7-20% faster longest first, 32-64 sequences over 100-4,096 faster or slower by case; the
-# offline Qwen3-0.6B run spent 2-3% less in its decode steps, every batch size from 32 up (docs/performance.md).
+# offline Qwen3-0.6B run spent 2-3% less in its decode steps (docs/performance.md).
 DECODE_ORDER = os.environ.get("SHARDSERVE_DECODE_ORDER", "longest")
 if DECODE_ORDER not in ("batch", "longest"):
     raise ValueError(f"SHARDSERVE_DECODE_ORDER: expected longest or batch, got {DECODE_ORDER!r}")
