@@ -22,6 +22,15 @@ def test_kernel_equals_reference_across_blocks():
     assert torch.equal(gumbel_sample(logits, keys, inv_t), gumbel_sample_ref(logits, keys, inv_t))
 
 
+def test_the_hash_alone_picks_the_references_token_over_a_full_vocabulary():
+    """Flat logits: the draw is the argmax of the hash's noise alone, over Qwen3's 151,936 entries (indices past
+    2^16, where the finaliser's shifts mix the index's high bits), with keys whose halves have the top bit set."""
+    logits = torch.zeros(2, 151936, device=DEVICE)
+    keys = _keys([2**64 - 1, 2**63 + 2**31 + 17])
+    inv_t = torch.ones(2, device=DEVICE)
+    assert torch.equal(gumbel_sample(logits, keys, inv_t), gumbel_sample_ref(logits, keys, inv_t))
+
+
 def test_frequencies_follow_the_softmax():
     probs = torch.tensor([0.5, 0.25, 0.15, 0.1, 0.0])
     logits = torch.log(probs).to(DEVICE).expand(1200, 5).contiguous()  # log(0) = -inf: never drawn
