@@ -313,6 +313,25 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return [tuple(int(x) for x in spec.split("x")) for spec in filter(None, text.split(","))]
 
 
+def split_specs(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
+    """"64x1024,128x100-2048" -> ([(64, 1024)], [(128, 100, 2048)]): equal contexts (BATCHxCONTEXT) and unequal
+    ones (BATCHxLOW-HIGH, for ragged)."""
+    shapes, spread = [], []
+    for spec in filter(None, text.split(",")):
+        batch, _, contexts = spec.partition("x")
+        low, dash, high = contexts.partition("-")
+        try:
+            if dash:
+                spread.append((int(batch), int(low), int(high)))
+                if not 0 < spread[-1][1] <= spread[-1][2]:
+                    raise ValueError
+            else:
+                shapes.append((int(batch), int(contexts)))
+        except ValueError:
+            raise ValueError(f"expected BATCHxCONTEXT or BATCHxLOW-HIGH (LOW <= HIGH), got {spec!r}") from None
+    return shapes, spread
+
+
 def main(argv: list[str] | None = None) -> int:
     """python -m shardserve.bench.attention_rates --model M --shapes 32x256,64x4096 [--sweep] --json-out F"""
     import argparse
@@ -341,8 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {"model": args.model, "copy_bytes_per_s": copy,
               "rows": attention_rates(args.model, _shapes(args.shapes), copy)}
     if args.ragged:
-        report["ragged"] = ragged(args.model, [(int(b), *(int(x) for x in r.split("-")))
-                                               for b, r in (spec.split("x") for spec in args.ragged.split(","))], copy)
+        report["ragged"] = ragged(args.model, split_specs(args.ragged)[1], copy)
     if args.sweep:
         report["sweep"] = sweep(args.model, _shapes(args.sweep_shapes), copy,
                                 variants=set(filter(None, args.sweep_variants.split(","))) or None)

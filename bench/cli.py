@@ -61,7 +61,8 @@ def add_bench_parser(sub) -> None:
                        help="also time the decode kernel's launch settings at these batch x context shapes")
     probe.add_argument("--attention-rates", default="", metavar="BxC,...",
                        help="also each attention kernel's bytes/s (bf16 and FP8 caches, scattered blocks) at these "
-                       "batch x context shapes")
+                       "batch x context shapes; BxLOW-HIGH: B contexts spread from LOW to HIGH tokens, the decode "
+                       "kernel in batch order and longest first")
     probe.add_argument("--json-out", default=None, help="append the result as a JSON record to this file")
     probe.set_defaults(func=_run("shardserve.bench.probe"))
 
