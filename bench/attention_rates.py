@@ -59,10 +59,13 @@ def _copies(kv_bytes: int) -> int:
     return max(1, min(16, -(-4 * l2 // kv_bytes)))
 
 
-def _cases(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_dtype: str) -> tuple[list[dict], int]:
-    """The copies of one case (enough to read past the L2 cache) and the K/V bytes one launch must read."""
-    kv_bytes = batch * context * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
-    return [_case(heads, kv_heads, dim, batch, context, cache_dtype, "cuda") for _ in range(_copies(kv_bytes))], kv_bytes
+def _cases(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_dtype: str,
+           contexts: list[int] | None = None) -> tuple[list[dict], int]:
+    """The copies of one case (enough to read past the L2 cache) and the K/V bytes one launch must read (contexts:
+    as in _case)."""
+    kv_bytes = sum(contexts or [context] * batch) * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
+    return [_case(heads, kv_heads, dim, batch, context, cache_dtype, "cuda", contexts)
+            for _ in range(_copies(kv_bytes))], kv_bytes
 
 
 def _case(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_dtype: str, device,
@@ -118,16 +121,14 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
     Longest first is also timed at 2x and 4x choose_num_splits' splits (more, shorter programs for the long
     contexts: what a batch too small to fill the GPU twice over may need)."""
     from shardserve.kernels.paged_decode import choose_num_splits
-    from shardserve.kernels.triton_backend import longest_first
+    from shardserve.kernels.backends import longest_first
 
     heads, kv_heads, dim = _model_shape(model)
     out = []
     for cache_dtype in ("bfloat16", "fp8"):
         for batch, low, high in specs:
             contexts = spread_contexts(batch, low, high)
-            kv_bytes = sum(contexts) * kv_heads * dim * 2 * (1 if cache_dtype == "fp8" else 2)
-            cases = [_case(heads, kv_heads, dim, batch, high, cache_dtype, "cuda", contexts)
-                     for _ in range(_copies(kv_bytes))]
+            cases, kv_bytes = _cases(heads, kv_heads, dim, batch, high, cache_dtype, contexts)
             splits = choose_num_splits(batch, kv_heads, high)
             row = dict(kv_cache_dtype=cache_dtype, batch=batch, contexts=f"{low}-{high}", splits=splits,
                        kv_bytes=kv_bytes)
@@ -310,7 +311,10 @@ def mixed_split(model: str, shapes: list[tuple[int, int]], prefill_tokens: int, 
 
 def _shapes(text: str) -> list[tuple[int, int]]:
     """"32x256,64x4096" -> [(32, 256), (64, 4096)] (batch, context); "" -> []."""
-    return [tuple(int(x) for x in spec.split("x")) for spec in filter(None, text.split(","))]
+    shapes, spread = split_specs(text)
+    if spread:
+        raise ValueError(f"expected BATCHxCONTEXT here (BATCHxLOW-HIGH goes to --ragged), got {text!r}")
+    return shapes
 
 
 def split_specs(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:

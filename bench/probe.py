@@ -192,7 +192,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.config import build_engine_config, read_model_facts
     from shardserve.worker.model_runner import ModelRunner
 
-    split_specs(args.attention_rates)  # a malformed spec fails now, not after the probe ran
+    rate_shapes, rate_spread = split_specs(args.attention_rates)  # a malformed spec fails now, not after the probe
     batches = [int(b) for b in args.batch_sizes.split(",")]
     engine_kwargs = dict(engine_kwargs)
     engine_kwargs["max_num_seqs"] = max(batches)
@@ -233,14 +233,13 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
                                               "default": default, "best": best, "all": rows})
             print(f"decode attention {batch}x{context}: default {default} | best {best}", flush=True)
     if args.attention_rates:  # BATCHxCONTEXT or BATCHxLOW-HIGH,...: each attention kernel's bytes/s, bf16 and FP8
-        from shardserve.bench.attention_rates import attention_rates, ragged, split_specs
+        from shardserve.bench.attention_rates import attention_rates, ragged
         from shardserve.bench.roofline import measure_rates
 
-        shapes, spread = split_specs(args.attention_rates)
         rates = measure_rates("cuda", matmul_n=1024)
         report["attention_rates"] = {"copy_bytes_per_s": rates.copy_bytes_per_s,
-                                     "rows": attention_rates(args.model, shapes, rates.copy_bytes_per_s),
-                                     "ragged": ragged(args.model, spread, rates.copy_bytes_per_s)}
+                                     "rows": attention_rates(args.model, rate_shapes, rates.copy_bytes_per_s),
+                                     "ragged": ragged(args.model, rate_spread, rates.copy_bytes_per_s)}
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)

@@ -40,26 +40,35 @@ class AttentionMetadata:
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
 
+    def _once(self, key, compute):
+        """compute() the first time a step asks for key; every later layer gets the same value."""
+        if key not in self._derived:
+            self._derived[key] = compute()
+        return self._derived[key]
+
     def leading_decodes(self) -> int:
         """How many sequences at the front of the batch are decodes (the scheduler puts running requests first)."""
-        if "decodes" not in self._derived:
-            n = 0
-            for q_len in self.query_lens_cpu:
-                if q_len != 1:
-                    break
-                n += 1
-            self._derived["decodes"] = n
-        return self._derived["decodes"]
+        return self._once("decodes", lambda: next((i for i, q_len in enumerate(self.query_lens_cpu) if q_len != 1),
+                                                  len(self.query_lens_cpu)))
 
     def tail(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(query_start_loc, seq_lens, block_tables) of sequences first.. as a batch of their own, the tokens counted
         from 0 (the sequences before `first` being decodes: first tokens). Fresh tensors, not views: a view's
         address moves by 4 bytes a sequence, and Triton compiles a kernel anew for each 16-byte alignment of its
         pointers (a compile of seconds in the middle of a run)."""
-        if ("tail", first) not in self._derived:
-            self._derived["tail", first] = (self.query_start_loc[first:] - first, self.seq_lens[first:].clone(),
-                                            self.block_tables[first:].clone())
-        return self._derived["tail", first]
+        return self._once(("tail", first), lambda: (self.query_start_loc[first:] - first,
+                                                    self.seq_lens[first:].clone(), self.block_tables[first:].clone()))
+
+    def longest_first(self, num_seqs: int) -> torch.Tensor:
+        """longest_first over the first num_seqs sequences, sorted once a step for every layer (inside a decode
+        graph the sort is captured with the layers)."""
+        return self._once(("order", num_seqs), lambda: longest_first(self.seq_lens[:num_seqs]))
+
+
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """[num_seqs] int32: the sequences' indices by context length, longest first (ties in batch order): the order
+    the decode kernel starts their programs in (kernels/triton_backend.py: DECODE_ORDER)."""
+    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
 
 
 class AttentionBackend:

@@ -185,7 +185,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
     else:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), split_k)
-    pdl = PDL and x.is_cuda and split_k == 1 and pdl_supported(x.device)  # split-K: its output is zero-filled before
+    pdl = PDL and split_k == 1 and pdl_supported(x)  # split-K: its output is zero-filled before
     _gemv_kernel[grid](x, weight, out, norm[0] if norm is not None else x, residual if residual is not None else x,
                        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                        residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,

@@ -15,11 +15,10 @@ import os
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from shardserve.kernels.fp8_pairs import COMPILED
 from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS, dequantize_fp8, fp8_decode_variant
-from shardserve.kernels.pdl import chained
+from shardserve.kernels.pdl import chained, start_as_dependent
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
 from shardserve.kernels.paged_decode_fp8 import (fp8_e4m3_loop, fp8_fma_loop, fp8_k_transposed_load_loop,
@@ -55,8 +54,7 @@ def _decode_kernel(
     ORDERED: program row s attends sequence order_ptr[s] instead of s (the GPU starts programs about in grid order,
     so an order longest first leaves short programs, not long ones, for the end of a batch of unequal contexts)."""
     if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+        start_as_dependent()
     seq = tl.program_id(0) // NUM_KV_HEADS
     if ORDERED:
         seq = tl.load(order_ptr + seq)
@@ -139,8 +137,7 @@ def _merge_splits_kernel(
     """Grid (num_seqs, num_heads). Merges one head's split partials by their log-sum-exp (log2 domain). PDL: as
     the decode kernel."""
     if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+        start_as_dependent()
     seq = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, BLOCK_S)
@@ -242,7 +239,8 @@ def paged_decode_attention(
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     pdl = chained(q)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order, out, part_out, part_lse,
+        q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,  # unread unless ORDERED
+        out, part_out, part_lse,
         k_scale if fp8 else q, v_scale if fp8 else q,  # unused without FP8
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),

@@ -16,16 +16,29 @@ import functools
 import os
 
 import torch
+import triton
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 CHAIN = os.environ.get("SHARDSERVE_PDL_CHAIN", "1") != "0"
 
 
 @functools.cache
-def supported(device: torch.device) -> bool:
-    """Whether kernels on this CUDA device may be launched as programmatic dependents (compute capability >= 9)."""
+def _capable(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def supported(t: torch.Tensor) -> bool:
+    """Whether kernels working on t may be launched as programmatic dependents (CUDA, compute capability >= 9)."""
+    return t.is_cuda and _capable(t.device)
 
 
 def chained(t: torch.Tensor) -> bool:
     """Whether the RoPE, decode attention and merge kernels working on t launch as programmatic dependents."""
-    return CHAIN and t.is_cuda and supported(t.device)
+    return CHAIN and supported(t)
+
+
+@triton.jit
+def start_as_dependent():
+    """A chained kernel's first statement: let the next kernel launch, then wait for the one before to finish."""
+    gdc_launch_dependents()
+    gdc_wait()

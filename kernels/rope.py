@@ -16,10 +16,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from shardserve.kernels.kv_fp8 import FP8_MAX
-from shardserve.kernels.pdl import chained
+from shardserve.kernels.pdl import chained, start_as_dependent
 from shardserve.kernels.store_kv import KVWrite, check_write, quantize_e4m3
 
 
@@ -72,8 +71,7 @@ def _rope_kernel(
     q is rotated in place; k too, or with STORE written with v straight into the paged cache at slot_ptr[t] (as
     kernels/store_kv.py would; slot -1: not stored). PDL: launched as a programmatic dependent (kernels/pdl.py)."""
     if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+        start_as_dependent()
     token = tl.program_id(0).to(tl.int64)
     pos = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]

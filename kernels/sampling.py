@@ -10,7 +10,8 @@ one cut-off), the tokens with logit / T below it.
 The hash: two rounds of murmur3's 32-bit finaliser, over the token index xor each half of the key, in uint32
 arithmetic (each multiply wraps modulo 2^32: the same bits as the int64 reference's multiply and mask; compiled
 for sm_90 the draw is 1,656 SASS instructions and 95 registers a program against 2,040 and 128 in int64; by
-estimate, issuing instructions is what bounds it: 96 us a step at batch ~190 x 152k on an H200, profiled). u takes the top 24 bits, centred: (h >> 8 + 0.5) / 2^24, never 0 or 1.
+estimate, issuing instructions is what bounds it: 96 us a step at batch ~190 x 152k on an H200, profiled). u takes
+the top 24 bits, centred: (h >> 8 + 0.5) / 2^24, never 0 or 1.
 """
 
 from __future__ import annotations

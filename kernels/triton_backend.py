@@ -28,8 +28,8 @@ from shardserve.kernels.store_kv import store_kv
 
 SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "0"))  # the default of split_mixed; 0: off
 # The order the decode kernel starts its programs in (SHARDSERVE_DECODE_ORDER): "longest" (the default) the
-# longest contexts first, "batch" the batch's order. One argsort a step, shared by every layer (inside the decode
-# graphs it is captured with them). On an H200, kernel alone, batches of 128-256 unequal contexts (100-1,024 or
+# longest contexts first, "batch" the batch's order (AttentionMetadata.longest_first: one argsort a step, shared by
+# every layer). On an H200, kernel alone, batches of 128-256 unequal contexts (100-1,024 or
 # 100-2,048 tokens) read 7-20% faster longest first, 32-64 sequences over 100-4,096 faster or slower by case; the
 # offline Qwen3-0.6B run spent 2-3% less in its decode steps (docs/performance.md).
 DECODE_ORDER = os.environ.get("SHARDSERVE_DECODE_ORDER", "longest")
@@ -74,15 +74,6 @@ class TritonAttentionBackend(AttentionBackend):
         tables, seq_lens = meta.block_tables, meta.seq_lens
         if num_seqs < meta.num_seqs:
             tables, seq_lens = tables[:num_seqs], seq_lens[:num_seqs]
-        order = None
-        if DECODE_ORDER == "longest" and num_seqs > 1:
-            if ("order", num_seqs) not in meta._derived:
-                meta._derived["order", num_seqs] = longest_first(seq_lens)
-            order = meta._derived["order", num_seqs]
+        order = meta.longest_first(num_seqs) if DECODE_ORDER == "longest" and num_seqs > 1 else None
         return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, splits, out=out, k_scale=k_scale,
                                       v_scale=v_scale, order=order)
-
-
-def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
-    """[num_seqs] int32: the sequences' indices by context length, longest first (ties in batch order)."""
-    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
