@@ -38,7 +38,7 @@ def _model_dims(model: str) -> tuple[int, int, int, int, int]:
 def _projections(hidden: int, q: int, kv: int, inter: int) -> dict[str, tuple[int, int, str]]:
     """name -> (N, K, fused reads)."""
     return {"qkv": (q + 2 * kv, hidden, "norm"), "o_proj": (hidden, q, "residual"),
-            "gate_up": (2 * inter, hidden, "norm"), "down": (hidden, inter, "silu+residual")}
+            "gate_up": (2 * inter, hidden, "norm+silu_mul"), "down": (hidden, inter, "residual")}
 
 
 def gemm_rates(model: str, rows: list[int], copy_bytes_per_s: float, configs=CONFIGS) -> dict:
@@ -57,16 +57,15 @@ def gemm_rates(model: str, rows: list[int], copy_bytes_per_s: float, configs=CON
     for m in rows:
         h = torch.randn(m, hidden, dtype=dt, device=dev)
         a = torch.randn(m, q, dtype=dt, device=dev)
-        gu = torch.randn(m, 2 * inter, dtype=dt, device=dev)
+        act = torch.randn(m, inter, dtype=dt, device=dev)
         best: dict[str, tuple] = {}
         for name, (n, k, fused) in projections.items():
-            x = {"qkv": h, "o_proj": a, "gate_up": h, "down": gu}[name]
+            x = {"qkv": h, "o_proj": a, "gate_up": h, "down": act}[name]
             ws = weights[name]
             kw = {"norm": lambda i: {"norm": (ln[i], 1e-6)}, "residual": lambda i: {"residual": h},
-                  "silu+residual": lambda i: {"silu": True, "residual": h}}[fused]
+                  "norm+silu_mul": lambda i: {"norm": (ln[i], 1e-6), "silu_mul": True}}[fused]
             w_bytes = n * k * 2
-            xin = x if fused != "silu+residual" else gu[:, :inter]
-            cublas = graph_ms([lambda i=i: F.linear(xin, ws[i]) for i in range(layers)], launches=layers) * 1e3
+            cublas = graph_ms([lambda i=i: F.linear(x, ws[i]) for i in range(layers)], launches=layers) * 1e3
             row = {"rows": m, "projection": name, "n": n, "k": k, "fused": fused, "cublas_us": cublas,
                    "cublas_fraction_of_copy_rate": w_bytes / (cublas / 1e6) / copy_bytes_per_s, "configs": []}
             for cfg in configs:
@@ -81,12 +80,10 @@ def gemm_rates(model: str, rows: list[int], copy_bytes_per_s: float, configs=CON
             timed = [c for c in row["configs"] if "us" in c]
             top = min(timed, key=lambda c: c["us"])
             best[name] = top["config"]
-            plain = graph_ms([lambda i=i: gemm_rows(xin, ws[i], config=top["config"]) for i in range(layers)],
-                             launches=layers) * 1e3
-            row.update(best_config=top["config"], best_us=top["us"], best_plain_us=plain)
+            row.update(best_config=top["config"], best_us=top["us"])
             print(f"M={m} {name} {n}x{k} ({fused}): cuBLAS {cublas:.2f} us ({row['cublas_fraction_of_copy_rate']:.0%}),"
-                  f" gemm_rows best {top['us']:.2f} us ({top['fraction_of_copy_rate']:.0%}) at {top['config']},"
-                  f" plain {plain:.2f} us", flush=True)
+                  f" gemm_rows best {top['us']:.2f} us ({top['fraction_of_copy_rate']:.0%}) at {top['config']}",
+                  flush=True)
             out["rows"].append(row)
 
         def today(i):  # the layer's launches around attention as decoder.py runs them now (attention's output: a)
@@ -96,17 +93,29 @@ def gemm_rates(model: str, rows: list[int], copy_bytes_per_s: float, configs=CON
             x, res = add_rms_norm(o, res, ln[i], 1e-6)
             return F.linear(silu_and_mul(F.linear(x, weights["gate_up"][i])), weights["down"][i])
 
-        def fused(i, pdl=True):
-            gemm_rows(h, weights["qkv"][i], norm=(ln[i], 1e-6), config=best["qkv"], pdl=pdl)
-            r = gemm_rows(a, weights["o_proj"][i], residual=h, config=best["o_proj"], pdl=pdl)
-            g = gemm_rows(r, weights["gate_up"][i], norm=(ln[i], 1e-6), config=best["gate_up"], pdl=pdl)
-            return gemm_rows(g, weights["down"][i], silu=True, residual=r, config=best["down"], pdl=pdl)
+        def fused(i, pdl=True, configs=best):
+            gemm_rows(h, weights["qkv"][i], norm=(ln[i], 1e-6), config=configs["qkv"], pdl=pdl)
+            r = gemm_rows(a, weights["o_proj"][i], residual=h, config=configs["o_proj"], pdl=pdl)
+            g = gemm_rows(r, weights["gate_up"][i], norm=(ln[i], 1e-6), silu_mul=True, config=configs["gate_up"],
+                          pdl=pdl)
+            return gemm_rows(g, weights["down"][i], residual=r, config=configs["down"], pdl=pdl)
 
         chain = {"rows": m, "configs": best}
         for key, fn in (("today_us", today), ("fused_us", fused), ("fused_no_pdl_us", lambda i: fused(i, False))):
             chain[key] = graph_ms([lambda i=i: fn(i) for i in range(layers)], launches=layers) * 1e3
+        # the same settings for every projection (what SHARDSERVE_GEMM_ROWS_CONFIG sets): each, through the chain
+        chain["uniform_us"] = {}
+        for cfg in configs:
+            try:
+                chain["uniform_us"][",".join(map(str, cfg))] = graph_ms(
+                    [lambda i=i: fused(i, configs=dict.fromkeys(projections, cfg)) for i in range(layers)],
+                    launches=layers) * 1e3
+            except Exception:  # refused by the compiler: left out
+                pass
+        uniform = min(chain["uniform_us"].items(), key=lambda kv: kv[1])
         print(f"M={m} layer chain (attention left out): today {chain['today_us']:.2f} us, fused "
-              f"{chain['fused_us']:.2f} us, fused without PDL {chain['fused_no_pdl_us']:.2f} us", flush=True)
+              f"{chain['fused_us']:.2f} us, fused without PDL {chain['fused_no_pdl_us']:.2f} us, one setting for "
+              f"all: {uniform[1]:.2f} us at {uniform[0]}", flush=True)
         out.setdefault("chains", []).append(chain)
     return out
 

@@ -4,13 +4,15 @@ A decode step at batch 128-256 reads each projection's weight once: Qwen3-0.6B's
 the copy rate, and the layer around them is a chain of short kernels (add + RMSNorm, the GEMM, SiLU-and-mul, ...),
 each paying its own launch and tail. This kernel is the matmul with those folded in, as kernels/gemv.py does for one
 row:
-- norm: x is the residual stream and the GEMM reads RMSNorm(x) * weight (each program sums its rows' squares over K
-  first: M x K x 2 bytes, a few hundred KB from L2 against the MBs of weight it streams),
-- silu: x is the merged gate_up output [M, 2K] and the GEMM reads silu(gate) * up,
+- norm: x is the residual stream and the GEMM computes RMSNorm(x) * weight times W^T, as (x * weight) W^T scaled
+  by each row's 1 / rms, whose squares it sums from the x tiles it loads anyway (no pass of its own),
+- silu_mul: W is the merged gate_up projection; each program computes the gate and the up products of the same
+  columns and writes silu(gate) * up (each output computed once, where a SiLU read by the down projection would
+  recompute it in every program of a row block: timed 7x slower on an H200),
 - residual: the output is x W^T + residual, the new residual stream.
-Each is rounded where the separate kernels round (kernels/rmsnorm.py, activation.py). The products go through
-tl.dot (tensor cores) accumulating in float32, in a different order from cuBLAS: the same values within the
-rounding of a bf16 matmul, not bit for bit.
+The products go through tl.dot (tensor cores) accumulating in float32, in a different order from cuBLAS, and the
+norm is applied around them rather than rounded before them: the unfused layer's values (kernels/rmsnorm.py,
+activation.py) within the rounding of a bf16 matmul, not bit for bit.
 
 On Hopper it launches as a programmatic dependent of the kernel before it (kernels/pdl.py): its launch and its
 programs' start overlap that kernel's tail; every program waits for it before any load.
@@ -43,60 +45,54 @@ def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int]:
 
 
 @triton.jit
-def _rows_in(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd,
-             BLOCK_K: tl.constexpr, NORM: tl.constexpr, SILU: tl.constexpr):
-    """in(x)[rows, k0:k0 + BLOCK_K] in x's dtype, rounded where the separate kernels round."""
-    dt = x_ptr.dtype.element_ty
-    ks = k0 + tl.arange(0, BLOCK_K)
-    k_ok = ks < K
-    mask = row_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=mask, other=0.0)
-    if NORM:
-        g = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-        x = ((x.to(tl.float32) * rstd[:, None]).to(dt).to(tl.float32) * g[None, :]).to(dt)
-    if SILU:  # x was the gate; the up half sits K further on
-        gate = x.to(tl.float32)
-        up = tl.load(x_ptr + rows[:, None] * stride_xm + K + ks[None, :], mask=mask, other=0.0).to(tl.float32)
-        x = ((gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * up).to(dt)
-    return x
-
-
-@triton.jit
 def _gemm_rows_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm,
                       eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      NORM: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                      NORM: tl.constexpr, SILU_MUL: tl.constexpr, RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                       IEEE: tl.constexpr):
-    """Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)); the column tiles of one row tile are neighbours, so programs
-    reading the same weight columns for other rows find them in L2. out[m, n] = sum_k in(x)[m, k] * w[n, k]
-    (+ res[m, n]), in(x) as in _rows_in. IEEE: float32 products in full precision (tests; not TF32)."""
+    """Grid (cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)). out[m, n] = sum_k in(x)[m, k] * w[n, k] (+ res[m, n]);
+    NORM: in(x) = RMSNorm(x) * norm, as x * norm into the products and 1 / rms per row (its squares summed from
+    the same tiles) into the result; SILU_MUL: w holds 2N rows, and out = silu(gate) * up of the gate (rows < N)
+    and up (rows >= N) products of the same columns. IEEE: float32 products in full precision (tests; not TF32)."""
     dt = x_ptr.dtype.element_ty
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_ok = cols < N
     row_ok = rows < M
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn
+    w_up_rows = w_rows + N * stride_wn
     if PDL:
         gdc_launch_dependents()  # the next kernel may launch once every program is running
         gdc_wait()  # x and the residual are the previous kernel's output
-    rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if NORM:  # the rows' 1 / rms over all of K first
-        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            xs = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :],
-                         other=0.0).to(tl.float32)
-            sq += tl.sum(xs * xs, 1)
-        rstd = 1.0 / tl.sqrt(sq / K + eps)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & (ks < K)[None, :], other=0.0,
-                    eviction_policy="evict_first")
-        x = _rows_in(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
+        k_ok = ks < K
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, 1)
+            x = (xf * tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(dt)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
         if IEEE:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+        if SILU_MUL:
+            w_up = tl.load(w_up_rows + ks[None, :], mask=w_mask, other=0.0, eviction_policy="evict_first")
+            if IEEE:
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(x, tl.trans(w_up), acc_up)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(squares / K + eps)
+        acc = acc * rstd[:, None]
+        acc_up = acc_up * rstd[:, None]
+    if SILU_MUL:  # the projection's outputs rounded, then SiLU-and-mul as kernels/activation.py rounds it
+        gate = acc.to(dt).to(tl.float32)
+        acc = (gate / (1.0 + tl.exp(-gate))).to(dt).to(tl.float32) * acc_up.to(dt).to(tl.float32)
     mask = row_ok[:, None] & col_ok[None, :]
     if RESIDUAL:  # the matmul's output rounded, then the add rounded: the unfused order
         res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
@@ -108,15 +104,14 @@ GEMM_ROWS_KERNEL = _gemm_rows_kernel  # the jitted kernel itself, which bench/ke
 
 
 def gemm_rows(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
-              silu: bool = False, residual: torch.Tensor | None = None,
+              silu_mul: bool = False, residual: torch.Tensor | None = None,
               config: tuple[int, int, int, int, int] | None = None, pdl: bool = True) -> torch.Tensor:
-    """x [M, K] (or [M, 2K] with silu) times weight [N, K]^T -> [M, N] in x's dtype, with the module docstring's
-    fused reads. config = (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), default choose_config's."""
-    if norm is not None and silu:
-        raise ValueError("gemm_rows: norm and silu are two readings of x; pick one")
-    m, n = x.shape[0], weight.shape[0]
-    k = x.shape[-1] // 2 if silu else x.shape[-1]
-    if x.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1:
+    """x [M, K] times weight [N, K]^T -> [M, N] in x's dtype, with the module docstring's fused reads; silu_mul:
+    weight [2N, K] is the merged gate_up projection and the result is silu(gate) * up [M, N].
+    config = (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), default choose_config's."""
+    m, k = x.shape[0], x.shape[-1]
+    n = weight.shape[0] // 2 if silu_mul else weight.shape[0]
+    if x.dim() != 2 or weight.shape[1] != k or weight.stride(1) != 1 or (silu_mul and weight.shape[0] % 2):
         raise ValueError(f"gemm_rows: x {tuple(x.shape)} and weight {tuple(weight.shape)} (stride {weight.stride()})")
     if norm is not None and norm[0].shape != (k,):
         raise ValueError(f"gemm_rows: norm weight {tuple(norm[0].shape)} for K = {k}")
@@ -132,21 +127,19 @@ def gemm_rows(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, f
     _gemm_rows_kernel[grid](x, weight, out, norm[0] if norm is not None else x, residual if residual is not None else x,
                             m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                             residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,
-                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm is not None, SILU=silu,
-                            RESIDUAL=residual is not None, PDL=use_pdl, IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages,
-                            launch_pdl=use_pdl)
+                            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, NORM=norm is not None,
+                            SILU_MUL=silu_mul, RESIDUAL=residual is not None, PDL=use_pdl,
+                            IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages, launch_pdl=use_pdl)
     return out
 
 
 def gemm_rows_ref(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
-                  silu: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """The unfused layer's torch ops in the same roundings: the reference gemm_rows is tested against."""
+                  silu_mul: bool = False, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """The unfused layer's torch ops: what gemm_rows computes, within a matmul's rounding."""
     from shardserve.kernels.rmsnorm import rms_norm_ref
 
-    if norm is not None:
-        x = rms_norm_ref(x, norm[0], norm[1])
-    if silu:
-        gate, up = x.chunk(2, dim=-1)
-        x = (torch.nn.functional.silu(gate.float()).to(x.dtype).float() * up.float()).to(x.dtype)
-    y = x @ weight.T
+    y = (rms_norm_ref(x, norm[0], norm[1]) if norm is not None else x) @ weight.T
+    if silu_mul:
+        gate, up = y.float().chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate).to(y.dtype).float() * up).to(y.dtype)
     return y if residual is None else (y.float() + residual.float()).to(y.dtype)

@@ -1,6 +1,6 @@
 """The GEMM for decode batches (kernels/gemm_rows.py) against the separate kernels it replaces, in Triton's
 interpreter on CPU (compiled in the GPU suite's run of this file): row and column counts that do not divide the
-blocks, K over several steps with a masked tail, each fused reading."""
+blocks, K over several steps with a masked tail, each fused reading (the norm, SiLU-and-mul of the gate_up projection, the residual)."""
 
 import pytest
 import torch
@@ -41,13 +41,23 @@ def test_norm_reading_is_rms_norm_then_matmul(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_silu_and_residual_reading_is_the_down_projection_plus_residual(dtype):
-    gen, gate_up, w = _inputs(21, 33, 150, dtype, 7, x_width=300)
-    residual = torch.randn(21, 33, generator=gen).to(dtype=dtype, device=DEVICE)
-    fused = gemm_rows(gate_up, w, silu=True, residual=residual, config=SMALL)
-    plain = ((silu_and_mul(gate_up) @ w.T).float() + residual.float()).to(dtype)
+@pytest.mark.parametrize("norm", [False, True])
+def test_silu_mul_reading_is_the_gate_up_projection_then_silu_and_mul(dtype, norm):
+    gen, h, w = _inputs(21, 66, 150, dtype, 7)  # w: gate rows 0..32, up rows 33..65
+    g = ((torch.rand(150, generator=gen) + 0.5).to(dtype=dtype, device=DEVICE), 1e-6) if norm else None
+    fused = gemm_rows(h, w, norm=g, silu_mul=True, config=SMALL)
+    assert fused.shape == (21, 33)
+    plain = silu_and_mul((rms_norm(h, *g) if norm else h) @ w.T)
     torch.testing.assert_close(fused, plain, **_tol(dtype))
-    torch.testing.assert_close(fused, gemm_rows_ref(gate_up, w, silu=True, residual=residual), **_tol(dtype))
+    torch.testing.assert_close(fused, gemm_rows_ref(h, w, norm=g, silu_mul=True), **_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_residual_reading_adds_the_residual_after_rounding_the_product(dtype):
+    gen, x, w = _inputs(21, 33, 150, dtype, 8)
+    residual = torch.randn(21, 33, generator=gen).to(dtype=dtype, device=DEVICE)
+    fused = gemm_rows(x, w, residual=residual, config=SMALL)
+    torch.testing.assert_close(fused, ((x @ w.T).float() + residual.float()).to(dtype), **_tol(dtype))
 
 
 def test_default_launch_settings_cover_a_batch_larger_than_one_block():
@@ -58,8 +68,8 @@ def test_default_launch_settings_cover_a_batch_larger_than_one_block():
 
 def test_refuses_mismatched_inputs():
     x = torch.zeros(2, 8, device=DEVICE)
-    with pytest.raises(ValueError, match="pick one"):
-        gemm_rows(x, torch.zeros(4, 4, device=DEVICE), norm=(torch.ones(4, device=DEVICE), 1e-6), silu=True)
+    with pytest.raises(ValueError, match="weight"):
+        gemm_rows(x, torch.zeros(5, 8, device=DEVICE), silu_mul=True)  # gate and up: an even number of rows
     with pytest.raises(ValueError, match="norm weight"):
         gemm_rows(x, torch.zeros(4, 8, device=DEVICE), norm=(torch.ones(5, device=DEVICE), 1e-6))
     with pytest.raises(ValueError, match="residual"):

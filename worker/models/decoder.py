@@ -120,10 +120,13 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
     def forward_fused(self, positions, h, kv_cache, meta) -> torch.Tensor:
-        """The layer as four matmuls and attention, the norms read inside the qkv and gate_up matmuls, SiLU-and-mul
-        inside the down one, the residual adds in o_proj's and down's outputs: one row through the GEMV
-        (kernels/gemv.py: gemv_fused), a decode batch through the GEMM for few rows (kernels/gemm_rows.py). h is the
-        residual stream in and out; the values of forward (within a matmul's rounding), in 5 launches fewer."""
+        """The layer as four matmuls and attention, with the norms, SiLU-and-mul and residual adds inside the
+        matmuls: one row through the GEMV (kernels/gemv.py: gemv_fused; SiLU read by the down projection), a decode
+        batch through the GEMM for few rows (kernels/gemm_rows.py; SiLU written by the gate_up projection). h is the
+        residual stream in and out; the values of forward (within a matmul's rounding), in 3 launches fewer."""
+        attn, mlp = self.self_attn, self.mlp
+        norm_in = (self.input_layernorm.weight, self.input_layernorm.eps)
+        norm_post = (self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         if h.shape[0] == 1:
             from shardserve.kernels.gemv import gemv_fused as matmul
 
@@ -132,14 +135,15 @@ class DecoderLayer(nn.Module):
             from shardserve.kernels.gemm_rows import gemm_rows as matmul
 
             o_tiles = {}
-        attn, mlp = self.self_attn, self.mlp
-        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        qkv = matmul(h, attn.qkv_proj.weight, norm=(norm_in.weight, norm_in.eps))
+        qkv = matmul(h, attn.qkv_proj.weight, norm=norm_in)
         if attn.qkv_proj.bias is not None:
             qkv = qkv + attn.qkv_proj.bias
         h = matmul(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight, residual=h, **o_tiles)
-        gate_up = matmul(h, mlp.gate_up_proj.weight, norm=(norm_post.weight, norm_post.eps))
-        return matmul(gate_up, mlp.down_proj.weight, silu=True, residual=h)
+        if h.shape[0] == 1:
+            gate_up = matmul(h, mlp.gate_up_proj.weight, norm=norm_post)
+            return matmul(gate_up, mlp.down_proj.weight, silu=True, residual=h)
+        act = matmul(h, mlp.gate_up_proj.weight, norm=norm_post, silu_mul=True)
+        return matmul(act, mlp.down_proj.weight, residual=h)
 
 
 class DecoderModel(nn.Module):
