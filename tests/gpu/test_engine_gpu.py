@@ -109,8 +109,8 @@ def test_bs1_bf16_one_row_layers_equal_the_layer_by_layer_path(model_dir, enforc
     from shardserve.worker.models.decoder import DecoderLayer
 
     calls = []
-    original = DecoderLayer.forward_fused
-    monkeypatch.setattr(DecoderLayer, "forward_fused", lambda self, *a: calls.append(1) or original(self, *a))
+    original = DecoderLayer.forward_one_row
+    monkeypatch.setattr(DecoderLayer, "forward_one_row", lambda self, *a: calls.append(1) or original(self, *a))
     prompts = PROMPTS[1:2]
     monkeypatch.setattr(_fused, "ONE_ROW", False)
     plain, _ = generate(model_dir, prompts, "bfloat16", enforce_eager=True)
@@ -119,26 +119,6 @@ def test_bs1_bf16_one_row_layers_equal_the_layer_by_layer_path(model_dir, enforc
     one_row, _ = generate(model_dir, prompts, "bfloat16", enforce_eager=enforce_eager)
     assert calls  # the layers took the one-row path (in the graph: at capture)
     assert_greedy_equal_or_near_tie(plain, one_row)
-
-
-@pytest.mark.parametrize("enforce_eager", [True, False])
-def test_decode_batches_through_the_fused_gemms_equal_the_layer_by_layer_path(model_dir, enforce_eager, monkeypatch):
-    """Every prompt at once in bf16: decode batches of 2..GEMM_ROWS rows through the fused GEMMs
-    (kernels/gemm_rows.py, _fused.rows) give the layer-by-layer path's greedy tokens, eagerly and in the graphs."""
-    from shardserve.worker.layers import _fused
-    from shardserve.worker.models.decoder import DecoderLayer
-
-    rows = []
-    original = DecoderLayer.forward_fused
-    monkeypatch.setattr(DecoderLayer, "forward_fused", lambda self, p, h, *a: rows.append(h.shape[0]) or
-                        original(self, p, h, *a))
-    monkeypatch.setattr(_fused, "GEMM_ROWS", 0)
-    plain, _ = generate(model_dir, PROMPTS, "bfloat16", enforce_eager=True)
-    assert not [r for r in rows if r > 1]
-    monkeypatch.setattr(_fused, "GEMM_ROWS", 256)
-    fused, _ = generate(model_dir, PROMPTS, "bfloat16", enforce_eager=enforce_eager)
-    assert [r for r in rows if r > 1]  # decode batches took the fused GEMMs (in the graphs: at capture)
-    assert_greedy_equal_or_near_tie(plain, fused)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

@@ -18,10 +18,6 @@ ENABLED = os.environ.get("SHARDSERVE_FUSED_KERNELS", "1") != "0"
 # A one-row step (bs=1 decode) at TP=1 runs each decoder layer as four GEMVs with the norms, SiLU-and-mul and
 # residual adds inside them (kernels/gemv.py: gemv_fused; decoder.py). SHARDSERVE_ONE_ROW=0 turns it off (A/B runs).
 ONE_ROW = os.environ.get("SHARDSERVE_ONE_ROW", "1") != "0"
-# A decode batch of 2..GEMM_ROWS rows at TP=1 runs each layer the same way through the Triton GEMM for few rows
-# (kernels/gemm_rows.py), the norms, SiLU-and-mul and residual adds inside its reads; more rows (prefill, mixed
-# steps) keep cuBLAS and the separate kernels. SHARDSERVE_GEMM_ROWS=N sets the bound, 0 turns it off.
-GEMM_ROWS = int(os.environ.get("SHARDSERVE_GEMM_ROWS", "0"))
 _HALF = (torch.bfloat16, torch.float16)
 
 
@@ -32,13 +28,5 @@ def use_fused(x: torch.Tensor) -> bool:
 def one_row(x: torch.Tensor) -> bool:
     """Whether the decoder's one-row path takes x [T, hidden]: a single token in half precision on CUDA, one rank
     (the residual add inside the row-parallel matmul would count it once per rank before the all-reduce)."""
-    return x.shape[0] == 1 and ONE_ROW and linear.GEMV and _fusable(x)
-
-
-def rows(x: torch.Tensor) -> bool:
-    """Whether the decoder runs x [T, hidden] (2 <= T <= GEMM_ROWS) through the fused GEMMs, on one rank as one_row."""
-    return 1 < x.shape[0] <= GEMM_ROWS and _fusable(x)
-
-
-def _fusable(x: torch.Tensor) -> bool:
-    return use_fused(x) and x.dtype in _HALF and distributed.tp_size() == 1
+    return (x.shape[0] == 1 and ONE_ROW and linear.GEMV and use_fused(x) and x.dtype in _HALF
+            and distributed.tp_size() == 1)

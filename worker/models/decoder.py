@@ -105,12 +105,12 @@ class DecoderLayer(nn.Module):
         self.mlp = DecoderMLP(hf_config, variant)
         self.input_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
-        self.fused_ok = not (variant.o_bias or variant.mlp_bias)  # forward_fused adds no bias after o_proj/down
+        self.one_row_ok = not (variant.o_bias or variant.mlp_bias)  # forward_one_row adds no bias after o_proj/down
 
     def forward(self, positions, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x, residual) -> (x, residual) of the next layer; residual None: x is the whole residual stream."""
-        if residual is None and self.fused_ok and (_fused.one_row(x) or _fused.rows(x)):
-            return self.forward_fused(positions, x, kv_cache, meta), None
+        if residual is None and self.one_row_ok and _fused.one_row(x):
+            return self.forward_one_row(positions, x, kv_cache, meta), None
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -119,31 +119,21 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def forward_fused(self, positions, h, kv_cache, meta) -> torch.Tensor:
-        """The layer as four matmuls and attention, with the norms, SiLU-and-mul and residual adds inside the
-        matmuls: one row through the GEMV (kernels/gemv.py: gemv_fused; SiLU read by the down projection), a decode
-        batch through the GEMM for few rows (kernels/gemm_rows.py; SiLU written by the gate_up projection). h is the
-        residual stream in and out; the values of forward (within a matmul's rounding), in 3 launches fewer."""
+    def forward_one_row(self, positions, h, kv_cache, meta) -> torch.Tensor:
+        """One token through the layer as four GEMVs and attention (kernels/gemv.py: gemv_fused): the norms read
+        inside the qkv and gate_up GEMVs, SiLU-and-mul inside the down one, the residual adds in o_proj's and down's
+        outputs. h is the residual stream in and out; the same values as forward, in 5 launches fewer."""
+        from shardserve.kernels.gemv import gemv_fused
+
         attn, mlp = self.self_attn, self.mlp
-        norm_in = (self.input_layernorm.weight, self.input_layernorm.eps)
-        norm_post = (self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        if h.shape[0] == 1:
-            from shardserve.kernels.gemv import gemv_fused as matmul
-
-            o_tiles = dict(block_n=4, block_k=2048)  # the fastest tiles for o_proj on an H200 (kernels/gemv.py: FLAT)
-        else:
-            from shardserve.kernels.gemm_rows import gemm_rows as matmul
-
-            o_tiles = {}
-        qkv = matmul(h, attn.qkv_proj.weight, norm=norm_in)
+        norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        qkv = gemv_fused(h, attn.qkv_proj.weight, norm=(norm_in.weight, norm_in.eps))
         if attn.qkv_proj.bias is not None:
             qkv = qkv + attn.qkv_proj.bias
-        h = matmul(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight, residual=h, **o_tiles)
-        if h.shape[0] == 1:
-            gate_up = matmul(h, mlp.gate_up_proj.weight, norm=norm_post)
-            return matmul(gate_up, mlp.down_proj.weight, silu=True, residual=h)
-        act = matmul(h, mlp.gate_up_proj.weight, norm=norm_post, silu_mul=True)
-        return matmul(act, mlp.down_proj.weight, residual=h)
+        h = gemv_fused(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight, residual=h,
+                       block_n=4, block_k=2048)  # the fastest tiles for o_proj on an H200 (kernels/gemv.py: FLAT)
+        gate_up = gemv_fused(h, mlp.gate_up_proj.weight, norm=(norm_post.weight, norm_post.eps))
+        return gemv_fused(gate_up, mlp.down_proj.weight, silu=True, residual=h)
 
 
 class DecoderModel(nn.Module):
