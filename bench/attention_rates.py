@@ -317,6 +317,14 @@ def _shapes(text: str) -> list[tuple[int, int]]:
     return shapes
 
 
+def _spread(text: str) -> list[tuple[int, int, int]]:
+    """"64x100-4096,32x100-2048" -> [(64, 100, 4096), (32, 100, 2048)] (batch, low, high); "" -> []."""
+    shapes, spread = split_specs(text)
+    if shapes:
+        raise ValueError(f"expected BATCHxLOW-HIGH here (BATCHxCONTEXT goes to --shapes), got {text!r}")
+    return spread
+
+
 def split_specs(text: str) -> tuple[list[tuple[int, int]], list[tuple[int, int, int]]]:
     """"64x1024,128x100-2048" -> ([(64, 1024)], [(128, 100, 2048)]): equal contexts (BATCHxCONTEXT) and unequal
     ones (BATCHxLOW-HIGH, for ragged)."""
@@ -360,19 +368,21 @@ def main(argv: list[str] | None = None) -> int:
                         "first (BATCHxLOW-HIGH,..., e.g. 192x100-2048)")
     parser.add_argument("--json-out", help="write the rows here")
     args = parser.parse_args(argv)
+    # every spec parsed first: a malformed one (or one given to the wrong flag) fails now, not after the timings
+    shapes, spread, sweep_shapes, mixed = (_shapes(args.shapes), _spread(args.ragged), _shapes(args.sweep_shapes),
+                                           _shapes(args.mixed))
     copy = measure_rates("cuda", matmul_n=1024).copy_bytes_per_s
-    report = {"model": args.model, "copy_bytes_per_s": copy,
-              "rows": attention_rates(args.model, _shapes(args.shapes), copy)}
+    report = {"model": args.model, "copy_bytes_per_s": copy, "rows": attention_rates(args.model, shapes, copy)}
     if args.ragged:
-        report["ragged"] = ragged(args.model, split_specs(args.ragged)[1], copy)
+        report["ragged"] = ragged(args.model, spread, copy)
     if args.sweep:
-        report["sweep"] = sweep(args.model, _shapes(args.sweep_shapes), copy,
+        report["sweep"] = sweep(args.model, sweep_shapes, copy,
                                 variants=set(filter(None, args.sweep_variants.split(","))) or None)
     if args.padded_rows:
-        report["padded_rows"] = padded_rows(args.model, _shapes(args.sweep_shapes),
+        report["padded_rows"] = padded_rows(args.model, sweep_shapes,
                                             [int(r) for r in args.padded_rows.split(",")], copy)
     if args.mixed:
-        report["mixed"] = mixed_split(args.model, _shapes(args.mixed), args.mixed_prefill, copy)
+        report["mixed"] = mixed_split(args.model, mixed, args.mixed_prefill, copy)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)

@@ -3,7 +3,7 @@ apart, a malformed spec is refused by name, and a spread batch holds the context
 
 import pytest
 
-from shardserve.bench.attention_rates import split_specs, spread_contexts
+from shardserve.bench.attention_rates import main, split_specs, spread_contexts
 
 
 def test_specs_split_into_equal_and_spread_contexts():
@@ -24,3 +24,12 @@ def test_spread_contexts_cover_the_range_evenly_in_a_fixed_shuffled_order():
     assert steps[-1] - steps[0] <= 1  # evenly spread
     assert contexts == spread_contexts(192, 100, 2048) and contexts != sorted(contexts)  # fixed, not in order
     assert spread_contexts(1, 300, 300) == [300]
+
+
+@pytest.mark.parametrize("flags, expected", [(["--ragged", "64x1024"], "goes to --shapes"),
+                                             (["--shapes", "64x100-1024"], "goes to --ragged"),
+                                             (["--mixed", "32x1024,8"], "BATCHxCONTEXT")])
+def test_a_spec_for_the_wrong_flag_is_refused_before_any_timing(flags, expected):
+    """Raised while parsing, before the copy rate is measured (which would fail first here: no GPU)."""
+    with pytest.raises(ValueError, match=expected):
+        main(["--shapes", ""] + flags)
