@@ -13,10 +13,65 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # so it is set here, before any test module imports shardserve.kernels.
 if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
+# Under pytest-xdist (`make test`: two workers on a 2-core machine) the cores are always oversubscribed, where
+# OpenMP's defaults waste them: a thread that waits at a barrier spins, and a 2-thread parallel region stalls for a
+# whole time slice whenever one of its threads is descheduled (a 2.7 s gateway test took 38 s). So each worker's own
+# torch keeps to one intra-op thread, and waiting OpenMP threads sleep instead of spinning (PASSIVE). Both are set
+# before torch is imported (hf_reference below) and are inherited by what a test starts (worker ranks, serve, the
+# session's Ray and its actors); ranks still set their own thread count (worker/distributed.py). Measured on 2 cores,
+# test_gateway.py + test_llm_correctness.py on two workers: one thread, spinning: 139 s wall, 263 CPU-seconds; one
+# thread, PASSIVE: 116 s, 162; two threads, PASSIVE: 124 s, 183. A plain (serial) pytest run keeps the defaults.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 
 from tests.hf_reference import make_tiny_model  # noqa: E402
+
+# `make test` runs the suite on two pytest-xdist workers, one test module at a time per worker (--dist loadfile
+# --no-loadscope-reorder): modules are handed out in collection order, so the slow ones are collected first and the
+# two workers finish close together (longest first), not one worker starting a 90 s module while the other idles.
+# Wall seconds of one module alone on 2 cores (2026-12); a module not named here keeps its file order after them.
+# Only the order of modules changes: inside a module the file order stays (some tests rely on it).
+SLOW_MODULES_FIRST = (
+    "tests/test_llm_correctness.py",  # 97 s
+    "tests/e2e/test_client_resume.py",  # 70 s
+    "tests/e2e/test_faults_local.py",  # 69 s
+    "tests/e2e/test_serve_signals.py",  # 44 s
+    "tests/e2e/test_placement.py",  # 44 s
+    "tests/e2e/test_netns_nodes.py",  # 42 s
+    "tests/e2e/test_faults_ray.py",  # 39 s
+    "tests/e2e/test_serve_cli.py",  # 38 s
+    "tests/test_llm_api.py",  # 35 s
+    "tests/kernels/test_sampling_filter.py",  # 34 s
+    "tests/e2e/test_cluster.py",  # 32 s
+    "tests/e2e/test_gateway.py",  # 32 s
+    "tests/test_model_cache_race.py",  # 30 s
+    "tests/bench/test_bench_scaling.py",  # 26 s
+    "tests/worker/test_local_workers.py",  # 25 s
+    "tests/e2e/test_replica_hosts.py",  # 22 s
+    "tests/bench/test_bench_soak.py",  # 21 s
+    "tests/test_kv_fp8_quality.py",  # 19 s
+    "tests/bench/test_bench_cpu.py",  # 15 s
+    "tests/e2e/test_client.py",  # 14 s
+    "tests/bench/test_bench_serve.py",  # 14 s
+    "tests/worker/test_cuda_graphs_logic.py",  # 13 s
+    "tests/kernels/test_fp8_kv.py",  # 12 s
+    "tests/test_cli_errors.py",  # 11 s
+    "tests/e2e/test_worker_plane_tls.py",  # 10 s
+    "tests/e2e/test_worker_plane_auth.py",  # 10 s
+    "tests/e2e/test_workers.py",  # 10 s
+    "tests/test_llm_data_parallel.py",  # 9 s
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist only: the slow modules first (a stable sort: each module's own order is kept)."""
+    if not hasattr(config, "workerinput"):
+        return
+    rank = {module: i for i, module in enumerate(SLOW_MODULES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
 
 
 @pytest.fixture(scope="session")

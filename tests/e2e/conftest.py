@@ -18,12 +18,17 @@ from shardserve.proto.config import EngineConfig  # noqa: E402
 
 @pytest.fixture(scope="session")
 def ray_session():
-    """The session's Ray (8 logical CPUs on loopback, no dashboard); shut down at the end of the session."""
+    """The session's Ray (8 logical CPUs on loopback, no dashboard); shut down at the end of the session. Under
+    pytest-xdist each worker process has a Ray of its own."""
     import ray
 
     started_here = not ray.is_initialized()
     if started_here:
         ray.init(
+            # "local": always a new Ray of this process's own, never one found through RAY_ADDRESS or
+            # /tmp/ray/ray_current_cluster (which test_placement.py's simulated cluster writes while it runs, maybe
+            # in the other pytest-xdist worker at the same moment)
+            address="local",
             num_cpus=8,
             include_dashboard=False,
             logging_level="warning",
