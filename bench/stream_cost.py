@@ -83,11 +83,10 @@ def main() -> None:
         build_engine=SimulatedEngine(args.step_ms), name=f"stream-cost-{uuid.uuid4().hex[:6]}",
         num_replicas=args.replicas, max_live_requests=1 << 20, routing="round-robin")
     if args.replica_hosts == "process":
-        import ray
-
+        from shardserve.local_ray import init_local_ray
         from shardserve.replica_hosts import RayReplicaHosts
 
-        ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning", log_to_driver=False)
+        init_local_ray(4, log_to_driver=False)
         base.replica_hosts = RayReplicaHosts(base.name, "cpu")
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(args.input_len)] for _ in range(args.num_prompts)]

@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 # workers asks for the GIL and, at Python's default 5 ms switch interval, may wait that long behind the event loop's
 # streaming while the GPU idles: a whole small-model decode step. Shorter turns cost a little switching instead.
 GIL_SWITCH_INTERVAL_S = 0.0005
+# At shutdown the gRPC server stops last, after the drain: a call that reached it just before is answered (refused
+# with UNAVAILABLE) within this grace, and one still unanswered when it ends is cancelled (the client sees CANCELLED,
+# not a status it can act on). On a loaded host answering can take more than a second; with no call open the stop
+# returns at once, so a long grace costs nothing.
+SERVER_STOP_GRACE_S = 10.0
 
 __all__ = ["Controller", "ControllerConfig", "LiveRequest", "ServedModel", "State", "StreamItem"]
 
@@ -150,7 +155,7 @@ class Controller:
         if self._prompts is not None:
             self._prompts.close()
         if self._server is not None:
-            await self._server.stop(1.0)
+            await self._server.stop(SERVER_STOP_GRACE_S)
         self.metrics.close()
         return cut
 

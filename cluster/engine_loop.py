@@ -91,6 +91,9 @@ class EngineLoop:
         self._commands: queue.SimpleQueue[tuple[Callable, Future] | None] = queue.SimpleQueue()
         self._failed: BaseException | None = None
         self._stopped = False
+        # Held to queue a command and to stop or fail the loop, so nothing is queued after the thread's last look at
+        # the queue: every submitted future is resolved (a command queued behind the stop would wait forever).
+        self._queue_lock = threading.Lock()
         self._stopping = threading.Event()  # wakes the restart thread's backoff
         self._thread = threading.Thread(target=self._run, name="shardserve-engine-loop", daemon=True)
 
@@ -100,11 +103,17 @@ class EngineLoop:
     def submit(self, fn: Callable[[Engine], object]) -> Future:
         """Runs fn(engine) on the loop thread before the next step."""
         future: Future = Future()
-        if self._failed is not None or self._stopped:
+        if not self._queue((fn, future)):
             future.set_exception(RuntimeError(f"the engine loop is not running ({self._failed or 'stopped'})"))
-        else:
-            self._commands.put((fn, future))
         return future
+
+    def _queue(self, command: tuple[Callable, Future]) -> bool:
+        """Queues a command unless the loop has stopped or failed; False then."""
+        with self._queue_lock:
+            if self._failed is not None or self._stopped:
+                return False
+            self._commands.put(command)
+            return True
 
     def group_lost(self, error: BaseException) -> None:
         """The health probe found a rank gone while no step noticed (an idle server): handled as a failed step."""
@@ -116,9 +125,10 @@ class EngineLoop:
 
     def stop(self, timeout: float | None = None) -> None:
         """Stops after the current step; commands still queued fail."""
-        self._stopped = True
+        with self._queue_lock:
+            self._stopped = True
+            self._commands.put(None)  # the last item: every command queued is run or failed before the thread ends
         self._stopping.set()
-        self._commands.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -148,7 +158,8 @@ class EngineLoop:
                         self._lose_group(e)
         except BaseException as e:  # a worker failed (or a bug): every request on this engine is lost
             log.exception("engine loop failed")
-            self._failed = e
+            with self._queue_lock:
+                self._failed = e
             self._fail_queued(e)
             self._on_failure(e)
 
@@ -180,13 +191,11 @@ class EngineLoop:
                 if attempt < policy.max_tries and not self._stopping.wait(wait_s):
                     wait_s = min(2 * wait_s, policy.max_backoff_s)
                 continue
-            if self._stopped:
-                executor.shutdown()
-                return
-            self._commands.put((lambda engine, ex=executor: self._resume(ex), Future()))
+            if not self._queue((lambda engine, ex=executor: self._resume(ex), Future())):
+                executor.shutdown()  # stopped meanwhile: the new group is nobody's
             return
         why = _GiveUp(f"the TP group could not be restarted in {policy.max_tries} tries: {error!r}")
-        self._commands.put((lambda engine: self._fail_restart(why), Future()))
+        self._queue((lambda engine: self._fail_restart(why), Future()))
 
     def _resume(self, executor: Executor) -> None:
         self.engine.restart(executor)

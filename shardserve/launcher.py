@@ -43,9 +43,9 @@ def ensure_ray(address: str = "local") -> None:
     if address == "local":
         # Without this, Ray binds the machine's external address; the local cluster stays on 127.0.0.1.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        # "local": a new Ray, never one found through /tmp/ray/ray_current_cluster (another user's `ray start`)
-        ray.init(address="local", num_cpus=max(8, os.cpu_count() or 1), include_dashboard=False,
-                 logging_level="warning")
+        from shardserve.local_ray import init_local_ray
+
+        init_local_ray(max(8, os.cpu_count() or 1))
     else:
         ray.init(address=address, logging_level="warning")
 

@@ -14,6 +14,9 @@ host, then ends whatever is left in the host's session (only processes the host 
     ray_host = LocalRay.start(num_cpus=8)     # then ray.init(address=ray_host.address)
     ...
     ray.shutdown(); ray_host.stop()
+
+`init_local_ray` is the one place a new local Ray starts (the host, `ensure_ray("local")`, the test session): it
+starts again once when Ray's raylet does not register with its GCS in time.
 """
 
 from __future__ import annotations
@@ -24,7 +27,10 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from dataclasses import dataclass
+
+RAY_START_TRIES = 2
 
 
 @dataclass
@@ -80,6 +86,99 @@ class LocalRay:
         self.process.wait(5.0)
 
 
+def init_local_ray(num_cpus: int, tries: int = RAY_START_TRIES, **options) -> None:
+    """ray.init of a new Ray of this process's own (address "local": never one found through RAY_ADDRESS or
+    /tmp/ray/ray_current_cluster), no dashboard, logging at warning; options go to ray.init.
+
+    Ray gives its raylet 30 s to register with the GCS and then raises, leaving the processes it started behind.
+    A start that fails so is cleaned up (this process's new children end) and tried again, up to `tries` starts in
+    all; the tail of its logs goes into a warning (and into the error when the last try fails) to say why."""
+    import ray
+
+    options = {"include_dashboard": False, "logging_level": "warning", **options}
+    for attempt in range(1, tries + 1):
+        before = set(_children())
+        try:
+            ray.init(address="local", num_cpus=num_cpus, **options)
+            return
+        except Exception as e:
+            if "timed out during startup" not in str(e):
+                raise
+            logs = _session_log_tails(options.get("_temp_dir"))
+            _end_processes(set(_children()) - before)
+            if attempt == tries:
+                raise RuntimeError(f"Ray did not start in {tries} tries: {e}\n{logs}") from e
+            warnings.warn(f"Ray did not start (try {attempt} of {tries}): {e}; starting it again.\n{logs}",
+                          RuntimeWarning, stacklevel=2)
+
+
+def _children() -> list[int]:
+    """This process's live children, from /proc."""
+    me = os.getpid()
+    return [pid for pid, ppid, _ in _process_table() if ppid == me]
+
+
+def _process_table() -> list[tuple[int, int, int]]:
+    """(pid, ppid, session id) of every live (not zombie) process, from /proc."""
+    table = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, session, ...
+        if fields[0] != "Z":
+            table.append((int(entry), int(fields[1]), int(fields[3])))
+    return table
+
+
+def _end_processes(pids: set[int], timeout_s: float = 5.0) -> None:
+    """SIGKILL to each pid (processes this process started), then reaps them."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while time.monotonic() < deadline:
+            try:
+                if os.waitpid(pid, os.WNOHANG)[0]:
+                    break
+            except ChildProcessError:  # reaped elsewhere (subprocess) or not a child any more
+                break
+            time.sleep(0.05)
+
+
+def _session_log_tails(temp_dir: str | None = None, lines: int = 20) -> str:
+    """The last lines of the GCS's and raylet's logs of the newest Ray session this process started (Ray names
+    session folders session_<time>_<pid of the starting process>), in temp_dir (None: Ray's default)."""
+    if temp_dir is None:
+        from ray._common.utils import get_default_ray_temp_dir
+
+        temp_dir = get_default_ray_temp_dir()
+    try:
+        mine = sorted(d for d in os.listdir(temp_dir) if d.startswith("session_") and d.endswith(f"_{os.getpid()}"))
+    except OSError:
+        return ""
+    if not mine:
+        return ""
+    logs = os.path.join(temp_dir, mine[-1], "logs")
+    out = []
+    for name in ("gcs_server.out", "gcs_server.err", "raylet.out", "raylet.err"):
+        try:
+            with open(os.path.join(logs, name), errors="replace") as f:
+                tail = f.readlines()[-lines:]
+        except OSError:
+            continue
+        if tail:
+            out.append(f"--- {os.path.join(logs, name)} (last {len(tail)} lines)\n" + "".join(tail))
+    return "\n".join(out)
+
+
 def _use_auth_mode(mode: str) -> None:
     """This process connects next with the host's authentication mode (the token itself is read from ~/.ray, where
     the host's ray.init put it); Ray reads the mode into its config once, so the config is read again."""
@@ -91,19 +190,7 @@ def _use_auth_mode(mode: str) -> None:
 
 def session_members(sid: int) -> list[int]:
     """Live (not zombie) processes of session sid, from /proc."""
-    members = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, ...
-        if int(fields[3]) == sid and fields[0] != "Z":
-            members.append(int(entry))
-    return members
+    return [pid for pid, _, session in _process_table() if session == sid]
 
 
 def _host(num_cpus: int) -> None:
@@ -111,9 +198,7 @@ def _host(num_cpus: int) -> None:
     import ray
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only serve decides when Ray goes
-    # "local": a new Ray, never one found through /tmp/ray/ray_current_cluster (someone's `ray start`)
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, logging_level="warning",
-             log_to_driver=False)
+    init_local_ray(num_cpus, log_to_driver=False)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # after ray.init, which sets its own
     try:
         # Ray's token authentication (on by default for a new local Ray): the one connecting must turn it on too

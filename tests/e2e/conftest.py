@@ -22,19 +22,14 @@ def ray_session():
     pytest-xdist each worker process has a Ray of its own."""
     import ray
 
+    from shardserve.local_ray import init_local_ray
+
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(
-            # "local": always a new Ray of this process's own, never one found through RAY_ADDRESS or
-            # /tmp/ray/ray_current_cluster (which test_placement.py's simulated cluster writes while it runs, maybe
-            # in the other pytest-xdist worker at the same moment)
-            address="local",
-            num_cpus=8,
-            include_dashboard=False,
-            logging_level="warning",
-            log_to_driver=False,
-            namespace="shardserve-tests",
-        )
+        # Always a new Ray of this process's own, never one found through RAY_ADDRESS or /tmp/ray/ray_current_cluster
+        # (which test_placement.py's simulated cluster writes while it runs, maybe in another pytest-xdist worker);
+        # started again once when its raylet does not register in time (that start's logs in a warning).
+        init_local_ray(8, log_to_driver=False, namespace="shardserve-tests")
     yield ray
     if started_here:
         ray.shutdown()
