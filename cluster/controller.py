@@ -23,7 +23,7 @@ import uuid
 
 from shardserve.cluster.admission import Prompt, has_chat_template
 from shardserve.cluster.controller_types import ControllerConfig, LiveRequest, ServedModel, State, StreamItem
-from shardserve.cluster.engine import EngineStats
+from shardserve.cluster.controller_views import ControllerViews
 from shardserve.cluster.engine_loop import StepReport
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
 from shardserve.cluster.generation_service import set_health, start_server
@@ -31,7 +31,7 @@ from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.prompt_encoder import PromptEncoder, default_max_prompt_bytes
 from shardserve.cluster.remote_replica import RemoteReplica
 from shardserve.cluster.replica import Replica, ReplicaState
-from shardserve.cluster.router import POLICIES, ROUTE_BLOCKS, Router, prompt_block_hashes
+from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.transport import host_port
 
@@ -50,7 +50,7 @@ SERVER_STOP_GRACE_S = 10.0
 __all__ = ["Controller", "ControllerConfig", "LiveRequest", "ServedModel", "State", "StreamItem"]
 
 
-class Controller:
+class Controller(ControllerViews):
     def __init__(self, config: ControllerConfig) -> None:
         self.config = config
         self.state = State.STARTING
@@ -258,64 +258,6 @@ class Controller:
             if live.replica is not None:
                 live.replica.abort(req_id)
 
-    async def server_stats(self) -> tuple[EngineStats | None, dict]:
-        """Fresh engine stats (taken between two steps), summed over the serving replicas, and the controller's
-        own counters, with each replica's id, state, routed requests and stats (None when not serving)."""
-        stats, each = None, [None] * len(self.replicas)
-        if self.state in (State.SERVING, State.DRAINING):
-            serving = [i for i, r in enumerate(self.replicas)
-                       if r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING)]
-            for i, s in zip(serving, await asyncio.gather(*(self.replicas[i].stats() for i in serving))):
-                each[i] = s
-            stats = _sum_stats([s for s in each if s is not None]) if serving else None
-        replicas = [dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i], stats=each[i])
-                    for i, r in enumerate(self.replicas)]
-        return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
-                       "uptime_s": time.time() - self._started_at, "replicas": replicas}
-
-    async def worker_groups(self) -> list:
-        """Each replica's current worker group (the executor's `group`, where it has one; None otherwise): endpoints,
-        actors, the group's secret. For operators and tests holding the Ray cluster, which can drive it anyway."""
-        return [(await r.executor_facts())["group"] for r in self.replicas]
-
-    async def replica_stats(self) -> list[dict]:
-        """Per replica: id, state, requests routed to it, the nodes of its ranks (where the executor knows them),
-        the wall time of its engine steps and its workers' own time in them (step_s, forward_s: the current
-        group's, for the control-plane share), and (serving ones) its engine's prompt and cached-prompt
-        token counts (the prefix-cache hit rate) and finished requests."""
-        out = []
-        for i, r in enumerate(self.replicas):
-            facts = await r.executor_facts()
-            row = dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i], nodes=facts["nodes"],
-                       step_s=r.step_s_total, forward_s=facts["forward_s"])
-            if r.serving:
-                s = await r.stats()
-                row.update(prompt_tokens=s.num_prompt_tokens, cached_prompt_tokens=s.num_cached_prompt_tokens,
-                           finished=s.num_finished, generated_tokens=s.num_generated_tokens)
-            out.append(row)
-        return out
-
-    async def reset_caches(self, routing: str | None = None, kv_blocks: int | None = None) -> list[int]:
-        """For A/B benchmarks on one running cluster, while no request is live: every serving replica forgets its
-        prefix cache (the router its index), routing becomes the policy (None: unchanged) and each replica keeps
-        kv_blocks usable KV blocks (BlockManager.limit_blocks; None: all). Returns each one's usable blocks."""
-        if routing is not None and routing not in POLICIES:
-            raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {routing!r}")
-
-        def reset(engine) -> int:
-            bm = engine.block_manager
-            bm.reset_prefix_cache()
-            usable = bm.limit_blocks(bm.num_blocks if kv_blocks is None else kv_blocks)
-            bm.take_events()  # forgotten here already: the router drops the replica's entries below
-            return usable
-
-        usable = [await asyncio.wrap_future(r.submit(reset)) if r.serving else 0 for r in self.replicas]
-        for i in range(len(self.replicas)):
-            self.router.forget(i)
-        if routing is not None:
-            self.router.policy = routing
-        return usable
-
     # ---- from the replicas (on the event loop) --------------------------------------------------------------
     def _dispatch(self, replica: Replica, report: StepReport) -> None:
         if report.block_events:
@@ -384,9 +326,3 @@ class Controller:
         self._live.pop(req_id, None)
         if not self._live:
             self._idle.set()
-
-
-def _sum_stats(stats: list[EngineStats]) -> EngineStats:
-    total = EngineStats(*(sum(getattr(s, f) for s in stats) for f in EngineStats.__slots__))
-    total.kv_usage = total.num_kv_blocks_used / max(total.num_kv_blocks, 1)
-    return total

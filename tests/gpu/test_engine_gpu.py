@@ -3,8 +3,8 @@ TP=2 with the all-reduces inside the graphs where two GPUs are present), and the
 graphs covers what the capture really takes. Runs only on a CUDA host (make test-gpu).
 
 Greedy outputs are compared with the near-tie rule: padding changes matmul shapes and the graphs' fixed split
-count changes summation order, so a first difference is accepted only where the eager run's own top-2 logprobs
-are within TIE of each other."""
+count changes summation order, so a first difference is accepted only where the other token is in the eager run's own
+top 5 within TIE of its greedy token's logprob."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def generate(model_dir: str, prompts: list | None = None, dtype: str = "float32"
 
 @pytest.fixture(scope="module")
 def eager(model_dir):
-    outputs, info = generate(model_dir, enforce_eager=True)
+    outputs, info = generate(model_dir, logprobs=5, enforce_eager=True)  # top 5: a differing token can be judged
     assert info["graphs"] is None  # enforce_eager: nothing captured
     return outputs
 
@@ -114,7 +114,7 @@ def test_bs1_bf16_one_row_layers_equal_the_layer_by_layer_path(model_dir, enforc
     monkeypatch.setattr(DecoderLayer, "forward_one_row", lambda self, *a: calls.append(1) or original(self, *a))
     prompts = PROMPTS[1:2]
     monkeypatch.setattr(_fused, "ONE_ROW", False)
-    plain, _ = generate(model_dir, prompts, "bfloat16", enforce_eager=True)
+    plain, _ = generate(model_dir, prompts, "bfloat16", logprobs=5, enforce_eager=True)
     assert not calls
     monkeypatch.setattr(_fused, "ONE_ROW", True)
     one_row, _ = generate(model_dir, prompts, "bfloat16", enforce_eager=enforce_eager)
