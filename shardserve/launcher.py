@@ -13,6 +13,7 @@ its all-reduces run over NVLink/shared memory instead of the network.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -28,6 +29,20 @@ GPU_RANK_BUNDLE = {"GPU": 1, "CPU": 1}
 
 class PlacementError(RuntimeError):
     """The TP group's placement group could not be placed in time (too few resources on any one node)."""
+
+
+def _off_the_event_loop(what: str) -> None:
+    """Placing and starting a group blocks on Ray (ray.get) for seconds: on an event loop's thread that would stall
+    every stream the loop serves. The controller calls these in asyncio.to_thread; anything else is a bug.
+
+    Ray warns of any ray.get in an asyncio actor (the controller), whichever thread it runs on: the thread checked
+    here, that warning is turned off for this process, where it would only mislead."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        os.environ["RAY_WARN_BLOCKING_GET_INSIDE_ASYNC"] = "0"
+        return
+    raise RuntimeError(f"{what} blocks on Ray: call it off the event loop (asyncio.to_thread)")
 
 
 def ensure_ray(address: str = "local") -> None:
@@ -90,6 +105,7 @@ def place_group(config: EngineConfig, strategy: str = "STRICT_PACK", name: str =
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
+    _off_the_event_loop("place_group")
     bundle = GPU_RANK_BUNDLE if config.device == "cuda" else CPU_RANK_BUNDLE
     bundles = [dict(bundle) for _ in range(config.tensor_parallel_size)]
     bundles[0]["CPU"] += extra_cpus
@@ -131,6 +147,7 @@ def launch_worker_group(
     from shardserve.proto.auth import new_secret
     from shardserve.worker.distributed import MULTICAST_OFF_ENV, cpu_threads_per_rank  # imports torch: lazily
 
+    _off_the_event_loop("launch_worker_group")
     tp = config.tensor_parallel_size
     prefix = name_prefix or f"shardserve-{uuid.uuid4().hex[:8]}"
     bundle = GPU_RANK_BUNDLE if config.device == "cuda" else CPU_RANK_BUNDLE
