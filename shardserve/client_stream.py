@@ -1,5 +1,6 @@
 """The client's streams: a Generate call's messages folded into deltas and a GenerationResult, and resuming a stream
-that broke with UNAVAILABLE (shardserve/client.py's module docstring says when and why that is exact)."""
+that broke with UNAVAILABLE, or a CANCELLED the client did not ask for (shardserve/client.py's module docstring says
+when and why that is exact)."""
 
 from __future__ import annotations
 
@@ -122,13 +123,14 @@ class _StreamState:
         self._resume_timeout_s = resume_timeout_s
         self._resume_until: float | None = None  # while resuming: when to give up
         self._resume_wait_s = RESUME_BACKOFF_S[0]
+        self._cancelled_here = False  # cancel() was called: a CANCELLED that follows is the caller's own
         self.num_resumes = 0  # how many times the stream was sent again
 
     def _next_try_s(self, error: grpc.RpcError) -> float | None:
         """After a broken call: seconds to wait before sending the request again, or None to raise the error."""
         import time
 
-        if self._reopen is None or error.code() != grpc.StatusCode.UNAVAILABLE or self._collector.result is not None:
+        if self._reopen is None or not self._is_break(error) or self._collector.result is not None:
             return None
         if not self._collector.request_id:  # refused before it was admitted (starting, draining): not a break
             return None
@@ -141,6 +143,12 @@ class _StreamState:
             return None
         wait_s, self._resume_wait_s = self._resume_wait_s, min(2 * self._resume_wait_s, RESUME_BACKOFF_S[1])
         return min(wait_s, self._resume_until - now)
+
+    def _is_break(self, error: grpc.RpcError) -> bool:
+        """UNAVAILABLE (the server lost the request, or went away), or a CANCELLED this client did not ask for: the
+        server's side cancelled the call (gRPC cancels calls still open when a stopping server's grace ends)."""
+        code = error.code()
+        return code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.CANCELLED and not self._cancelled_here)
 
     def _broken(self, error: grpc.RpcError) -> float:
         """The call broke: seconds to wait before resume(); re-raises the error when the stream does not resume."""
@@ -176,6 +184,7 @@ class _StreamState:
 
     def cancel(self) -> None:
         """Ends the stream; the server aborts the request and frees its cache blocks."""
+        self._cancelled_here = True
         self._call.cancel()
 
 

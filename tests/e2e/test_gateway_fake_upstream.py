@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -41,8 +42,16 @@ class FakeGeneration(pb_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid bearer token is required")
         if name in grpc.StatusCode.__members__:
             context.abort(grpc.StatusCode[name], f"fake {name}")
-        if name == "MIDSTREAM_RESUME":  # breaks with UNAVAILABLE after one token; the request sent again finishes
-            yield from self._break_then_finish(request, context)
+        if name in ("MIDSTREAM_RESUME", "MIDSTREAM_RESUME_CANCELLED"):  # breaks (UNAVAILABLE; CANCELLED) after one
+            yield from self._break_then_finish(request, context)  # token; the request sent again finishes
+            return
+        if name == "SLOW":  # one token, then waits for the client to go
+            context.add_callback(lambda: self.resumed.append("SLOW ended"))  # before the client can cancel
+            yield pb.GenerateResponse(started=pb.GenerateResponse.Started(request_id="slow", prompt_token_count=3,
+                                                                          seed=42))
+            yield pb.GenerateResponse(delta=pb.GenerateResponse.Delta(text="ok", token_ids=[7]))
+            while context.is_active():
+                time.sleep(0.01)
             return
         yield pb.GenerateResponse(started=pb.GenerateResponse.Started(request_id=request.request_id,
                                                                       prompt_token_count=3))
@@ -57,7 +66,8 @@ class FakeGeneration(pb_grpc.GenerationServicer):
             yield pb.GenerateResponse(started=pb.GenerateResponse.Started(request_id="first", prompt_token_count=3,
                                                                           seed=42))
             yield pb.GenerateResponse(delta=pb.GenerateResponse.Delta(text="ok", token_ids=[7]))
-            context.abort(grpc.StatusCode.UNAVAILABLE, "the server lost the request")
+            code = grpc.StatusCode.CANCELLED if request.text.endswith("CANCELLED") else grpc.StatusCode.UNAVAILABLE
+            context.abort(code, "the server lost the request")
         self.resumed.append((list(request.resume_token_ids), request.seed))
         yield pb.GenerateResponse(started=pb.GenerateResponse.Started(request_id="again", prompt_token_count=3,
                                                                       seed=request.seed))
@@ -127,6 +137,31 @@ def test_an_upstream_stream_broken_with_unavailable_resumes_with_its_tokens_and_
             text = client.completions.create(model="fake", prompt="MIDSTREAM_RESUME").choices[0].text
     assert text == "ok again"
     assert fake[0].resumed[-1] == ([7], 42)
+
+
+def test_a_stream_the_server_cancelled_resumes_one_the_caller_cancelled_does_not(fake):
+    """CANCELLED from the server's side (gRPC cancels calls still open when a stopping server's grace ends) is a
+    break like UNAVAILABLE: the client sends the request again with its tokens and seed. The caller's own cancel()
+    ends the stream for good."""
+    from shardserve.client import Client
+
+    with Client(fake[3], timeout=30) as client:
+        result = client.generate("MIDSTREAM_RESUME_CANCELLED", max_tokens=2)
+        assert result.text == "ok again" and result.finish_reason == "length"
+        assert fake[0].resumed[-1] == ([7], 42)
+        resumed_before = len(fake[0].resumed)
+        stream = client.stream("SLOW", max_tokens=2)
+        received = []
+        with pytest.raises(grpc.RpcError) as ended:
+            for delta in stream:
+                received.append(delta.token_ids)
+                stream.cancel()
+        assert ended.value.code() == grpc.StatusCode.CANCELLED and received == [[7]]
+        assert stream.num_resumes == 0
+    deadline = time.monotonic() + 10
+    while fake[0].resumed[resumed_before:] != ["SLOW ended"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert fake[0].resumed[resumed_before:] == ["SLOW ended"]  # the call ended (the cancel), and was not sent again
 
 
 def test_the_authorization_header_reaches_the_server_as_grpc_metadata(fake):
