@@ -58,30 +58,55 @@ _SAMPLING = {fd.name: fd for fd in _REQUEST.fields
 
 def build_request(prompt, request_id: str | None, sampling: dict) -> pb.GenerateRequest:
     """prompt: text, a list of token ids, or chat messages [{"role": ..., "content": ...}]; sampling: GenerateRequest's
-    sampling fields by name (None = the server's default). Checks only what building the message needs: the
-    server checks the values (INVALID_ARGUMENT)."""
+    sampling fields by name (None = the server's default). Checks only what building the message needs (the server
+    checks the values: INVALID_ARGUMENT): a value the message cannot hold (an integer beyond its field's range, text
+    that is not UTF-8 such as a lone surrogate) is a FieldError (a ValueError) naming the field; a value of the
+    wrong type, a TypeError naming it."""
     unknown = set(sampling) - set(_SAMPLING)
     if unknown:
         raise TypeError(f"unknown sampling argument(s): {', '.join(sorted(unknown))}")
     msg = pb.GenerateRequest()
     if request_id is not None:
-        msg.request_id = request_id
+        _put("request_id", lambda: setattr(msg, "request_id", request_id))
     if isinstance(prompt, str):
-        msg.text = prompt
+        _put("prompt", lambda: setattr(msg, "text", prompt))
     elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        msg.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"]) for m in prompt)
+        _put("messages", lambda: msg.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
+                                                           for m in prompt))
     elif isinstance(prompt, (list, tuple)):
-        msg.token_ids.ids.extend(prompt)  # an empty list is sent as is: the server answers INVALID_ARGUMENT
+        # an empty list is sent as is: the server answers INVALID_ARGUMENT
+        _put("prompt", lambda: msg.token_ids.ids.extend(prompt), "prompt token ids")
     else:
         raise TypeError(f"a prompt is text, token ids or chat messages; got {type(prompt).__name__}")
     for name, value in sampling.items():
         if value is None:
             continue
-        if _SAMPLING[name].is_repeated:
-            getattr(msg, name).extend([value] if isinstance(value, str) else value)  # stop="x" means ["x"]
+        if _SAMPLING[name].is_repeated:  # stop="x" means ["x"]
+            _put(name, lambda: getattr(msg, name).extend([value] if isinstance(value, str) else value))
         else:
-            setattr(msg, name, value)
+            _put(name, lambda: setattr(msg, name, value))
     return msg
+
+
+class FieldError(ValueError):
+    """A value a GenerateRequest cannot hold; .field names the request field (prompt, messages, max_tokens, ...)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def _put(field: str, put, what: str | None = None) -> None:
+    """Runs put (a change to the message); what protobuf refuses to hold becomes a FieldError naming the field."""
+    what = what or field
+    try:
+        put()
+    except UnicodeEncodeError as e:
+        raise FieldError(field, f"{what} is not valid UTF-8 text ({e.reason} at position {e.start})") from None
+    except ValueError as e:  # protobuf: "Value out of range: N" for an integer its field cannot hold
+        raise FieldError(field, f"{what}: {e}") from None
+    except TypeError as e:  # a value of the wrong type: the caller's bug, as Python says it
+        raise TypeError(f"{what}: {e}") from None
 
 
 class Client:

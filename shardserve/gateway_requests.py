@@ -13,7 +13,7 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shardserve.client import AsyncClient
+from shardserve.client import AsyncClient, FieldError
 from shardserve.gateway_metrics import GatewayMetrics
 from shardserve.openai_format import DONE, Choice, error_body, response_body, sse, usage_chunk
 from shardserve.proto import generation_pb2 as pb
@@ -121,8 +121,11 @@ class Gateway:
     async def _start(self, prompt, sampling: dict, rid: str, metadata, choice: Choice) -> "_Call":
         """Opens the Generate stream and reads its Started message, so that admission errors become HTTP errors.
         (A request without max_tokens gets the rest of the context from the server.)"""
-        stream = self.client.stream(prompt, request_id=rid, timeout=self.request_timeout_s, metadata=metadata,
-                                    **sampling)
+        try:
+            stream = self.client.stream(prompt, request_id=rid, timeout=self.request_timeout_s, metadata=metadata,
+                                        **sampling)
+        except FieldError as e:  # a value the gRPC request cannot hold (client.build_request)
+            raise GatewayError(400, str(e), "invalid_request_error", e.field, "invalid_argument") from None
         call = _Call(stream)
         try:
             first = await anext(call.messages, None)

@@ -66,7 +66,7 @@ def test_client_keywords_reach_the_server_as_the_same_sampling_params():
 def test_the_client_checks_only_what_building_the_message_needs():
     with pytest.raises(TypeError, match="temprature"):
         build_request("hi", None, {"temprature": 0})
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="top_k: "):
         build_request("hi", None, {"top_k": "many"})  # protobuf cannot hold it
     msg = build_request("hi", None, {"temperature": -1.0, "max_tokens": 0})  # the server's to judge
     with pytest.raises(ValueError, match="temperature"):
@@ -83,3 +83,22 @@ def test_params_map_onto_the_workers_spec_by_name():
     default = SamplingParams().to_spec(eos_token_ids=[2], default_seed=7)
     assert default.logprobs == -1 == default.prompt_logprobs and default.stop_token_ids == [2] and default.seed == 7  # the engine's draw
     assert isinstance(SamplingParams(temperature=1).to_spec([], 0).temperature, float)
+
+
+@pytest.mark.parametrize("prompt, sampling, field, says", [
+    ("hi", {"max_tokens": 10**30}, "max_tokens", "max_tokens: Value out of range"),
+    ("hi", {"seed": -1}, "seed", "seed: Value out of range"),
+    ([10**12], {}, "prompt", "prompt token ids: Value out of range"),
+    ("a\ud800b", {}, "prompt", "prompt is not valid UTF-8 text (surrogates not allowed at position 1)"),
+    ([{"role": "user", "content": "\udcff"}], {}, "messages", "messages is not valid UTF-8 text"),
+    ("hi", {"stop": ["ok", "\ud800"]}, "stop", "stop is not valid UTF-8 text"),
+])
+def test_a_value_the_request_cannot_hold_is_a_field_error_naming_the_field(prompt, sampling, field, says):
+    """What protobuf refuses to hold (an integer beyond its field, a lone surrogate) is a ValueError naming the field,
+    which the gateway answers with 400 (not a 500 from an unexpected exception)."""
+    from shardserve.client import FieldError
+
+    with pytest.raises(FieldError) as refused:
+        build_request(prompt, None, sampling)
+    assert refused.value.field == field and says in str(refused.value)
+    assert isinstance(refused.value, ValueError)

@@ -111,6 +111,25 @@ def test_grpc_statuses_become_their_http_codes_with_openai_error_bodies(fake, co
     assert set(error) == {"message", "type", "param", "code"} and error["message"] == f"fake {code}"
 
 
+@pytest.mark.parametrize("path, body, param", [
+    ("completions", b'{"prompt": "hi", "max_tokens": 1000000000000000000000000000000}', "max_tokens"),
+    ("completions", b'{"prompt": [1000000000000]}', "prompt"),
+    ("completions", b'{"prompt": "a\\ud800b"}', "prompt"),  # a lone surrogate, escaped as JSON allows
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "\\udcff"}]}', "messages"),
+    ("completions", b'{"prompt": "hi", "seed": -1}', "seed"),
+], ids=["huge-max-tokens", "huge-token-id", "lone-surrogate", "lone-surrogate-chat", "negative-seed"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_value_the_grpc_request_cannot_hold_is_a_400_naming_the_field(fake, path, body, param, stream):
+    """Valid JSON the gRPC request cannot carry (an integer beyond its field, text that is not UTF-8): 400 with the
+    field, never a 500; the server stays up."""
+    body = body[:-1] + (b', "stream": true}' if stream else b"}")
+    reply = httpx.post(f"{fake[2]}/v1/{path}", content=body, headers={"content-type": "application/json"}, timeout=30)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert httpx.post(f"{fake[2]}/v1/completions", json={"prompt": "hello"}, timeout=30).status_code == 200
+
+
 def test_an_error_after_the_stream_began_arrives_as_its_last_event(fake):
     with openai.OpenAI(base_url=f"{fake[2]}/v1", api_key="x", max_retries=0) as client:
         stream = client.completions.create(model="fake", prompt="MIDSTREAM_UNAVAILABLE", stream=True)
