@@ -17,15 +17,15 @@ A server started with --auth-token-file wants `token=...`; one with TLS wants `t
 its certificate; `tls=True` alone trusts the system's roots), and with mutual TLS also `tls_client_cert=` and
 `tls_client_key=` (PEM file paths or bytes).
 
-Resuming (the default; `resume=False` turns it off): when an admitted stream breaks with UNAVAILABLE (the server
-lost the request: a failed worker group that could not come back, a restarted controller or server, a drain's
-cut-off), or with a CANCELLED it did not ask for (the server's side cancelled the call: gRPC does so to calls still
-open when a stopping server's grace ends), the stream sends the request again with the tokens it has received (`resume_token_ids`) and its seed,
-retrying for up to `resume_timeout_s`, and goes on where it stopped: the caller sees a pause, and the tokens are
-those of an unbroken request (the server draws each token from the seed and its index). An unseeded request's seed
-is the one the server drew for it at admission and told in the Started message; a server that tells none leaves
-such a stream unresumed (unless `resume=True`: it then continues with a new draw). Prompt logprobs are not asked
-for again. Not resumed: a request refused before it was admitted (a server starting or draining answers
+Resuming (the default; `resume=False` turns it off): when an admitted stream breaks with UNAVAILABLE (the server lost
+the request: a failed worker group that could not come back, a restarted controller or server, a drain's cut-off), or
+with a CANCELLED it did not ask for (the server's side cancelled the call: gRPC does so to calls still open when a
+stopping server's grace ends), the stream sends the request again with the tokens it has received (`resume_token_ids`)
+and its seed, retrying for up to `resume_timeout_s`, and goes on where it stopped: the caller sees a pause, and the
+tokens are those of an unbroken request (the server draws each token from the seed and its index). An unseeded
+request's seed is the one the server drew for it at admission and told in the Started message; a server that tells
+none leaves such a stream unresumed (unless `resume=True`: it then continues with a new draw). Prompt logprobs are not
+asked for again. Not resumed: a request refused before it was admitted (a server starting or draining answers
 UNAVAILABLE at once), a stream the caller cancelled, any other status.
 
 Logprobs come as LLM gives them (vLLM's shape): one dict per position, {token id: Logprob(logprob, rank,

@@ -51,7 +51,7 @@ def test_a_start_that_timed_out_is_cleaned_up_and_tried_again(monkeypatch):
 def test_the_last_failed_try_raises_with_ray_s_error(monkeypatch):
     init = FailingInit(failures=2)
     monkeypatch.setattr(ray, "init", init)
-    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="Ray did not start in 2 tries: The current node"):
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="did not start in 2 tries: The current node"):
         local_ray.init_local_ray(2)
     assert len(init.calls) == 2 and not any(alive(pid) for pid in init.left)
 
