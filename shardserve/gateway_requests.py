@@ -32,6 +32,9 @@ HTTP_OF = {
 }
 MODEL_INFO_TTL_S = 30.0
 _LEADING_FIELD = re.compile(r"(\w+) must be ")
+# cluster/admission.py's refusals of a prompt that does not fit: "prompt (N tokens) + max_tokens ... exceeds
+# max_model_len (L)", "... leaves no room to generate within max_model_len", "... needs K KV blocks ... the cache"
+_TOO_LONG = re.compile(r"prompt \(\d+ tokens\) .*(max_model_len|KV blocks)")
 
 
 class GatewayError(Exception):
@@ -40,12 +43,15 @@ class GatewayError(Exception):
         self.status, self.type, self.param, self.code = status, type_, param, code
 
     @classmethod
-    def of_rpc(cls, error: grpc.RpcError) -> "GatewayError":
+    def of_rpc(cls, error: grpc.RpcError, prompt_field: str = "prompt") -> "GatewayError":
+        """prompt_field: what the request called its prompt ("messages" for a chat), named by a too-long refusal."""
         status, type_, code = HTTP_OF.get(error.code(), (500, "server_error", None))
         message = error.details() or error.code().name
         param = None
         if error.code() == grpc.StatusCode.INVALID_ARGUMENT:  # "temperature must be ...": the field it names
             param = (match := _LEADING_FIELD.match(message)) and match.group(1)
+            if _TOO_LONG.match(message):  # OpenAI's code for it: clients trim the prompt and retry
+                param, code = prompt_field, "context_length_exceeded"
         return cls(status, message, type_, param, code or error.code().name.lower())
 
     def response(self) -> JSONResponse:
@@ -132,7 +138,8 @@ class Gateway:
         except grpc.RpcError as e:
             call.cancel()
             self.metrics.upstream_errors.labels(e.code().name).inc()
-            raise GatewayError.of_rpc(e) from None
+            chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
+            raise GatewayError.of_rpc(e, "messages" if chat else "prompt") from None
         except BaseException:
             call.cancel()
             raise

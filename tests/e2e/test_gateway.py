@@ -207,6 +207,22 @@ def test_invalid_requests_get_400_naming_the_field(oai):
     assert ok.usage.completion_tokens <= 2
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_prompt_too_long_for_the_context_is_400_context_length_exceeded(oai, chat):
+    """OpenAI's answer to a request that does not fit the context: 400 invalid_request_error, code
+    context_length_exceeded, param naming the prompt ("messages" for a chat), which clients act on."""
+    model = oai.models.list().data[0]
+    max_model_len = model.model_extra["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        if chat:
+            oai.chat.completions.create(model=model.id, messages=[{"role": "user", "content": "hi"}],
+                                        max_tokens=max_model_len)
+        else:
+            oai.completions.create(model=model.id, prompt="hi", max_tokens=max_model_len)
+    assert refused.value.code == "context_length_exceeded"
+    assert refused.value.param == ("messages" if chat else "prompt")
+    assert "exceeds max_model_len" in refused.value.message
+
 def test_n_above_1_gets_400(oai):
     with pytest.raises(openai.BadRequestError) as error:
         oai.chat.completions.create(model=oai.models.list().data[0].id, n=2,
@@ -278,3 +294,4 @@ def _get(url: str) -> httpx.Response | None:
         return httpx.get(url, timeout=10)
     except httpx.TransportError:
         return None
+
