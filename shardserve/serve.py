@@ -98,6 +98,13 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
             print(f"shardserve gateway ready: http://{gateway.address}/v1", flush=True)
         restarts = 0
         while not stop.wait(1.0):
+            if ray_host is not None and ray_host.process.poll() is not None:
+                # Our local Ray is gone (killed: its GCS, raylet and every actor with it). Nothing is left to drain
+                # or to start again on it; said at once, rather than Ray's own abort a minute later.
+                print(f"shardserve: the local Ray (pid {ray_host.process.pid}) exited with code "
+                      f"{ray_host.process.returncode}: the engine is gone, stopping", file=sys.stderr, flush=True)
+                cluster, code = None, 1
+                break
             try:
                 status = cluster.status()
             except ray.exceptions.GetTimeoutError:

@@ -149,3 +149,19 @@ def test_a_killed_controller_is_started_again_and_resuming_clients_lose_nothing(
         assert serve.proc.returncode == 0
     finally:
         serve.kill()
+
+
+def test_a_killed_local_ray_stops_serve_at_once_with_exit_1_and_leaves_no_process(tiny_llama_dir):
+    """SIGKILL to serve's local Ray (the host process: its GCS, raylet and every actor go with it): serve says so and
+    exits 1 within seconds (not Ray's own abort a minute later), and nothing of that Ray is left."""
+    serve = Serve(tiny_llama_dir, "--port", "0")
+    try:
+        serve.wait_ready()
+        (host,) = serve.ray_sessions
+        os.kill(host, signal.SIGKILL)
+        assert serve.proc.wait(timeout=30) == 1
+        wait_for(lambda: "the local Ray" in "".join(serve.stderr), "serve's message", 10)
+        assert f"the local Ray (pid {host}) exited with code -9" in "".join(serve.stderr)
+        wait_for(lambda: not session_members(host), f"session {host} to be empty", 30)
+    finally:
+        serve.kill()
