@@ -26,6 +26,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -63,7 +64,9 @@ class LocalRay:
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Asks the host to shut Ray down (closes its stdin), waits up to timeout_s for it, then ends what is left
-        of its process group (SIGTERM, then SIGKILL, 5 s each)."""
+        of its process group (SIGTERM, then SIGKILL, 5 s each; SIGKILL at once when the host had gone before it was
+        asked: Ray then had no orderly shutdown, and what is left of it may not heed SIGTERM)."""
+        host_gone = self.process.poll() is not None
         if self.process.stdin is not None and not self.process.stdin.closed:
             self.process.stdin.close()
         try:
@@ -71,7 +74,8 @@ class LocalRay:
         except subprocess.TimeoutExpired:
             pass
         sid = self.process.pid  # the host's session: every process it started (Ray's workers have groups of their own)
-        for sig in (signal.SIGTERM, signal.SIGKILL):  # whatever the host's shutdown left
+        signals = (signal.SIGKILL,) if host_gone else (signal.SIGTERM, signal.SIGKILL)
+        for sig in signals:  # whatever the host's shutdown left
             left = session_members(sid)
             for pid in left:
                 try:
@@ -194,18 +198,46 @@ def session_members(sid: int) -> list[int]:
 
 
 def _host(num_cpus: int) -> None:
-    """The host process: Ray up, its address out, then wait for stdin's end (or SIGTERM) and shut Ray down."""
+    """The host process: Ray up, its address out, then wait for stdin's end (or SIGTERM) and shut Ray down. It also
+    watches Ray's GCS and raylet (its children): when one dies, Ray is broken for good (every process connected to
+    it aborts a minute later), so the host says which, shuts down what is left and exits 1 at once; serve, which
+    watches the host, then stops too and sweeps this session."""
     import ray
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # only serve decides when Ray goes
     init_local_ray(num_cpus, log_to_driver=False)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))  # after ray.init, which sets its own
+    vital = {pid: name for pid in _children() if (name := _command_name(pid)) in VITAL_RAY_PROCESSES}
     try:
         # Ray's token authentication (on by default for a new local Ray): the one connecting must turn it on too
         print(ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE", ""), flush=True)
-        sys.stdin.read()
+        while not select.select([sys.stdin], [], [], HOST_WATCH_S)[0] or os.read(sys.stdin.fileno(), 4096):
+            alive = {pid for pid, _, _ in _process_table()}
+            if dead := [f"{name} (pid {pid})" for pid, name in vital.items() if pid not in alive]:
+                print(f"shardserve: the local Ray's {', '.join(dead)} died: shutting it down", file=sys.stderr,
+                      flush=True)
+                # ray.shutdown waits on the dead GCS for many seconds: bounded here, since serve sweeps this
+                # session (LocalRay.stop) of whatever is left once this process has gone
+                shutdown = threading.Thread(target=ray.shutdown, daemon=True)
+                shutdown.start()
+                shutdown.join(BROKEN_SHUTDOWN_S)
+                os._exit(1)
     finally:
         ray.shutdown()
+
+
+VITAL_RAY_PROCESSES = ("gcs_server", "raylet")  # without either, the local Ray cannot go on
+HOST_WATCH_S = 1.0
+BROKEN_SHUTDOWN_S = 3.0
+
+
+def _command_name(pid: int) -> str:
+    """The file name of a process's executable as started (argv[0]'s last part), "" when it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return os.path.basename(f.read().split(b"\0", 1)[0].decode(errors="replace"))
+    except OSError:
+        return ""
 
 
 if __name__ == "__main__":

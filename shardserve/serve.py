@@ -35,6 +35,9 @@ def resolve_ray_address(address: str | None) -> str:
     return "local"
 
 
+BROKEN_RAY_SHUTDOWN_S = 2.0
+
+
 def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
@@ -143,7 +146,14 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         if gateway is not None:
             gateway.stop()
         if started_ray:
-            ray.shutdown()
+            if ray_host is not None and ray_host.process.poll() is not None:
+                # Ray is gone: ray.shutdown would wait on its dead GCS for ~10 s; whatever is left of it is swept
+                # with the host's session below
+                shutdown = threading.Thread(target=ray.shutdown, daemon=True)
+                shutdown.start()
+                shutdown.join(BROKEN_RAY_SHUTDOWN_S)
+            else:
+                ray.shutdown()
         if ray_host is not None:
             ray_host.stop()
         for s, handler in previous.items():

@@ -20,6 +20,7 @@ import threading
 import time
 
 import grpc
+import pytest
 
 from shardserve.client import Client
 from shardserve.local_ray import session_members
@@ -151,17 +152,23 @@ def test_a_killed_controller_is_started_again_and_resuming_clients_lose_nothing(
         serve.kill()
 
 
-def test_a_killed_local_ray_stops_serve_at_once_with_exit_1_and_leaves_no_process(tiny_llama_dir):
-    """SIGKILL to serve's local Ray (the host process: its GCS, raylet and every actor go with it): serve says so and
-    exits 1 within seconds (not Ray's own abort a minute later), and nothing of that Ray is left."""
+@pytest.mark.parametrize("victim", ["host", "gcs_server"])
+def test_a_killed_local_ray_stops_serve_at_once_with_exit_1_and_leaves_no_process(tiny_llama_dir, victim):
+    """SIGKILL to serve's local Ray: its host process (GCS, raylet and every actor go with it), or its GCS alone
+    (Ray is then broken for good: everything connected to it aborts a minute later). serve says so and exits 1
+    within seconds, and nothing of that Ray is left."""
     serve = Serve(tiny_llama_dir, "--port", "0")
     try:
         serve.wait_ready()
         (host,) = serve.ray_sessions
-        os.kill(host, signal.SIGKILL)
+        if victim == "host":
+            pid, said = host, f"the local Ray (pid {host}) exited with code -9"
+        else:
+            (pid,) = [p for p in session_members(host) if _cmdline(p).split(" ")[0].endswith("/gcs_server")]
+            said = f"the local Ray's gcs_server (pid {pid}) died"
+        os.kill(pid, signal.SIGKILL)
         assert serve.proc.wait(timeout=30) == 1
-        wait_for(lambda: "the local Ray" in "".join(serve.stderr), "serve's message", 10)
-        assert f"the local Ray (pid {host}) exited with code -9" in "".join(serve.stderr)
+        wait_for(lambda: said in "".join(serve.stderr), f"serve to say: {said}", 10)
         wait_for(lambda: not session_members(host), f"session {host} to be empty", 30)
     finally:
         serve.kill()
