@@ -212,8 +212,7 @@ def _host(num_cpus: int) -> None:
         # Ray's token authentication (on by default for a new local Ray): the one connecting must turn it on too
         print(ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE", ""), flush=True)
         while not select.select([sys.stdin], [], [], HOST_WATCH_S)[0] or os.read(sys.stdin.fileno(), 4096):
-            alive = {pid for pid, _, _ in _process_table()}
-            if dead := [f"{name} (pid {pid})" for pid, name in vital.items() if pid not in alive]:
+            if dead := [f"{name} (pid {pid})" for pid, name in vital.items() if not _alive(pid)]:
                 print(f"shardserve: the local Ray's {', '.join(dead)} died: shutting it down", file=sys.stderr,
                       flush=True)
                 # ray.shutdown waits on the dead GCS for many seconds: bounded here, since serve sweeps this
@@ -229,6 +228,16 @@ def _host(num_cpus: int) -> None:
 VITAL_RAY_PROCESSES = ("gcs_server", "raylet")  # without either, the local Ray cannot go on
 HOST_WATCH_S = 1.0
 BROKEN_SHUTDOWN_S = 3.0
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie does not): two reads of /proc a second, not a scan of every process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(")") + 2:].split(None, 1)[0] != "Z"
 
 
 def _command_name(pid: int) -> str:
