@@ -32,6 +32,9 @@ import warnings
 from dataclasses import dataclass
 
 RAY_START_TRIES = 2
+VITAL_RAY_PROCESSES = ("gcs_server", "raylet")  # without either, the local Ray cannot go on
+HOST_WATCH_S = 1.0  # how often the host looks at them
+BROKEN_SHUTDOWN_S = 3.0  # how long the host gives ray.shutdown once one has died
 
 
 @dataclass
@@ -223,11 +226,6 @@ def _host(num_cpus: int) -> None:
                 os._exit(1)
     finally:
         ray.shutdown()
-
-
-VITAL_RAY_PROCESSES = ("gcs_server", "raylet")  # without either, the local Ray cannot go on
-HOST_WATCH_S = 1.0
-BROKEN_SHUTDOWN_S = 3.0
 
 
 def _alive(pid: int) -> bool:
