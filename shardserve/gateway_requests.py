@@ -107,7 +107,7 @@ class Gateway:
             try:
                 for i, prompt in enumerate(prompts):
                     calls.append(await self._start(prompt, sampling, rid if len(prompts) == 1 else f"{rid}-{i}",
-                                                   metadata, choices[i]))
+                                                   metadata, choices[i], "messages" if chat else "prompt"))
             except BaseException:
                 for call in calls:
                     call.cancel()
@@ -124,7 +124,8 @@ class Gateway:
             if not streaming:
                 self.metrics.in_flight.dec()
 
-    async def _start(self, prompt, sampling: dict, rid: str, metadata, choice: Choice) -> "_Call":
+    async def _start(self, prompt, sampling: dict, rid: str, metadata, choice: Choice,
+                     prompt_field: str = "prompt") -> "_Call":
         """Opens the Generate stream and reads its Started message, so that admission errors become HTTP errors.
         (A request without max_tokens gets the rest of the context from the server.)"""
         try:
@@ -138,8 +139,7 @@ class Gateway:
         except grpc.RpcError as e:
             call.cancel()
             self.metrics.upstream_errors.labels(e.code().name).inc()
-            chat = isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict)
-            raise GatewayError.of_rpc(e, "messages" if chat else "prompt") from None
+            raise GatewayError.of_rpc(e, prompt_field) from None
         except BaseException:
             call.cancel()
             raise

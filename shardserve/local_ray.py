@@ -218,14 +218,20 @@ def _host(num_cpus: int) -> None:
             if dead := [f"{name} (pid {pid})" for pid, name in vital.items() if not _alive(pid)]:
                 print(f"shardserve: the local Ray's {', '.join(dead)} died: shutting it down", file=sys.stderr,
                       flush=True)
-                # ray.shutdown waits on the dead GCS for many seconds: bounded here, since serve sweeps this
-                # session (LocalRay.stop) of whatever is left once this process has gone
-                shutdown = threading.Thread(target=ray.shutdown, daemon=True)
-                shutdown.start()
-                shutdown.join(BROKEN_SHUTDOWN_S)
+                shutdown_broken_ray(BROKEN_SHUTDOWN_S)  # serve sweeps this session of what is left
                 os._exit(1)
     finally:
         ray.shutdown()
+
+
+def shutdown_broken_ray(timeout_s: float) -> None:
+    """ray.shutdown for a Ray whose GCS is gone, which it would wait on for many seconds: given timeout_s at most,
+    in a daemon thread (what it leaves is swept by LocalRay.stop)."""
+    import ray
+
+    shutdown = threading.Thread(target=ray.shutdown, daemon=True)
+    shutdown.start()
+    shutdown.join(timeout_s)
 
 
 def _alive(pid: int) -> bool:

@@ -14,6 +14,7 @@ import threading
 import time
 
 from shardserve.cluster.step_deadline import StepDeadline
+from shardserve.local_ray import LocalRay, shutdown_broken_ray
 from shardserve.proto.config import EngineConfig
 from shardserve.ray_cluster import RunningCluster, check_cluster_gpus, model_name_of, start_cluster
 
@@ -58,8 +59,6 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
     started_ray = not ray.is_initialized()
     ray_host = None
     if address == "local" and started_ray:  # Ray in a session of its own: a signal to our group leaves it up
-        from shardserve.local_ray import LocalRay
-
         ray_host = LocalRay.start(num_cpus=max(8, os.cpu_count() or 1))
         address = ray_host.address
     ensure_ray(address)
@@ -146,12 +145,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         if gateway is not None:
             gateway.stop()
         if started_ray:
-            if ray_host is not None and ray_host.process.poll() is not None:
-                # Ray is gone: ray.shutdown would wait on its dead GCS for ~10 s; whatever is left of it is swept
-                # with the host's session below
-                shutdown = threading.Thread(target=ray.shutdown, daemon=True)
-                shutdown.start()
-                shutdown.join(BROKEN_RAY_SHUTDOWN_S)
+            if ray_host is not None and ray_host.process.poll() is not None:  # Ray is gone with its host
+                shutdown_broken_ray(BROKEN_RAY_SHUTDOWN_S)  # what is left: swept with the host's session below
             else:
                 ray.shutdown()
         if ray_host is not None:

@@ -23,24 +23,14 @@ import grpc
 import pytest
 
 from shardserve.client import Client
-from shardserve.local_ray import session_members
+from shardserve.local_ray import _process_table, session_members
 
 READY = re.compile(r"shardserve ready: .* serving on (\S+:\d+)")
 DRAIN_S = 5.0
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    stat = f.read()
-            except OSError:
-                continue
-            if int(stat[stat.rfind(")") + 2:].split()[1]) == pid:
-                out.append(int(entry))
-    return out
+    return [child for child, parent, _ in _process_table() if parent == pid]
 
 
 def wait_for(predicate, what: str, timeout_s: float) -> None:
