@@ -17,11 +17,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages): a tile's partials (BLOCK_M x BLOCK_N x SPLIT_K x 4 bytes, read by
-# one program) kept to 64 KB
-CONFIGS = [(64, 32, 128, 1, 4, 3), (64, 32, 128, 2, 4, 3), (64, 32, 128, 4, 4, 3), (64, 32, 128, 8, 4, 3),
-           (64, 32, 256, 4, 4, 3), (64, 32, 64, 8, 4, 4), (64, 64, 128, 2, 4, 3), (64, 64, 128, 4, 4, 3),
-           (64, 128, 64, 2, 4, 3), (128, 32, 128, 4, 4, 3), (128, 64, 128, 2, 8, 3), (128, 64, 64, 1, 4, 3)]
+# (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages)
+CONFIGS = [(64, 32, 128, 1, 4, 3), (64, 32, 128, 2, 4, 3), (64, 32, 128, 4, 4, 3), (64, 32, 256, 4, 4, 3),
+           (64, 64, 128, 2, 4, 3), (64, 64, 128, 4, 4, 3), (64, 32, 128, 8, 4, 3), (128, 32, 128, 4, 4, 3),
+           (128, 64, 128, 2, 8, 3), (64, 16, 256, 4, 4, 3)]
 
 
 def _model_dims(model: str) -> tuple[int, int, int, int, int]:

@@ -27,7 +27,6 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 from shardserve.kernels.pdl import supported as pdl_supported
 
 COUNTERS = 16384  # output tiles one launch may have (a [256, 6144] output in 64 x 32 tiles is 768)
-PARTIALS_BYTES = 64 << 10  # a tile's float32 partials, at most, in choose_config's settings
 _counters: dict[torch.device, torch.Tensor] = {}
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages); SHARDSERVE_SPLITK_CONFIG="64,32,128,4,4,3" sets one for every
@@ -39,14 +38,13 @@ if FORCED_CONFIG is not None and len(FORCED_CONFIG) != 6:
 
 
 def choose_config(m: int, n: int, k: int) -> tuple[int, int, int, int, int, int]:
-    """Launch settings for an [m, k] x [n, k]^T product (untimed guesses until bench/gemm_rates.py has run on a
-    GPU): K split into slices of at least 512, and no more than a tile's partials of 64 KB, which the tile's last
-    program reads alone."""
+    """Launch settings for an [m, k] x [n, k]^T product: enough programs to stream the weight (untimed guesses
+    until bench/gemm_rates.py has run on a GPU)."""
     if FORCED_CONFIG is not None:
         return FORCED_CONFIG
     block_m = 64 if m <= 64 else 128
     block_n = 32 if n <= 2048 else 64
-    split_k = max(1, min(k // 512, PARTIALS_BYTES // (4 * block_m * block_n)))
+    split_k = max(1, min(8, k // 512))
     return block_m, block_n, 128, split_k, 4, 3
 
 
