@@ -25,30 +25,19 @@ from shardserve.worker.layers._sharding import attach_loader, copy_into, narrow_
 # SHARDSERVE_GEMV=0 turns it off (A/B runs).
 GEMV = os.environ.get("SHARDSERVE_GEMV", "1") != "0"
 GEMV_MAX_K = 8192
-# Decode batches of 2..SPLITK_ROWS rows on CUDA through the split-K GEMM (kernels/gemm_splitk.py) instead of cuBLAS,
-# for weights of at most SPLITK_MAX_N outputs (the projections, not the LM head). 0 (the default): off, until timed.
-SPLITK_ROWS = int(os.environ.get("SHARDSERVE_SPLITK_GEMM", "0"))
-SPLITK_MAX_N = 16384
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b: oneDNN on a packed CPU weight (layers/cpu_packed.py); on CUDA, for a half-precision x, the GEMV
-    for one row and (SPLITK_ROWS) the split-K GEMM for a decode batch; else F.linear."""
+    """x W^T + b: oneDNN on a packed CPU weight (layers/cpu_packed.py), the GEMV for one row of a half-precision x
+    on CUDA, else F.linear."""
     if weight.is_mkldnn:
         return cpu_packed.linear(x, weight, bias)
-    if (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
-            and weight.stride(1) == 1):
-        rows = x.shape[0]
-        if GEMV and rows == 1 and weight.shape[1] <= GEMV_MAX_K:
-            from shardserve.kernels.gemv import gemv
+    if (GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= GEMV_MAX_K
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.stride(1) == 1):
+        from shardserve.kernels.gemv import gemv
 
-            y = gemv(x, weight, block_n=8, block_k=1024, warps=4)
-            return y if bias is None else y + bias
-        if 1 < rows <= SPLITK_ROWS and weight.shape[0] <= SPLITK_MAX_N:
-            from shardserve.kernels.gemm_splitk import splitk_gemm
-
-            y = splitk_gemm(x, weight)
-            return y if bias is None else y + bias
+        y = gemv(x, weight, block_n=8, block_k=1024, warps=4)
+        return y if bias is None else y + bias
     return F.linear(x, weight, bias)
 
 
