@@ -30,8 +30,9 @@ def model_dir(tmp_path_factory) -> str:
                            head_dim=64, hidden_size=128, intermediate_size=256, vocab_size=512)
 
 
-def generate(model_dir: str, prompts: list | None = None, dtype: str = "float32", **kwargs) -> tuple[list, dict]:
-    """Greedy outputs (with top-1 logprobs) of a fresh LLM, and what it said about its graphs."""
+def generate(model_dir: str, prompts: list | None = None, dtype: str = "float32", logprobs: int = 1,
+             **kwargs) -> tuple[list, dict]:
+    """Greedy outputs (with top-`logprobs` logprobs) of a fresh LLM, and what it said about its graphs."""
     from shardserve import LLM, SamplingParams
 
     llm = LLM(model=model_dir, device="cuda", dtype=dtype, max_num_seqs=8, max_model_len=512, num_kv_blocks=256,
@@ -51,7 +52,7 @@ def generate(model_dir: str, prompts: list | None = None, dtype: str = "float32"
                     return out
 
                 runner.decode_graphs.run = counting
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=1)
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=logprobs)
         outputs = llm.generate(PROMPTS if prompts is None else prompts, params, use_tqdm=False)
     finally:
         llm.shutdown()
