@@ -119,9 +119,7 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
     in batch order and longest first (SHARDSERVE_DECODE_ORDER=longest), next to a batch of equal contexts holding as
     many tokens (the probe's usual case): how much a batch's long tail costs, and how much the order wins back.
     Longest first is also timed at 2x and 4x choose_num_splits' splits (more, shorter programs for the long
-    contexts: what a batch too small to fill the GPU twice over may need), each split a share of its own context
-    and (even_splits) all as long as the longest's share; the equal batch at 2x too (what extra splits cost
-    where the contexts are even)."""
+    contexts: what a batch too small to fill the GPU twice over may need)."""
     from shardserve.kernels.paged_decode import choose_num_splits
     from shardserve.kernels.backends import longest_first
 
@@ -137,27 +135,21 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
             row["batch_order_ms"] = graph_ms([_decode(c, splits) for c in cases])
             row["longest_first_ms"] = graph_ms([_decode(c, splits, order=longest_first(c["seq_lens"])) for c in cases])
             for more in (2, 4):
-                for even, name in ((False, ""), (True, "even_")):
-                    row[f"longest_first_{more}x_{name}splits_ms"] = graph_ms(
-                        [_decode(c, more * splits, order=longest_first(c["seq_lens"]), even_splits=even)
-                         for c in cases])
+                row[f"longest_first_{more}x_splits_ms"] = graph_ms(
+                    [_decode(c, more * splits, order=longest_first(c["seq_lens"])) for c in cases])
             del cases
             mean = round(sum(contexts) / batch)
-            equal, _ = _cases(heads, kv_heads, dim, batch, mean, cache_dtype)
-            equal_splits = choose_num_splits(batch, kv_heads, mean)
-            row["equal_contexts_ms"] = graph_ms([_decode(c, equal_splits) for c in equal])
-            row["equal_contexts_2x_splits_ms"] = graph_ms([_decode(c, 2 * equal_splits) for c in equal])
-            del equal
+            even, _ = _cases(heads, kv_heads, dim, batch, mean, cache_dtype)
+            row["equal_contexts_ms"] = graph_ms([_decode(c, choose_num_splits(batch, kv_heads, mean)) for c in even])
+            del even
             for key in ("batch_order", "longest_first"):
                 row[f"{key}_fraction_of_copy_rate"] = kv_bytes / (row[f"{key}_ms"] / 1e3) / copy_bytes_per_s
             out.append(row)
             print(f"ragged {cache_dtype:8s} {batch} x {low}-{high}: batch order {row['batch_order_ms']:.4f} ms "
                   f"({row['batch_order_fraction_of_copy_rate']:.0%} of copy), longest first "
                   f"{row['longest_first_ms']:.4f} ms ({row['longest_first_fraction_of_copy_rate']:.0%}; splits x2 "
-                  f"{row['longest_first_2x_splits_ms']:.4f}, x4 {row['longest_first_4x_splits_ms']:.4f}; even splits "
-                  f"x2 {row['longest_first_2x_even_splits_ms']:.4f}, x4 {row['longest_first_4x_even_splits_ms']:.4f}), "
-                  f"equal contexts of {mean} {row['equal_contexts_ms']:.4f} ms (splits x2 "
-                  f"{row['equal_contexts_2x_splits_ms']:.4f})", flush=True)
+                  f"{row['longest_first_2x_splits_ms']:.4f}, x4 {row['longest_first_4x_splits_ms']:.4f}), "
+                  f"equal contexts of {mean} {row['equal_contexts_ms']:.4f} ms", flush=True)
     return out
 
 

@@ -40,7 +40,6 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
     ASM: tl.constexpr = False, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
-    EVEN_SPLITS: tl.constexpr = False,
 ):
     """Grid (num_seqs * num_kv_heads, NUM_SPLITS). Program (s * num_kv_heads + h, j) attends the query heads
     h*GROUP .. h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles).
@@ -53,11 +52,7 @@ def _decode_kernel(
     block_size is a compile-time constant: a position's block and slot by shifts (12% fewer instructions than by
     division, compiled for sm_90). PDL: launched as a programmatic dependent (kernels/pdl.py).
     ORDERED: program row s attends sequence order_ptr[s] instead of s (the GPU starts programs about in grid order,
-    so an order longest first leaves short programs, not long ones, for the end of a batch of unequal contexts).
-    EVEN_SPLITS (with ORDERED, longest first): every split is as many tiles as the longest context's, so no program
-    reads more than that and a short context leaves its later splits empty (they store an empty partial); a
-    sequence longer than order_ptr[0]'s (the order not longest first) falls back to its own length's splits, so
-    every key is still read."""
+    so an order longest first leaves short programs, not long ones, for the end of a batch of unequal contexts)."""
     if PDL:
         start_as_dependent()
     seq = tl.program_id(0) // NUM_KV_HEADS
@@ -67,9 +62,6 @@ def _decode_kernel(
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
-    if EVEN_SPLITS:
-        longest = tl.load(seq_lens_ptr + tl.load(order_ptr))
-        tiles_per_split = tl.maximum(tiles_per_split, tl.cdiv(tl.cdiv(longest, BLOCK_N), NUM_SPLITS))
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -192,9 +184,6 @@ def decode_launch(fp8: bool, head_dim: int) -> tuple[int, int, int]:
 
 # Programs the split-K decode aims for (SHARDSERVE_DECODE_PROGRAMS: another value, for measurements).
 TARGET_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_PROGRAMS", "528"))
-# Splits of one length, the longest context's (the kernel's EVEN_SPLITS), where programs start longest first:
-# SHARDSERVE_DECODE_EVEN_SPLITS=1 (off by default until timed).
-EVEN_SPLITS = os.environ.get("SHARDSERVE_DECODE_EVEN_SPLITS", "0") == "1"
 # Rows of the tensor-core products (the query group padded), for measurements: SHARDSERVE_DECODE_ROWS=64 (an H200
 # ran the e4m3_qk loop faster at 64 rows than at 16; docs/performance.md). 0: the fewest the loop can take.
 DECODE_ROWS = int(os.environ.get("SHARDSERVE_DECODE_ROWS", "0"))
@@ -227,7 +216,6 @@ def paged_decode_attention(
     fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: SHARDSERVE_FP8_DECODE, default "pairs"
     block_g: int | None = None,  # rows of the products (the group padded); None: the fewest the loop can take
     order: torch.Tensor | None = None,  # [num_seqs] int32, a permutation: the order the sequences' programs start in
-    even_splits: bool | None = None,  # with order longest first: splits of the longest's length; None: EVEN_SPLITS
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
@@ -265,7 +253,6 @@ def paged_decode_attention(
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
         ASM=COMPILED, PDL=pdl, ORDERED=order is not None,
-        EVEN_SPLITS=order is not None and num_splits > 1 and (EVEN_SPLITS if even_splits is None else even_splits),
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

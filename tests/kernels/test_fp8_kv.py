@@ -86,18 +86,6 @@ def test_decode_reads_the_fp8_cache_with_each_heads_scales(dtype, num_splits, va
         assert not torch.allclose(out.float(), exact.float(), atol=1e-4 * 300, rtol=1e-4)
 
 
-def test_even_splits_over_the_fp8_cache_read_every_key():
-    """The default FP8 loop with even splits (longest first): the contexts' empty splits leave the result alone."""
-    from shardserve.kernels.backends import longest_first
-
-    q, _, _, k8, v8, meta, ks, vs = fp8_batch([1, 1, 1], [1, 300, 70], num_heads=8, num_kv_heads=4, head_dim=32,
-                                              dtype=torch.float16, seed=2)
-    out = paged_decode_attention(q, k8, v8, meta.block_tables, meta.seq_lens, SCALE, 3, k_scale=ks, v_scale=vs,
-                                 order=longest_first(meta.seq_lens), even_splits=True)
-    ref = paged_decode_attention_ref(q, k8, v8, meta.block_tables, meta.seq_lens, SCALE, ks, vs)
-    assert ((out.float() - ref.float()).abs() <= 1e-2 * 300 + 1e-2 * ref.float().abs()).all()
-
-
 def test_decode_and_prefill_refuse_an_fp8_cache_without_scales():
     q, _, _, k8, v8, meta, ks, _ = fp8_batch([1], [5], num_heads=2, num_kv_heads=2, head_dim=16)
     with pytest.raises(ValueError, match="v_scale"):

@@ -63,24 +63,6 @@ def test_decode_programs_started_longest_first_give_each_sequence_its_own_output
     assert torch.equal(shuffled, plain)
 
 
-@pytest.mark.parametrize("num_splits", [2, 4])
-def test_even_splits_read_every_key_whatever_the_order(num_splits):
-    """even_splits=True: every split as many tiles as the longest context's (order[0]'s), the short contexts'
-    later splits empty. Longest first, and in an order whose first sequence is the shortest (the longer ones then
-    fall back to their own length's splits), every output equals the reference."""
-    from shardserve.kernels.backends import longest_first
-
-    q, _, _, k_cache, v_cache, meta = make_batch(
-        [1] * 5, [17, 300, 5, 130, 64], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
-        dtype=torch.float32, device=DEVICE, seed=5)
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE)
-    order = longest_first(meta.seq_lens)
-    for first_shortest in (False, True):
-        out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE, num_splits,
-                                     order=order.flip(0) if first_shortest else order, even_splits=True)
-        torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-
-
 def test_triton_backend_ordering_longest_first_attends_like_batch_order(monkeypatch):
     """SHARDSERVE_DECODE_ORDER=longest (the default): the backend sorts once a step (the order is kept for every
     layer) and attends as in the batch's order (=batch)."""
