@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from shardserve.models import resolve_model
 from shardserve.proto.config import EngineConfig, user_default, user_settings
 from shardserve.worker.models import SUPPORTED_ARCHITECTURES
+from shardserve.worker.models.hf_config import read_hf_config
 
 CPU_MAX_MODEL_LEN = 4096  # a default cap: the CPU cache is small; users can raise it
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
@@ -48,29 +49,26 @@ def _as_list(value) -> list[int]:
 
 
 def read_model_facts(model_dir: str) -> ModelFacts:
-    config = _read_json(os.path.join(model_dir, "config.json"))
-    if not config:
-        raise ValueError(f"{model_dir} has no config.json")
+    """The facts from config.json, with the defaults the workers' models get too (worker/models/hf_config.py)."""
+    config = read_hf_config(model_dir)
     generation = _read_json(os.path.join(model_dir, "generation_config.json"))
-    eos = _as_list(generation.get("eos_token_id", config.get("eos_token_id")))
-    architecture = (config.get("architectures") or ["?"])[0]
+    eos = _as_list(generation.get("eos_token_id", getattr(config, "eos_token_id", None)))
+    architecture = (getattr(config, "architectures", None) or ["?"])[0]
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"{os.path.join(model_dir, 'config.json')}: architecture {architecture!r} is not supported; "
             f"shardserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    heads = config["num_attention_heads"]
     return ModelFacts(
         architecture=architecture,
-        vocab_size=config["vocab_size"],
+        vocab_size=config.vocab_size,
         eos_token_ids=eos,
-        bos_token_id=config.get("bos_token_id"),
-        max_position_embeddings=config.get("max_position_embeddings", 4096),
-        num_attention_heads=heads,
-        num_key_value_heads=config.get("num_key_value_heads", heads),
-        intermediate_size=config.get("intermediate_size", 0),
-        # Qwen2/Qwen3 configs carry a window that `use_sliding_window: false` turns off; Mistral's is on when set.
-        sliding_window=config.get("sliding_window") if config.get("use_sliding_window", True) else None,
+        bos_token_id=getattr(config, "bos_token_id", None),
+        max_position_embeddings=config.max_position_embeddings,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        intermediate_size=config.intermediate_size,
+        sliding_window=getattr(config, "sliding_window", None),  # Qwen2/Qwen3: only with use_sliding_window
     )
 
 

@@ -53,9 +53,8 @@ def torch_device(name: str, rank: int) -> torch.device:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
-        from transformers import AutoConfig
-
         from shardserve.worker.loader import init_dummy_weights, load_weights
+        from shardserve.worker.models.hf_config import read_hf_config
         from shardserve.worker.models.registry import build_model
 
         self.config = config
@@ -66,7 +65,7 @@ class ModelRunner:
         self.dtype = torch_dtype(config.dtype)
         self.kv_dtype = kv_cache_torch_dtype(config)
         self.block_size = config.block_size
-        self.hf_config = AutoConfig.from_pretrained(config.model, local_files_only=True)
+        self.hf_config = read_hf_config(config.model)  # not transformers' AutoConfig: see hf_config.py
         self.attn_backend = get_backend(config.attention_backend, self.device.type)
         if self.kv_dtype == FP8_DTYPE and self.attn_backend.name == "flash-attn":  # it has no FP8 cache here
             if config.attention_backend != "auto":
