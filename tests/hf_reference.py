@@ -114,10 +114,13 @@ def load_hf_model(model_dir: str):
 def hf_greedy(
     model_dir: str, prompts_token_ids: list[list[int]], max_new_tokens: int, *, stop_at_eos: bool = False
 ) -> list[HFResult]:
-    """transformers' greedy generate, one prompt at a time (no padding), with each step's raw logits.
+    """transformers' greedy generate with each step's raw logits.
 
     stop_at_eos=False generates exactly max_new_tokens, EOS included as an ordinary token: the reference for
-    our engine with ignore_eos=True.
+    our engine with ignore_eos=True. Then the prompts go as one batch, left-padded (the attention mask hides the
+    padding and generate derives the positions from it): on the default model, 8 prompts x 64 tokens, the same
+    tokens as one prompt at a time, every logit within 1e-4 of it (the near-tie tolerance is 1e-3), in 7.7 s
+    against 33.6 s on 2 cores. stop_at_eos=True runs one prompt at a time (no padding after an early EOS).
     """
     from transformers import GenerationConfig
 
@@ -137,6 +140,8 @@ def hf_greedy(
     model.generation_config.eos_token_id = eos
     results = []
     try:
+        if not stop_at_eos and len(prompts_token_ids) > 1:
+            return _greedy_batch(model, prompts_token_ids, generation_config)
         for prompt in prompts_token_ids:
             input_ids = torch.tensor([prompt], dtype=torch.long)
             with torch.no_grad():
@@ -185,3 +190,14 @@ def assert_greedy_match(ours: list[int], ref: HFResult, tie_tol: float = 1e-3) -
             f"the first {min(len(ours), len(reference))} (one side stopped early: EOS or max_tokens settings differ?)"
         )
     return GreedyComparison(len(ours), None, None)
+
+
+def _greedy_batch(model, prompts_token_ids: list[list[int]], generation_config) -> list[HFResult]:
+    """Every prompt in one left-padded generate call (exactly max_new_tokens each: no EOS stops a row)."""
+    width = max(len(p) for p in prompts_token_ids)
+    input_ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts_token_ids], dtype=torch.long)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts_token_ids], dtype=torch.long)
+    with torch.no_grad():
+        out = model.generate(input_ids, attention_mask=mask, generation_config=generation_config)
+    logits = torch.stack([step.float() for step in out.logits], dim=1)  # [prompts, steps, vocab]
+    return [HFResult(out.sequences[i, width:].tolist(), logits[i]) for i in range(len(prompts_token_ids))]
