@@ -87,6 +87,12 @@ def test_unsupported_architecture_names_the_config_file(tmp_path):
     assert "num_attention_heads" not in line
 
 
+def test_a_config_that_is_not_a_json_object_is_one_line_naming_the_file(tmp_path):
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert_one_line_error(shardserve("generate", "hi", "--model", str(tmp_path), "--load-format", "dummy"),
+                          "config.json", "expected a JSON object")
+
+
 def test_missing_path_and_folder_without_config_are_told_apart(tmp_path):
     assert_one_line_error(shardserve("generate", "hi", "--model", str(tmp_path / "nope")), "does not exist")
     assert_one_line_error(shardserve("generate", "hi", "--model", str(tmp_path)), "has no config.json")

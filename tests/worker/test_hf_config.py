@@ -126,3 +126,16 @@ print(type(runner.model).__name__, "transformers" in sys.modules)
                           cwd=str(Path(__file__).resolve().parents[2]))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["LlamaForCausalLM", "False"]
+
+
+@pytest.mark.parametrize("text, why", [('{"architectures": ["LlamaForCausalLM"], ', "is not valid JSON"),
+                                       ("[1, 2]", "expected a JSON object, got list"),
+                                       ('{"model_type": "llama", "num_attention_heads": "four"}',
+                                        "num_attention_heads must be a positive integer, got 'four'"),
+                                       ('{"model_type": "qwen3", "hidden_size": 0}', "hidden_size must be"),
+                                       ('{"model_type": "qwen3", "head_dim": true}', "head_dim must be")])
+def test_a_broken_config_is_refused_naming_the_file_and_the_field(tmp_path, text, why):
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match="config.json") as refused:
+        read_hf_config(str(tmp_path))
+    assert why in str(refused.value)

@@ -36,6 +36,11 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+# sizes the models build from: a file giving one as anything but a positive integer is refused, naming it
+INTEGER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings")
+
+
 def read_hf_config(model_dir: str) -> SimpleNamespace:
     """config.json's fields as attributes (getattr(cfg, name, default) as on a transformers config), with the model
     type's defaults filled in and num_key_value_heads, head_dim and sliding_window derived as transformers does."""
@@ -45,6 +50,14 @@ def read_hf_config(model_dir: str) -> SimpleNamespace:
             raw = json.load(f)
     except FileNotFoundError:
         raise ValueError(f"{model_dir} has no config.json") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    for name in INTEGER_FIELDS:
+        value = raw.get(name)
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"{path}: {name} must be a positive integer, got {value!r}")
     architecture = (raw.get("architectures") or [None])[0]
     model_type = raw.get("model_type") or MODEL_TYPES.get(architecture)
     values = dict(DEFAULTS.get(model_type, {}))
