@@ -106,8 +106,11 @@ def test_the_controllers_facts_take_the_same_defaults_as_the_workers_model(tmp_p
     (tmp_path / "config.json").write_text(json.dumps(CASES["qwen2-window-None"]))
     facts = read_model_facts(str(tmp_path))
     assert (facts.num_key_value_heads, facts.max_position_embeddings, facts.sliding_window) == (32, 32768, None)
+
+
+def test_a_folder_without_config_json_is_refused(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
-        read_hf_config(str(tmp_path / "nowhere"))
+        read_hf_config(str(tmp_path))
 
 
 def test_a_workers_model_is_built_without_importing_transformers(tmp_path):

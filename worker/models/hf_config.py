@@ -3,10 +3,11 @@ controller's model facts (shardserve/config.py) use, each as transformers' confi
 set it, defaults included where the file leaves a field out.
 
 Why not AutoConfig: building transformers' Llama or Qwen config class imports its modelling helpers, whose chain
-reaches torch.distributed.tensor and sympy: ~2.3 s of CPU in each worker process (measured on the 2-core CPU
-machines: import 0.7 s, AutoConfig 1.1 s more for the class), most of a CPU worker's start-up, which the workers
-need for nothing else. tests/worker/test_hf_config.py holds DEFAULTS to transformers' classes and every value read
-here to AutoConfig's, over the configs shardserve ships and tests with and those configs with fields removed.
+reaches torch.distributed.tensor and sympy: ~2.3 s of CPU in each worker process (measured on the 2-core CPU machines:
+transformers' import 1.2 s after torch's, the Llama config class 1.1 s more), a third to a half of a CPU worker's
+start-up, for nothing else the workers need. tests/worker/test_hf_config.py holds DEFAULTS to transformers' classes
+and every value read here to AutoConfig's, over the configs shardserve ships and tests with and those configs with
+fields removed.
 """
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def read_hf_config(model_dir: str) -> SimpleNamespace:
             raise ValueError(f"{path}: {name} must be a positive integer, got {value!r}")
     architecture = (raw.get("architectures") or [None])[0]
     model_type = raw.get("model_type") or MODEL_TYPES.get(architecture)
-    values = dict(DEFAULTS.get(model_type, {}))
+    values = dict(DEFAULTS.get(model_type) or DEFAULTS.get(MODEL_TYPES.get(architecture), {}))
     values.update(raw)
     values["model_type"] = model_type
     heads = values.get("num_attention_heads")  # absent only for an architecture without defaults here
