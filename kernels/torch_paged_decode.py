@@ -37,12 +37,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from shardserve.kernels.backends import cache_zeros
+
 
 def transposed_k_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                        device: torch.device | str = "cpu") -> torch.Tensor:
     """A zero-filled K cache of logical shape [num_blocks, block_size, kv_heads, head_dim] whose memory is
     [num_blocks, kv_heads, head_dim, block_size]."""
-    return torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device).permute(0, 3, 1, 2)
+    return cache_zeros((num_blocks, num_kv_heads, head_dim, block_size), dtype, device).permute(0, 3, 1, 2)
 
 
 def is_transposed(k_cache: torch.Tensor) -> bool:

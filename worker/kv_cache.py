@@ -84,8 +84,8 @@ def allocate_kv_cache(
     model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
     backend: AttentionBackend | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k_cache, v_cache), zero-filled so that unwritten slots never hold NaN garbage, in the layout the
-    attention backend reads (kernels/backends.py: AttentionBackend.new_cache)."""
+    """Per layer (k_cache, v_cache), zero-filled so that unwritten slots never hold NaN garbage (on the CPU lazily:
+    kernels/backends.py: cache_zeros), in the layout the attention backend reads (AttentionBackend.new_cache)."""
     backend = backend or AttentionBackend()
     return [
         backend.new_cache(num_blocks, block_size, model.num_kv_heads_per_rank, model.head_dim, dtype, device)

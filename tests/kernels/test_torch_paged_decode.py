@@ -6,6 +6,8 @@ step, and decodes mixed with prefills."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -53,6 +55,29 @@ def test_in_place_decode_equals_gathered_attention(seq_lens, heads, kv_heads, k_
     index = build_decode_index(meta.block_tables, meta.seq_lens_cpu, 16, heads, kv_heads, 32 if kt else None)
     out = paged_decode(q, transposed(k_cache) if kt else k_cache, v_cache, index, scale=32**-0.5)
     torch.testing.assert_close(out, gathered_reference(q, k_cache, v_cache, meta, 32**-0.5), atol=2e-5, rtol=2e-5)
+
+
+def test_a_cpu_cache_reads_zeros_and_takes_memory_only_where_written():
+    """cache_zeros on the CPU (every backend's new_cache): 256 MiB of zeros that do not raise the process's resident
+    memory until written (torch.zeros writes every page at once); writes stay; the buffer outlives its maker."""
+    import gc
+
+    from shardserve.kernels.backends import AttentionBackend, cache_zeros
+
+    def resident_mib() -> float:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    before = resident_mib()
+    k_cache, v_cache = AttentionBackend().new_cache(1024, 16, 8, 128, torch.float32, torch.device("cpu"))  # 2 x 64 MiB
+    big = cache_zeros((64, 1 << 20), torch.float32, "cpu")  # 256 MiB
+    gc.collect()
+    assert resident_mib() - before < 32, "the caches' pages were written at allocation"
+    assert not big[::8, ::4096].any() and not k_cache[::64].any() and not v_cache[::64].any()
+    big[3, 5] = 7.0
+    k_cache[1023, 15, 7, 127] = 2.0
+    assert float(big[3, 5]) == 7.0 and float(k_cache.sum()) == 2.0
+    assert cache_zeros((0, 4), torch.float32, "cpu").shape == (0, 4)
 
 
 def test_the_cpu_float_caches_keep_k_transposed_and_the_store_writes_it_as_the_usual_layout():
