@@ -34,7 +34,7 @@ from dataclasses import dataclass
 RAY_START_TRIES = 2
 VITAL_RAY_PROCESSES = ("gcs_server", "raylet")  # without either, the local Ray cannot go on
 HOST_WATCH_S = 1.0  # how often the host looks at them
-BROKEN_SHUTDOWN_S = 3.0  # how long the host gives ray.shutdown once one has died
+BROKEN_SHUTDOWN_S = 1.0  # how long the host gives ray.shutdown once one has died (serve sweeps the rest)
 
 
 @dataclass
@@ -226,12 +226,17 @@ def _host(num_cpus: int) -> None:
 
 def shutdown_broken_ray(timeout_s: float) -> None:
     """ray.shutdown for a Ray whose GCS is gone, which it would wait on for many seconds: given timeout_s at most,
-    in a daemon thread (what it leaves is swept by LocalRay.stop)."""
+    in a daemon thread (what it leaves is swept by LocalRay.stop). Ray's own exit hook (ray.shutdown again, at the
+    interpreter's exit) is taken off: it would wait on the stuck shutdown's lock (serve's exit took 5 s more)."""
+    import atexit
+
     import ray
 
     shutdown = threading.Thread(target=ray.shutdown, daemon=True)
     shutdown.start()
     shutdown.join(timeout_s)
+    if shutdown.is_alive():
+        atexit.unregister(ray.shutdown)
 
 
 def _alive(pid: int) -> bool:

@@ -36,7 +36,7 @@ def resolve_ray_address(address: str | None) -> str:
     return "local"
 
 
-BROKEN_RAY_SHUTDOWN_S = 2.0
+BROKEN_RAY_SHUTDOWN_S = 1.0
 
 
 def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,

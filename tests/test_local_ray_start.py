@@ -79,3 +79,29 @@ def test_log_tails_come_from_this_process_s_newest_session(tmp_path):
     assert "raylet.out (last 20 lines)" in tails
     assert "new line 29" in tails and "new line 9\n" not in tails
     assert "old" not in tails and "another" not in tails
+
+
+@pytest.mark.parametrize("stuck", [True, False])
+def test_a_stuck_shutdown_of_a_broken_ray_takes_rays_exit_hook_off(monkeypatch, stuck):
+    """shutdown_broken_ray waits timeout_s at most; when ray.shutdown is still stuck (a dead GCS), Ray's exit hook,
+    which would call it again at the interpreter's exit and wait on the stuck one's lock, is taken off; a shutdown
+    that finished leaves the hook alone."""
+    import atexit
+    import threading
+
+    release = threading.Event()
+    calls, unregistered = [], []
+
+    def shutdown(*args, **kwargs):
+        calls.append(1)
+        if stuck:
+            release.wait(10)
+
+    monkeypatch.setattr(ray, "shutdown", shutdown)
+    monkeypatch.setattr(atexit, "unregister", unregistered.append)
+    try:
+        local_ray.shutdown_broken_ray(0.05)
+    finally:
+        release.set()
+    assert calls == [1]
+    assert unregistered == ([shutdown] if stuck else [])
