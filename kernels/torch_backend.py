@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
+from shardserve.kernels.backends import AttentionBackend, AttentionMetadata, cache_zeros
 from shardserve.kernels.kv_fp8 import (dequantize_fp8, fp8_decode_variant, is_fp8, quantize_fp8, round_query_e4m3,
                                        rounds_query)
 from shardserve.kernels.torch_paged_decode import (DecodeIndex, build_decode_index, is_transposed,
@@ -71,7 +71,7 @@ class TorchAttentionBackend(AttentionBackend):
         (torch_paged_decode.py). FP8 and CUDA caches keep the usual layout."""
         if not (torch.device(device).type == "cpu" and dtype in (torch.float32, torch.bfloat16, torch.float16)):
             return super().new_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device)
-        v_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+        v_cache = cache_zeros((num_blocks, block_size, num_kv_heads, head_dim), dtype, device)
         return transposed_k_cache(num_blocks, block_size, num_kv_heads, head_dim, dtype, device), v_cache
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float, k_scale=None, v_scale=None):

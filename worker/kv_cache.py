@@ -46,9 +46,9 @@ def profile_num_blocks(
     what is left of total * gpu_memory_utilization after the peak of a profiling forward (profile_forward runs
     the model on a max_num_batched_tokens batch) and the memory outside torch's allocator.
     """
-    if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
     per_block = bytes_per_block(model, config.block_size, dtype)
+    if config.num_kv_blocks is not None:
+        return _fits_host_memory(config.num_kv_blocks, per_block, device)
     if per_block == 0:  # a model without attention layers: any count works
         return max_useful_blocks(config)
     if config.kv_cache_memory_gb is not None:
@@ -63,7 +63,33 @@ def profile_num_blocks(
             f"no memory left for the KV cache (budget {budget / _GIB:.2f} GiB, one block {per_block} bytes): "
             "raise gpu_memory_utilization or kv_cache_memory_gb, or lower max_num_batched_tokens"
         )
-    return int(blocks)
+    return _fits_host_memory(int(blocks), per_block, device)
+
+
+def _fits_host_memory(blocks: int, per_block: int, device: torch.device) -> int:
+    """blocks, when a CPU cache of that size fits the memory this host has available. The CPU cache's pages are
+    taken as they are written (cache_zeros), so a cache too large for the host would fail only once it filled:
+    refused here instead, naming the sizes (each rank checks its own share)."""
+    available = _available_host_memory() if device.type == "cpu" else None
+    if available is not None and blocks * per_block > available:
+        raise ValueError(
+            f"the KV cache would take {blocks * per_block / _GIB:.2f} GiB on this rank ({blocks} blocks), more than "
+            f"the {available / _GIB:.2f} GiB of memory this host has available: lower kv_cache_memory_gb "
+            "(--kv-cache-memory-gb) or num_kv_blocks (--num-kv-blocks)"
+        )
+    return blocks
+
+
+def _available_host_memory() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where there is none to read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 def _cuda_budget(config: EngineConfig, device: torch.device, profile_forward: Callable[[], None] | None) -> int:

@@ -58,8 +58,9 @@ def test_in_place_decode_equals_gathered_attention(seq_lens, heads, kv_heads, k_
 
 
 def test_a_cpu_cache_reads_zeros_and_takes_memory_only_where_written():
-    """cache_zeros on the CPU (every backend's new_cache): 256 MiB of zeros that do not raise the process's resident
-    memory until written (torch.zeros writes every page at once); writes stay; the buffer outlives its maker."""
+    """cache_zeros on the CPU (every backend's new_cache, the torch backend's transposed K and its V too): 512 MiB
+    of zeros that do not raise the process's resident memory until written (torch.zeros writes every page at
+    once); writes stay; the buffer outlives its maker."""
     import gc
 
     from shardserve.kernels.backends import AttentionBackend, cache_zeros
@@ -70,10 +71,12 @@ def test_a_cpu_cache_reads_zeros_and_takes_memory_only_where_written():
 
     before = resident_mib()
     k_cache, v_cache = AttentionBackend().new_cache(1024, 16, 8, 128, torch.float32, torch.device("cpu"))  # 2 x 64 MiB
+    k_torch, v_torch = TorchAttentionBackend().new_cache(1024, 16, 8, 128, torch.float32, torch.device("cpu"))
     big = cache_zeros((64, 1 << 20), torch.float32, "cpu")  # 256 MiB
     gc.collect()
     assert resident_mib() - before < 32, "the caches' pages were written at allocation"
     assert not big[::8, ::4096].any() and not k_cache[::64].any() and not v_cache[::64].any()
+    assert is_transposed(k_torch) and not k_torch[::64].any() and not v_torch[::64].any()
     big[3, 5] = 7.0
     k_cache[1023, 15, 7, 127] = 2.0
     assert float(big[3, 5]) == 7.0 and float(k_cache.sum()) == 2.0

@@ -229,3 +229,20 @@ def test_kv_cache_size_follows_the_config(model_dir):
     capped = kv_cache.profile_num_blocks(engine_config(model_dir, num_kv_blocks=None), model, torch.float32,
                                          torch.device("cpu"))
     assert capped == kv_cache.max_useful_blocks(engine_config(model_dir)) == 8 * (128 // BLOCK_SIZE + 1)
+
+
+def test_a_cpu_kv_cache_larger_than_the_hosts_available_memory_is_refused(model_dir, monkeypatch):
+    """The CPU cache takes its pages as it fills (cache_zeros): a size the host cannot hold is refused at sizing,
+    from num_kv_blocks and from kv_cache_memory_gb alike, naming both sizes; one that fits is kept."""
+    from shardserve.worker import kv_cache
+
+    executor = InProcessExecutor(engine_config(model_dir))
+    model, cpu = executor.runner.model, torch.device("cpu")
+    per_block = kv_cache.bytes_per_block(model, BLOCK_SIZE, torch.float32)
+    monkeypatch.setattr(kv_cache, "_available_host_memory", lambda: 10 * per_block)
+    assert kv_cache.profile_num_blocks(engine_config(model_dir, num_kv_blocks=10), model, torch.float32, cpu) == 10
+    for settings in (dict(num_kv_blocks=11), dict(num_kv_blocks=None, kv_cache_memory_gb=11.5 * per_block / 2**30)):
+        with pytest.raises(ValueError, match=r"\(11 blocks\), more than the .* GiB of memory this host has available"):
+            kv_cache.profile_num_blocks(engine_config(model_dir, **settings), model, torch.float32, cpu)
+    monkeypatch.undo()
+    assert kv_cache._available_host_memory() > 0  # the real one: /proc/meminfo's MemAvailable
