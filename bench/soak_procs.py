@@ -10,15 +10,9 @@ from __future__ import annotations
 
 import os
 
-from shardserve.local_ray import session_members
+from shardserve.local_ray import session_members, stat_fields
 
 WORKER, CONTROLLER = "ray::WorkerActor", "ray::Controller"
-
-
-def _stat_fields(pid: int) -> list[str]:
-    with open(f"/proc/{pid}/stat") as f:
-        stat = f.read()
-    return stat[stat.rfind(")") + 2:].split()  # state, ppid, pgrp, session, ...
 
 
 def ray_session(serve_pid: int) -> int:
@@ -27,7 +21,7 @@ def ray_session(serve_pid: int) -> int:
         if not entry.isdigit():
             continue
         try:
-            fields = _stat_fields(int(entry))
+            fields = stat_fields(int(entry))
         except OSError:
             continue
         if int(fields[1]) == serve_pid and int(fields[3]) == int(entry):

@@ -121,6 +121,6 @@ def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     count = math.prod(shape)
     if torch.device(device).type != "cpu" or count == 0:
         return torch.zeros(shape, dtype=dtype, device=device)
-    size = max(1, count * torch.empty((), dtype=dtype).element_size())
+    size = count * dtype.itemsize
     pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # kept alive by the tensor
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)

@@ -65,11 +65,16 @@ class LocalRay:
             _use_auth_mode(auth_mode)
         return host
 
+    @property
+    def exited(self) -> bool:
+        """Whether the host has exited (asked to, or not: then Ray went with it, killed or broken)."""
+        return self.process.poll() is not None
+
     def stop(self, timeout_s: float = 30.0) -> None:
         """Asks the host to shut Ray down (closes its stdin), waits up to timeout_s for it, then ends what is left
         of its process group (SIGTERM, then SIGKILL, 5 s each; SIGKILL at once when the host had gone before it was
         asked: Ray then had no orderly shutdown, and what is left of it may not heed SIGTERM)."""
-        host_gone = self.process.poll() is not None
+        host_gone = self.exited
         if self.process.stdin is not None and not self.process.stdin.closed:
             self.process.stdin.close()
         try:
@@ -132,14 +137,19 @@ def _process_table() -> list[tuple[int, int, int]]:
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
+            fields = stat_fields(int(entry))
         except OSError:
             continue
-        fields = stat[stat.rfind(")") + 2:].split()  # after "pid (comm) ": state, ppid, pgrp, session, ...
         if fields[0] != "Z":
             table.append((int(entry), int(fields[1]), int(fields[3])))
     return table
+
+
+def stat_fields(pid: int) -> list[str]:
+    """/proc/<pid>/stat after "pid (comm) ": state, ppid, pgrp, session, ... (OSError when the process is gone)."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return stat[stat.rfind(")") + 2:].split()
 
 
 def _end_processes(pids: set[int], timeout_s: float = 5.0) -> None:
@@ -242,11 +252,9 @@ def shutdown_broken_ray(timeout_s: float) -> None:
 def _alive(pid: int) -> bool:
     """Whether a process runs (a zombie does not): two reads of /proc a second, not a scan of every process."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            stat = f.read()
+        return stat_fields(pid)[0] != "Z"
     except OSError:
         return False
-    return stat[stat.rfind(")") + 2:].split(None, 1)[0] != "Z"
 
 
 def _command_name(pid: int) -> str:

@@ -100,7 +100,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
             print(f"shardserve gateway ready: http://{gateway.address}/v1", flush=True)
         restarts = 0
         while not stop.wait(1.0):
-            if ray_host is not None and ray_host.process.poll() is not None:
+            if ray_host is not None and ray_host.exited:
                 # Our local Ray is gone (killed: its GCS, raylet and every actor with it). Nothing is left to drain
                 # or to start again on it; said at once, rather than Ray's own abort a minute later.
                 print(f"shardserve: the local Ray (pid {ray_host.process.pid}) exited with code "
@@ -145,7 +145,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         if gateway is not None:
             gateway.stop()
         if started_ray:
-            if ray_host is not None and ray_host.process.poll() is not None:  # Ray is gone with its host
+            if ray_host is not None and ray_host.exited:  # Ray is gone with its host
                 shutdown_broken_ray(BROKEN_RAY_SHUTDOWN_S)  # what is left: swept with the host's session below
             else:
                 ray.shutdown()
