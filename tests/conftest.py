@@ -77,7 +77,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
-    """SmolLM2-135M-Instruct as a local HF folder (converted into the user's cache on first use, ~20 s)."""
+    """SmolLM2-135M-Instruct as a local HF folder (converted into the user's cache on first use, ~15 s)."""
     from shardserve.models import default_model_dir as convert_or_reuse
 
     return convert_or_reuse()

@@ -1,6 +1,6 @@
 """Two first runs at once: the default model's conversion into an empty cache is safe when processes race.
 
-Kept apart from test_models.py: it converts the GGUF file twice in parallel (~30-40 s on 2 idle cores).
+Kept apart from test_models.py: it converts the GGUF file twice in parallel (~15 s on 2 idle cores).
 """
 
 from __future__ import annotations

@@ -148,3 +148,32 @@ def test_display_name_is_the_model_as_given_without_server_paths(default_model_d
     assert display_name(str(tmp_path / "models" / "Mistral-7B.Q4_K_M.gguf")) == "Mistral-7B"
     folder = tiny_model("llama", num_heads=4, num_kv_heads=2)
     assert display_name(folder) == os.path.basename(folder) and display_name(folder + "/") == os.path.basename(folder)
+
+
+def test_a_conversion_parses_a_gguf_header_once_and_restores_gguf(tmp_path):
+    """Inside gguf_parsed_once a file's reader and an architecture's name map are built once (transformers asks
+    for them three and ~400 times a conversion); outside, and after an error inside, gguf's own are back."""
+    import gguf
+    import numpy as np
+
+    from shardserve.models import gguf_parsed_once
+
+    path = tmp_path / "tiny.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_tensor("token_embd.weight", np.ones((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    real = gguf.GGUFReader, gguf.get_tensor_name_map
+    with gguf_parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and isinstance(first, real[0])
+        assert first.fields["llama.block_count"].contents() == 2
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == real
+    assert gguf.GGUFReader(path) is not first
+    with pytest.raises(RuntimeError), gguf_parsed_once():
+        raise RuntimeError("a conversion that failed")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == real
