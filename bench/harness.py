@@ -47,8 +47,11 @@ class EngineRun:
 
 
 def phase_split(run: EngineRun) -> dict:
-    """Where the run's wall time went: steps with prefill tokens vs decode-only steps (by batch size range)."""
-    out: dict = {"prefill_steps": 0, "prefill_s": 0.0, "decode_steps": 0, "decode_s": 0.0, "decode_by_batch": {},
+    """Where the run's wall time went: steps with prefill tokens vs decode-only steps (by batch size range). Beside
+    each wall time, the workers' own (device_s: StepResult.forward_ms, the device time between a step's first and
+    last kernel on CUDA): where it falls short of the wall time, the device waited for the host between steps."""
+    out: dict = {"prefill_steps": 0, "prefill_s": 0.0, "prefill_device_s": 0.0, "decode_steps": 0, "decode_s": 0.0,
+                 "decode_device_s": 0.0, "decode_by_batch": {},
                  "first_step_s": run.step_ms[0] / 1e3 if run.step_ms else 0.0, "untimed_steps_s": 0.0,
                  "outside_steps_s": run.elapsed_s - sum(run.step_ms) / 1e3}
     for ms, timing in zip(run.step_ms, run.steps):
@@ -58,14 +61,18 @@ def phase_split(run: EngineRun) -> dict:
         kind = "decode" if timing.decode_only else "prefill"
         out[f"{kind}_steps"] += 1
         out[f"{kind}_s"] += ms / 1e3
+        out[f"{kind}_device_s"] += timing.forward_ms / 1e3
         if timing.decode_only:
             low = 1 << (timing.num_seqs.bit_length() - 1)  # 1, 2-3, 4-7, ..., 128-255, 256-511
-            bucket = out["decode_by_batch"].setdefault(f"{low}-{2 * low - 1}", {"steps": 0, "s": 0.0, "tokens": 0})
+            bucket = out["decode_by_batch"].setdefault(f"{low}-{2 * low - 1}",
+                                                       {"steps": 0, "s": 0.0, "device_s": 0.0, "tokens": 0})
             bucket["steps"] += 1
             bucket["s"] += ms / 1e3
+            bucket["device_s"] += timing.forward_ms / 1e3
             bucket["tokens"] += timing.num_seqs
     for bucket in out["decode_by_batch"].values():
         bucket["ms_per_step"] = bucket["s"] * 1e3 / bucket["steps"]
+        bucket["device_ms_per_step"] = bucket["device_s"] * 1e3 / bucket["steps"]
     return out
 
 

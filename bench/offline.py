@@ -76,9 +76,11 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     phases = phase_split(run)
     print(f"phases: first step {phases['first_step_s']:.3f} s, untimed steps {phases['untimed_steps_s']:.3f} s, "
           f"outside steps {phases['outside_steps_s']:.3f} s; "
-          f"{phases['prefill_steps']} steps with prefill in {phases['prefill_s']:.2f} s, "
-          f"{phases['decode_steps']} decode-only steps in {phases['decode_s']:.2f} s; decode ms/step by batch: "
-          + ", ".join(f"{k}: {v['ms_per_step']:.2f} ({v['steps']})" for k, v in phases["decode_by_batch"].items()),
+          f"{phases['prefill_steps']} steps with prefill in {phases['prefill_s']:.2f} s "
+          f"(workers {phases['prefill_device_s']:.2f} s), {phases['decode_steps']} decode-only steps in "
+          f"{phases['decode_s']:.2f} s (workers {phases['decode_device_s']:.2f} s); decode ms/step by batch, "
+          "wall / workers': " + ", ".join(f"{k}: {v['ms_per_step']:.2f} / {v['device_ms_per_step']:.2f} ({v['steps']})"
+                                          for k, v in phases["decode_by_batch"].items()),
           flush=True)
     record.notes.update(elapsed_s=run.elapsed_s, output_tokens=run.output_tokens, steps=len(run.step_ms), phases=phases,
                         cuda_graphs=graphs, max_num_seqs=config.max_num_seqs,
