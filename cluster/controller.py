@@ -116,13 +116,16 @@ class Controller(ControllerViews):
         await self._set_health(True)
 
     async def wait_ready(self, timeout: float | None = None) -> bool:
-        """True once SERVING; False on timeout; raises RuntimeError when loading failed."""
+        """True once SERVING; False on timeout; raises when loading failed: ValueError for settings the workers
+        refused (the message is theirs), else RuntimeError."""
         if self._load_task is None:
             raise RuntimeError("start() was not called")
         try:
             await asyncio.wait_for(asyncio.shield(self._load_task), timeout)
         except asyncio.TimeoutError:
             return False
+        if isinstance(self._load_error, ValueError):
+            raise ValueError(str(self._load_error)) from self._load_error
         if self._load_error is not None:
             raise RuntimeError(f"the engine failed to load: {self._load_error!r}") from self._load_error
         return self.state is State.SERVING

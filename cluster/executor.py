@@ -97,6 +97,26 @@ class _StepStream:
         self.call.cancel()
 
 
+def check_shared_hosts(profiles: list, num_blocks: int) -> None:
+    """Raises ValueError when the ranks that share a host would together take more of its memory for their CPU
+    caches than it had available (each rank checked only its own share: three ranks of 15 GiB each passed on a
+    24 GiB host, whose memory then ran out as the caches filled). profiles: ProfileMemoryResponse per rank."""
+    hosts: dict[str, list] = {}
+    for rank, profile in enumerate(profiles):
+        if profile.host_id and profile.host_available_bytes > 0:
+            hosts.setdefault(profile.host_id, []).append((rank, profile))
+    for ranks in hosts.values():
+        need = sum(p.block_bytes for _, p in ranks) * num_blocks
+        available = max(p.host_available_bytes for _, p in ranks)  # read by each rank at about the same time
+        if len(ranks) > 1 and need > available:
+            gib = 1 << 30
+            raise ValueError(
+                f"the KV caches of ranks {', '.join(str(r) for r, _ in ranks)}, which share one host, would take "
+                f"{need / gib:.2f} GiB together ({num_blocks} blocks each), more than the {available / gib:.2f} GiB "
+                "of memory it has available: lower kv_cache_memory_gb (--kv-cache-memory-gb, per rank) or "
+                "num_kv_blocks (--num-kv-blocks)")
+
+
 class GrpcExecutor:
     def __init__(
         self,
@@ -155,6 +175,7 @@ class GrpcExecutor:
         self._call_all("LoadWeights", lambda rank: pb.LoadWeightsRequest(), timeout_s)
         profiles = self._call_all("ProfileMemory", lambda rank: pb.ProfileMemoryRequest(), timeout_s)
         self.num_kv_blocks: int = min(p.num_blocks for p in profiles)
+        check_shared_hosts(profiles, self.num_kv_blocks)
         self._call_all("AllocateKVCache", lambda rank: pb.AllocateKVCacheRequest(num_blocks=self.num_kv_blocks), timeout_s)
         self._streams = [_StepStream(rank, stub, self._replies) for rank, stub in enumerate(self._stubs)]
 

@@ -120,7 +120,10 @@ class Replica:
         try:
             engine = await asyncio.to_thread(self._build, self.engine_config)
         except BaseException as e:
-            log.exception("replica %s: loading the engine failed", self.id)
+            if isinstance(e, ValueError):  # settings the workers refused: their one-line message says it all
+                log.error("replica %s: loading the engine failed: %s", self.id, e)
+            else:
+                log.exception("replica %s: loading the engine failed", self.id)
             self.state, self.error = ReplicaState.FAILED, e
             raise
         if self.state is not ReplicaState.STARTING:  # stopped meanwhile

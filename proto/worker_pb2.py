@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dshardserve/proto/worker.proto\x12\rshardserve.v1\"\xbf\x04\n\x0c\x45ngineConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\ttokenizer\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bload_format\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\x05\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0b \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\x19 \x01(\t\x12\x1a\n\rnum_kv_blocks\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x12kv_cache_memory_gb\x18\r \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x16gpu_memory_utilization\x18\x0e \x01(\x01\x12\x19\n\x11\x61ttention_backend\x18\x0f \x01(\t\x12\x15\n\renforce_eager\x18\x10 \x01(\x08\x12\x1d\n\x10\x61sync_scheduling\x18\x13 \x01(\x08H\x03\x88\x01\x01\x12\x0c\n\x04seed\x18\x11 \x01(\x03\x12\x16\n\x0e\x64ist_timeout_s\x18\x12 \x01(\x01\x42\x0c\n\n_tokenizerB\x10\n\x0e_num_kv_blocksB\x15\n\x13_kv_cache_memory_gbB\x13\n\x11_async_scheduling\"\x81\x01\n\x0bInitRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x13\n\x0binit_method\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12+\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x1b.shardserve.v1.EngineConfig\"B\n\x0cInitResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x03 \x01(\t\"\x14\n\x12LoadWeightsRequest\";\n\x13LoadWeightsResponse\x12\x14\n\x0cweight_bytes\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x01\"\x16\n\x14ProfileMemoryRequest\"@\n\x15ProfileMemoryResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x03\",\n\x16\x41llocateKVCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"E\n\x17\x41llocateKVCacheResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x02 \x01(\x03\"\x86\x02\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0c \x01(\x05\"\xa9\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.shardserve.v1.SamplingSpec\".\n\tNewBlocks\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\"\xd7\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.shardserve.v1.NewRequest\x12\x0f\n\x07req_ids\x18\x03 \x03(\t\x12\x12\n\nnum_tokens\x18\x04 \x03(\x05\x12/\n\rnew_block_ids\x18\x05 \x03(\x0b\x32\x18.shardserve.v1.NewBlocks\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x07 \x03(\t\"w\n\x0cStepLogprobs\x12\r\n\x05index\x18\x01 \x03(\x05\x12\x0f\n\x07logprob\x18\x02 \x03(\x01\x12\x12\n\ntop_counts\x18\x03 \x03(\x05\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\x12\x0c\n\x04rank\x18\x06 \x03(\x05\"^\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12-\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1b.shardserve.v1.StepLogprobs\"\xd9\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07req_ids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12-\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1b.shardserve.v1.StepLogprobs\x12\x12\n\nforward_ms\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x36\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1d.shardserve.v1.PromptLogprobs\"\x0f\n\rHealthRequest\"`\n\x0eHealthResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.shardserve.v1.WorkerState\x12\x14\n\x0clast_step_id\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse*\xad\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_STARTED\x10\x01\x12\x1c\n\x18WORKER_STATE_INITIALIZED\x10\x02\x12\x17\n\x13WORKER_STATE_LOADED\x10\x03\x12\x16\n\x12WORKER_STATE_READY\x10\x04\x12\x17\n\x13WORKER_STATE_FAILED\x10\x05\x32\xb1\x04\n\x06Worker\x12?\n\x04Init\x12\x1a.shardserve.v1.InitRequest\x1a\x1b.shardserve.v1.InitResponse\x12T\n\x0bLoadWeights\x12!.shardserve.v1.LoadWeightsRequest\x1a\".shardserve.v1.LoadWeightsResponse\x12Z\n\rProfileMemory\x12#.shardserve.v1.ProfileMemoryRequest\x1a$.shardserve.v1.ProfileMemoryResponse\x12`\n\x0f\x41llocateKVCache\x12%.shardserve.v1.AllocateKVCacheRequest\x1a&.shardserve.v1.AllocateKVCacheResponse\x12>\n\x04Step\x12\x17.shardserve.v1.StepPlan\x1a\x19.shardserve.v1.StepResult(\x01\x30\x01\x12\x45\n\x06Health\x12\x1c.shardserve.v1.HealthRequest\x1a\x1d.shardserve.v1.HealthResponse\x12K\n\x08Shutdown\x12\x1e.shardserve.v1.ShutdownRequest\x1a\x1f.shardserve.v1.ShutdownResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dshardserve/proto/worker.proto\x12\rshardserve.v1\"\xbf\x04\n\x0c\x45ngineConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x16\n\ttokenizer\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x13\n\x0bload_format\x18\x06 \x01(\t\x12\x12\n\nblock_size\x18\x07 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x08 \x01(\x05\x12\x1e\n\x16max_num_batched_tokens\x18\t \x01(\x05\x12\x15\n\rmax_model_len\x18\n \x01(\x05\x12\x1d\n\x15\x65nable_prefix_caching\x18\x0b \x01(\x08\x12\x16\n\x0ekv_cache_dtype\x18\x19 \x01(\t\x12\x1a\n\rnum_kv_blocks\x18\x0c \x01(\x05H\x01\x88\x01\x01\x12\x1f\n\x12kv_cache_memory_gb\x18\r \x01(\x01H\x02\x88\x01\x01\x12\x1e\n\x16gpu_memory_utilization\x18\x0e \x01(\x01\x12\x19\n\x11\x61ttention_backend\x18\x0f \x01(\t\x12\x15\n\renforce_eager\x18\x10 \x01(\x08\x12\x1d\n\x10\x61sync_scheduling\x18\x13 \x01(\x08H\x03\x88\x01\x01\x12\x0c\n\x04seed\x18\x11 \x01(\x03\x12\x16\n\x0e\x64ist_timeout_s\x18\x12 \x01(\x01\x42\x0c\n\n_tokenizerB\x10\n\x0e_num_kv_blocksB\x15\n\x13_kv_cache_memory_gbB\x13\n\x11_async_scheduling\"\x81\x01\n\x0bInitRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x12\n\nworld_size\x18\x02 \x01(\x05\x12\x13\n\x0binit_method\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12+\n\x06\x63onfig\x18\x05 \x01(\x0b\x32\x1b.shardserve.v1.EngineConfig\"B\n\x0cInitResponse\x12\x0b\n\x03pid\x18\x01 \x01(\x05\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x03 \x01(\t\"\x14\n\x12LoadWeightsRequest\";\n\x13LoadWeightsResponse\x12\x14\n\x0cweight_bytes\x18\x01 \x01(\x03\x12\x0e\n\x06load_s\x18\x02 \x01(\x01\"\x16\n\x14ProfileMemoryRequest\"o\n\x15ProfileMemoryResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x62lock_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07host_id\x18\x03 \x01(\t\x12\x1c\n\x14host_available_bytes\x18\x04 \x01(\x03\",\n\x16\x41llocateKVCacheRequest\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\"E\n\x17\x41llocateKVCacheResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x16\n\x0ekv_cache_bytes\x18\x02 \x01(\x03\"\x86\x02\n\x0cSamplingSpec\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x1a\n\x12repetition_penalty\x18\x05 \x01(\x01\x12\x18\n\x10presence_penalty\x18\x06 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\x07 \x01(\x01\x12\x0c\n\x04seed\x18\x08 \x01(\x04\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x12\n\nmin_tokens\x18\n \x01(\x05\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x17\n\x0fprompt_logprobs\x18\x0c \x01(\x05\"\xa9\x01\n\nNewRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x19\n\x11num_prompt_tokens\x18\x03 \x01(\x05\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\x05\x12\x11\n\tblock_ids\x18\x05 \x03(\x05\x12-\n\x08sampling\x18\x06 \x01(\x0b\x32\x1b.shardserve.v1.SamplingSpec\".\n\tNewBlocks\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\"\xd7\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12/\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x19.shardserve.v1.NewRequest\x12\x0f\n\x07req_ids\x18\x03 \x03(\t\x12\x12\n\nnum_tokens\x18\x04 \x03(\x05\x12/\n\rnew_block_ids\x18\x05 \x03(\x0b\x32\x18.shardserve.v1.NewBlocks\x12\x18\n\x10\x66inished_req_ids\x18\x06 \x03(\t\x12\x19\n\x11preempted_req_ids\x18\x07 \x03(\t\"w\n\x0cStepLogprobs\x12\r\n\x05index\x18\x01 \x03(\x05\x12\x0f\n\x07logprob\x18\x02 \x03(\x01\x12\x12\n\ntop_counts\x18\x03 \x03(\x05\x12\x0f\n\x07top_ids\x18\x04 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x05 \x03(\x01\x12\x0c\n\x04rank\x18\x06 \x03(\x05\"^\n\x0ePromptLogprobs\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\x05\x12-\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1b.shardserve.v1.StepLogprobs\"\xd9\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0f\n\x07req_ids\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12-\n\x08logprobs\x18\x05 \x01(\x0b\x32\x1b.shardserve.v1.StepLogprobs\x12\x12\n\nforward_ms\x18\x06 \x01(\x01\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x36\n\x0fprompt_logprobs\x18\x08 \x03(\x0b\x32\x1d.shardserve.v1.PromptLogprobs\"\x0f\n\rHealthRequest\"`\n\x0eHealthResponse\x12)\n\x05state\x18\x01 \x01(\x0e\x32\x1a.shardserve.v1.WorkerState\x12\x14\n\x0clast_step_id\x18\x02 \x01(\x04\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x11\n\x0fShutdownRequest\"\x12\n\x10ShutdownResponse*\xad\x01\n\x0bWorkerState\x12\x1c\n\x18WORKER_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14WORKER_STATE_STARTED\x10\x01\x12\x1c\n\x18WORKER_STATE_INITIALIZED\x10\x02\x12\x17\n\x13WORKER_STATE_LOADED\x10\x03\x12\x16\n\x12WORKER_STATE_READY\x10\x04\x12\x17\n\x13WORKER_STATE_FAILED\x10\x05\x32\xb1\x04\n\x06Worker\x12?\n\x04Init\x12\x1a.shardserve.v1.InitRequest\x1a\x1b.shardserve.v1.InitResponse\x12T\n\x0bLoadWeights\x12!.shardserve.v1.LoadWeightsRequest\x1a\".shardserve.v1.LoadWeightsResponse\x12Z\n\rProfileMemory\x12#.shardserve.v1.ProfileMemoryRequest\x1a$.shardserve.v1.ProfileMemoryResponse\x12`\n\x0f\x41llocateKVCache\x12%.shardserve.v1.AllocateKVCacheRequest\x1a&.shardserve.v1.AllocateKVCacheResponse\x12>\n\x04Step\x12\x17.shardserve.v1.StepPlan\x1a\x19.shardserve.v1.StepResult(\x01\x30\x01\x12\x45\n\x06Health\x12\x1c.shardserve.v1.HealthRequest\x1a\x1d.shardserve.v1.HealthResponse\x12K\n\x08Shutdown\x12\x1e.shardserve.v1.ShutdownRequest\x1a\x1f.shardserve.v1.ShutdownResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shardserve.proto.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERSTATE']._serialized_start=2411
-  _globals['_WORKERSTATE']._serialized_end=2584
+  _globals['_WORKERSTATE']._serialized_start=2458
+  _globals['_WORKERSTATE']._serialized_end=2631
   _globals['_ENGINECONFIG']._serialized_start=49
   _globals['_ENGINECONFIG']._serialized_end=624
   _globals['_INITREQUEST']._serialized_start=627
@@ -46,33 +46,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PROFILEMEMORYREQUEST']._serialized_start=909
   _globals['_PROFILEMEMORYREQUEST']._serialized_end=931
   _globals['_PROFILEMEMORYRESPONSE']._serialized_start=933
-  _globals['_PROFILEMEMORYRESPONSE']._serialized_end=997
-  _globals['_ALLOCATEKVCACHEREQUEST']._serialized_start=999
-  _globals['_ALLOCATEKVCACHEREQUEST']._serialized_end=1043
-  _globals['_ALLOCATEKVCACHERESPONSE']._serialized_start=1045
-  _globals['_ALLOCATEKVCACHERESPONSE']._serialized_end=1114
-  _globals['_SAMPLINGSPEC']._serialized_start=1117
-  _globals['_SAMPLINGSPEC']._serialized_end=1379
-  _globals['_NEWREQUEST']._serialized_start=1382
-  _globals['_NEWREQUEST']._serialized_end=1551
-  _globals['_NEWBLOCKS']._serialized_start=1553
-  _globals['_NEWBLOCKS']._serialized_end=1599
-  _globals['_STEPPLAN']._serialized_start=1602
-  _globals['_STEPPLAN']._serialized_end=1817
-  _globals['_STEPLOGPROBS']._serialized_start=1819
-  _globals['_STEPLOGPROBS']._serialized_end=1938
-  _globals['_PROMPTLOGPROBS']._serialized_start=1940
-  _globals['_PROMPTLOGPROBS']._serialized_end=2034
-  _globals['_STEPRESULT']._serialized_start=2037
-  _globals['_STEPRESULT']._serialized_end=2254
-  _globals['_HEALTHREQUEST']._serialized_start=2256
-  _globals['_HEALTHREQUEST']._serialized_end=2271
-  _globals['_HEALTHRESPONSE']._serialized_start=2273
-  _globals['_HEALTHRESPONSE']._serialized_end=2369
-  _globals['_SHUTDOWNREQUEST']._serialized_start=2371
-  _globals['_SHUTDOWNREQUEST']._serialized_end=2388
-  _globals['_SHUTDOWNRESPONSE']._serialized_start=2390
-  _globals['_SHUTDOWNRESPONSE']._serialized_end=2408
-  _globals['_WORKER']._serialized_start=2587
-  _globals['_WORKER']._serialized_end=3148
+  _globals['_PROFILEMEMORYRESPONSE']._serialized_end=1044
+  _globals['_ALLOCATEKVCACHEREQUEST']._serialized_start=1046
+  _globals['_ALLOCATEKVCACHEREQUEST']._serialized_end=1090
+  _globals['_ALLOCATEKVCACHERESPONSE']._serialized_start=1092
+  _globals['_ALLOCATEKVCACHERESPONSE']._serialized_end=1161
+  _globals['_SAMPLINGSPEC']._serialized_start=1164
+  _globals['_SAMPLINGSPEC']._serialized_end=1426
+  _globals['_NEWREQUEST']._serialized_start=1429
+  _globals['_NEWREQUEST']._serialized_end=1598
+  _globals['_NEWBLOCKS']._serialized_start=1600
+  _globals['_NEWBLOCKS']._serialized_end=1646
+  _globals['_STEPPLAN']._serialized_start=1649
+  _globals['_STEPPLAN']._serialized_end=1864
+  _globals['_STEPLOGPROBS']._serialized_start=1866
+  _globals['_STEPLOGPROBS']._serialized_end=1985
+  _globals['_PROMPTLOGPROBS']._serialized_start=1987
+  _globals['_PROMPTLOGPROBS']._serialized_end=2081
+  _globals['_STEPRESULT']._serialized_start=2084
+  _globals['_STEPRESULT']._serialized_end=2301
+  _globals['_HEALTHREQUEST']._serialized_start=2303
+  _globals['_HEALTHREQUEST']._serialized_end=2318
+  _globals['_HEALTHRESPONSE']._serialized_start=2320
+  _globals['_HEALTHRESPONSE']._serialized_end=2416
+  _globals['_SHUTDOWNREQUEST']._serialized_start=2418
+  _globals['_SHUTDOWNREQUEST']._serialized_end=2435
+  _globals['_SHUTDOWNRESPONSE']._serialized_start=2437
+  _globals['_SHUTDOWNRESPONSE']._serialized_end=2455
+  _globals['_WORKER']._serialized_start=2634
+  _globals['_WORKER']._serialized_end=3195
 # @@protoc_insertion_point(module_scope)

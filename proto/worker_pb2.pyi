@@ -107,12 +107,16 @@ class ProfileMemoryRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ProfileMemoryResponse(_message.Message):
-    __slots__ = ("num_blocks", "block_bytes")
+    __slots__ = ("num_blocks", "block_bytes", "host_id", "host_available_bytes")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    HOST_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     block_bytes: int
-    def __init__(self, num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ...) -> None: ...
+    host_id: str
+    host_available_bytes: int
+    def __init__(self, num_blocks: _Optional[int] = ..., block_bytes: _Optional[int] = ..., host_id: _Optional[str] = ..., host_available_bytes: _Optional[int] = ...) -> None: ...
 
 class AllocateKVCacheRequest(_message.Message):
     __slots__ = ("num_blocks",)

@@ -221,7 +221,13 @@ def start_cluster(
             .remote(controller_config)
         )
         address = ray.get(controller.start.remote(), timeout=120)
-        if not ray.get(controller.wait_ready.remote(ready_timeout_s), timeout=ready_timeout_s + 30):
+        try:
+            ready = ray.get(controller.wait_ready.remote(ready_timeout_s), timeout=ready_timeout_s + 30)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ValueError):  # refused settings: the message, not the actor's traceback
+                raise ValueError(str(e.cause)) from None
+            raise
+        if not ready:
             raise TimeoutError(f"the workers did not load within {ready_timeout_s:g} s")
         status = ray.get(controller.status.remote(), timeout=30)
     except BaseException:

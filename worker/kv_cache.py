@@ -8,6 +8,7 @@ the block count all ranks use is the minimum of what each rank can hold.
 
 from __future__ import annotations
 
+import socket
 from typing import Callable
 
 import torch
@@ -69,7 +70,8 @@ def profile_num_blocks(
 def _fits_host_memory(blocks: int, per_block: int, device: torch.device) -> int:
     """blocks, when a CPU cache of that size fits the memory this host has available. The CPU cache's pages are
     taken as they are written (cache_zeros), so a cache too large for the host would fail only once it filled:
-    refused here instead, naming the sizes (each rank checks its own share)."""
+    refused here instead, naming the sizes. Each rank checks its own share here; ranks that share a host are
+    checked together by the executor (host_memory, cluster/executor.py)."""
     available = _available_host_memory() if device.type == "cpu" else None
     if available is not None and blocks * per_block > available:
         raise ValueError(
@@ -78,6 +80,19 @@ def _fits_host_memory(blocks: int, per_block: int, device: torch.device) -> int:
             "(--kv-cache-memory-gb) or num_kv_blocks (--num-kv-blocks)"
         )
     return blocks
+
+
+def host_memory(device: torch.device) -> tuple[str, int]:
+    """(host id, bytes available) for a cache in host memory (CPU), else ("", 0). The id is the kernel's boot id:
+    processes that share it share the machine's memory, whatever their hostnames or network namespaces."""
+    if device.type != "cpu":
+        return "", 0
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            host = f.read().strip()
+    except OSError:
+        host = socket.gethostname()
+    return host, _available_host_memory() or 0
 
 
 def _available_host_memory() -> int | None:

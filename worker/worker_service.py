@@ -88,14 +88,16 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         with self._lock:
             self._expect(context, pb.WORKER_STATE_LOADED, "ProfileMemory")
             try:
-                from shardserve.worker.kv_cache import bytes_per_block
+                from shardserve.worker.kv_cache import bytes_per_block, host_memory
 
                 runner = self.runner
                 num_blocks = runner.profile_num_blocks()
                 block_bytes = bytes_per_block(runner.model, runner.block_size, runner.kv_dtype)
+                host_id, available = host_memory(runner.device)
             except Exception:
                 self._fail_call(context, "ProfileMemory")
-            return pb.ProfileMemoryResponse(num_blocks=num_blocks, block_bytes=block_bytes)
+            return pb.ProfileMemoryResponse(num_blocks=num_blocks, block_bytes=block_bytes, host_id=host_id,
+                                            host_available_bytes=available)
 
     def AllocateKVCache(
         self, request: pb.AllocateKVCacheRequest, context: grpc.ServicerContext

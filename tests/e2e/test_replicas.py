@@ -151,3 +151,25 @@ def test_a_replica_whose_worker_dies_stops_receiving_requests(served):
         assert client.health() == "SERVING"
         failed = client.server_stats().replicas[1]
     assert failed.id == victim.id and failed.state == "failed" and failed.kv_blocks_total == 0
+
+
+def test_settings_the_workers_refuse_fail_the_start_with_their_message_alone(tiny_llama_dir, e2e_config):
+    """A load that fails on settings (ValueError, e.g. caches the host cannot hold) reaches wait_ready as that
+    ValueError and its message, which the CLI prints as one line (exit 2); anything else stays a RuntimeError."""
+    from shardserve.cluster.controller import ControllerConfig, ServedModel
+    from tests.e2e._controller_thread import ControllerThread
+
+    for error, raised in ((ValueError("the KV caches would take 30 GiB"), ValueError),
+                          (OSError("disk gone"), RuntimeError)):
+        def build(config, error=error):
+            raise error
+
+        thread = ControllerThread(ControllerConfig(
+            engine=e2e_config(tiny_llama_dir), build_engine=build, port=0, name="refused",
+            model=ServedModel("tiny", "LlamaForCausalLM", vocab_size=VOCAB, eos_token_ids=[]), restart_tries=0))
+        try:
+            with pytest.raises(raised, match=str(error)) as caught:
+                thread.call(thread.controller.wait_ready(60), timeout=90)
+            assert ("failed to load" in str(caught.value)) is (raised is RuntimeError)
+        finally:
+            thread.close()

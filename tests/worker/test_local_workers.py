@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+import torch
 
 from shardserve.cluster.executor import GrpcExecutor, WorkerError
 from shardserve.cluster.step_deadline import StepDeadline
@@ -99,3 +100,24 @@ def test_a_stopped_rank_raises_worker_error_at_the_step_deadline_and_every_rank_
         if workers.processes[1].is_alive():
             os.kill(stopped, signal.SIGCONT)
         executor.shutdown()
+
+
+def test_ranks_sharing_a_host_are_refused_caches_it_cannot_hold_together(model_dir):
+    """Two CPU ranks on this host, each asking for 60% of its available memory: each passes its own check, the
+    executor refuses the pair at start-up, in one line naming both ranks, and ends them (before any cache exists)."""
+    from shardserve.worker.kv_cache import bytes_per_block, host_memory
+
+    host, available = host_memory(torch.device("cpu"))
+    assert host and available > 0
+    config = engine_config(model_dir, tensor_parallel_size=2)
+    per_rank_block = bytes_per_block(InProcessExecutor(engine_config(model_dir)).runner.model, config.block_size,
+                                     torch.float32) // 2  # a rank holds half the KV heads
+    blocks = int(0.6 * available) // per_rank_block
+    config = engine_config(model_dir, tensor_parallel_size=2, num_kv_blocks=blocks)
+    workers = start_local_workers(config)
+    with pytest.raises(ValueError, match=r"ranks 0, 1, which share one host, would take .* GiB together "
+                                         rf"\({blocks} blocks each\), more than the .* GiB"):
+        GrpcExecutor(config, workers.endpoints, workers.init_method, stop_workers=workers.stop, secret=workers.secret)
+    for proc in workers.processes:
+        proc.join(timeout=30)
+    assert not any(proc.is_alive() for proc in workers.processes)
