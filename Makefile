@@ -16,7 +16,7 @@ STAMP := $(VENV)/.shardserve-installed
 SETUP ?= $(STAMP)
 PIP_FLAGS := --disable-pip-version-check $(if $(CI),--progress-bar off -q,)
 PYTEST_ARGS ?=
-TEST_WORKERS ?= 0
+TEST_WORKERS ?= 2
 BENCH_ARGS ?=
 SOAK_ARGS ?=
 SOAK_OUT ?= soak.json
@@ -39,11 +39,12 @@ demo: $(SETUP)
 	$(PY) -m shardserve.demo
 
 # pytest's exit code is make's: a failure, and also "no tests ran" (exit 5), fail the target.
-# TEST_WORKERS=N: N pytest-xdist workers, each running whole test modules (--dist loadfile: a module's fixtures,
-# its cluster or server among them, are made once, on one worker); tests/conftest.py hands out the slow modules first
-# and keeps each worker's OpenMP from oversubscribing the cores. The default, 0, is one process: on 2 cores two
-# workers took 590-818 s against 763-830 s serial, and one test of a drain (test_serve_signals) failed once in four
-# such runs, so the default stays serial until that is settled.
+# TEST_WORKERS=N: N pytest-xdist workers (default 2), each running whole test modules (--dist loadfile: a module's
+# fixtures, its cluster or server among them, are made once, on one worker); tests/conftest.py hands out the slow
+# modules first and keeps each worker's OpenMP from oversubscribing the cores. TEST_WORKERS=0: one process. On 2
+# cores (clean clones of 2026-12-02): two workers 611 s, one process 720-837 s. (A drain test failed once in four
+# two-worker runs on 2026-12-01, a request cancelled by the server's stop; the stop's grace went from 1 to 10 s
+# after that, cluster/controller.py: SERVER_STOP_GRACE_S, and the two-worker runs since have passed.)
 test: $(SETUP)
 	$(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15 \
 		$(PYTEST_ARGS)

@@ -13,7 +13,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # so it is set here, before any test module imports shardserve.kernels.
 if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:
     os.environ["TRITON_INTERPRET"] = "1"
-# Under pytest-xdist (`make test TEST_WORKERS=2` on a 2-core machine) the cores are always oversubscribed, where
+# Under pytest-xdist (`make test`: two workers by default, on 2-core machines) the cores are always oversubscribed, where
 # OpenMP's defaults waste them: a thread that waits at a barrier spins, and a 2-thread parallel region stalls for a
 # whole time slice whenever one of its threads is descheduled (a 2.7 s gateway test took 38 s). So each worker's own
 # torch keeps to one intra-op thread, and waiting OpenMP threads sleep instead of spinning (PASSIVE). Both are set
@@ -29,7 +29,7 @@ import pytest  # noqa: E402
 
 from tests.hf_reference import make_tiny_model  # noqa: E402
 
-# `make test TEST_WORKERS=2` runs the suite on two pytest-xdist workers, one test module at a time per worker
+# `make test` runs the suite on two pytest-xdist workers (TEST_WORKERS), one test module at a time per worker
 # (--dist loadfile --no-loadscope-reorder): modules are handed out in collection order, so the slow ones are
 # collected first and the two workers finish close together (longest first), not one worker starting a 90 s module
 # while the other idles. Wall seconds of one module alone on 2 cores (2026-12); a module not named here keeps its
@@ -48,7 +48,7 @@ SLOW_MODULES_FIRST = (
     "tests/kernels/test_sampling_filter.py",  # 34 s
     "tests/e2e/test_cluster.py",  # 32 s
     "tests/e2e/test_gateway.py",  # 32 s
-    "tests/test_model_cache_race.py",  # 30 s
+    "tests/test_model_cache_race.py",  # 15 s (30 s before the one-parse conversion)
     "tests/bench/test_bench_scaling.py",  # 26 s
     "tests/worker/test_local_workers.py",  # 25 s
     "tests/e2e/test_replica_hosts.py",  # 22 s
