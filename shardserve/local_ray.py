@@ -34,7 +34,7 @@ from dataclasses import dataclass
 RAY_START_TRIES = 2
 VITAL_RAY_PROCESSES = ("gcs_server", "raylet")  # without either, the local Ray cannot go on
 HOST_WATCH_S = 1.0  # how often the host looks at them
-BROKEN_SHUTDOWN_S = 1.0  # how long the host gives ray.shutdown once one has died (serve sweeps the rest)
+BROKEN_SHUTDOWN_S = 1.0  # ray.shutdown's time once its Ray is gone (shutdown_broken_ray; the rest is swept)
 
 
 @dataclass
@@ -228,13 +228,13 @@ def _host(num_cpus: int) -> None:
             if dead := [f"{name} (pid {pid})" for pid, name in vital.items() if not _alive(pid)]:
                 print(f"shardserve: the local Ray's {', '.join(dead)} died: shutting it down", file=sys.stderr,
                       flush=True)
-                shutdown_broken_ray(BROKEN_SHUTDOWN_S)  # serve sweeps this session of what is left
+                shutdown_broken_ray()  # serve sweeps this session of what is left
                 os._exit(1)
     finally:
         ray.shutdown()
 
 
-def shutdown_broken_ray(timeout_s: float) -> None:
+def shutdown_broken_ray(timeout_s: float = BROKEN_SHUTDOWN_S) -> None:
     """ray.shutdown for a Ray whose GCS is gone, which it would wait on for many seconds: given timeout_s at most,
     in a daemon thread (what it leaves is swept by LocalRay.stop). Ray's own exit hook (ray.shutdown again, at the
     interpreter's exit) is taken off: it would wait on the stuck shutdown's lock (serve's exit took 5 s more)."""

@@ -36,9 +36,6 @@ def resolve_ray_address(address: str | None) -> str:
     return "local"
 
 
-BROKEN_RAY_SHUTDOWN_S = 1.0
-
-
 def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
@@ -146,7 +143,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
             gateway.stop()
         if started_ray:
             if ray_host is not None and ray_host.exited:  # Ray is gone with its host
-                shutdown_broken_ray(BROKEN_RAY_SHUTDOWN_S)  # what is left: swept with the host's session below
+                shutdown_broken_ray()  # what is left: swept with the host's session below
             else:
                 ray.shutdown()
         if ray_host is not None:
