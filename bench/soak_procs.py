@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from shardserve.local_ray import session_members, stat_fields
+from shardserve.local_ray import command_line, session_members, stat_fields
 
 WORKER, CONTROLLER = "ray::WorkerActor", "ray::Controller"
 
@@ -29,17 +29,9 @@ def ray_session(serve_pid: int) -> int:
     raise LookupError(f"serve (pid {serve_pid}) has no local Ray session: was it started with --ray-address local?")
 
 
-def cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 def worker_pids(session: int) -> list[int]:
     """The live worker-actor processes of the session (every group's, the old ones until they exit)."""
-    return sorted(pid for pid in session_members(session) if cmdline(pid).startswith(WORKER))
+    return sorted(pid for pid in session_members(session) if command_line(pid).startswith(WORKER))
 
 
 def _memory_kb(pid: int) -> tuple[int, int]:
@@ -62,7 +54,7 @@ def memory_sample(serve_pid: int, session: int) -> dict:
     actor alive), ray (the rest of the session: GCS, raylet, idle Ray workers, the host), and the total."""
     roles = {"serve": [serve_pid], "controller": [], "workers": [], "ray": []}
     for pid in session_members(session):
-        line = cmdline(pid)
+        line = command_line(pid)
         role = "controller" if line.startswith(CONTROLLER) else "workers" if line.startswith(WORKER) else "ray"
         roles[role].append(pid)
     sample = {}

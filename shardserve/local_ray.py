@@ -257,13 +257,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _command_name(pid: int) -> str:
-    """The file name of a process's executable as started (argv[0]'s last part), "" when it is gone."""
+def command_line(pid: int) -> str:
+    """A process's command line, its arguments joined by spaces (as a Ray worker retitles itself: "ray::Name");
+    "" when it is gone."""
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return os.path.basename(f.read().split(b"\0", 1)[0].decode(errors="replace"))
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
     except OSError:
         return ""
+
+
+def _command_name(pid: int) -> str:
+    """The file name of a process's executable as started (argv[0]'s last part), "" when it is gone."""
+    return os.path.basename(command_line(pid).split(" ", 1)[0])
 
 
 if __name__ == "__main__":

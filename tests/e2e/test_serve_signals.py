@@ -23,7 +23,7 @@ import grpc
 import pytest
 
 from shardserve.client import Client
-from shardserve.local_ray import _process_table, session_members
+from shardserve.local_ray import _process_table, command_line, session_members
 
 READY = re.compile(r"shardserve ready: .* serving on (\S+:\d+)")
 DRAIN_S = 5.0
@@ -79,14 +79,6 @@ class Serve:
                 os.kill(pid, signal.SIGKILL)
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return f.read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def test_sigterm_to_the_process_group_drains_exits_0_and_leaves_no_process(tiny_llama_dir):
     serve = Serve(tiny_llama_dir, "--port", "0")
     proc = serve.proc
@@ -131,7 +123,7 @@ def test_a_killed_controller_is_started_again_and_resuming_clients_lose_nothing(
         address = serve.wait_ready()
         undisturbed = run_streams(address)
         (controller,) = [pid for pid in session_members(serve.ray_sessions[0])
-                         if _cmdline(pid).startswith("ray::Controller")]
+                         if command_line(pid).startswith("ray::Controller")]
         disturbed = run_streams(address, fault=lambda: os.kill(controller, signal.SIGKILL))  # clients resume
         assert disturbed == undisturbed
         assert "starting it again (1/3)" in "".join(serve.stderr)
@@ -154,7 +146,7 @@ def test_a_killed_local_ray_stops_serve_at_once_with_exit_1_and_leaves_no_proces
         if victim == "host":
             pid, said = host, f"the local Ray (pid {host}) exited with code -9"
         else:
-            (pid,) = [p for p in session_members(host) if _cmdline(p).split(" ")[0].endswith("/gcs_server")]
+            (pid,) = [p for p in session_members(host) if command_line(p).split(" ")[0].endswith("/gcs_server")]
             said = f"the local Ray's gcs_server (pid {pid}) died"
         os.kill(pid, signal.SIGKILL)
         assert serve.proc.wait(timeout=30) == 1
