@@ -48,8 +48,9 @@ class EngineRun:
 
 def phase_split(run: EngineRun) -> dict:
     """Where the run's wall time went: steps with prefill tokens vs decode-only steps (by batch size range). Beside
-    each wall time, the workers' own (device_s: StepResult.forward_ms, the device time between a step's first and
-    last kernel on CUDA): where it falls short of the wall time, the device waited for the host between steps."""
+    each wall time, the workers' own (device_s: StepResult.forward_ms, on CUDA the device time between the first
+    and the last kernel of a step that samples, else host time): where it falls short of the wall time, the device
+    waited for the host between steps."""
     out: dict = {"prefill_steps": 0, "prefill_s": 0.0, "prefill_device_s": 0.0, "decode_steps": 0, "decode_s": 0.0,
                  "decode_device_s": 0.0, "decode_by_batch": {},
                  "first_step_s": run.step_ms[0] / 1e3 if run.step_ms else 0.0, "untimed_steps_s": 0.0,

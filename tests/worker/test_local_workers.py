@@ -109,9 +109,9 @@ def test_ranks_sharing_a_host_are_refused_caches_it_cannot_hold_together(model_d
 
     host, available = host_memory(torch.device("cpu"))
     assert host and available > 0
-    config = engine_config(model_dir, tensor_parallel_size=2)
-    per_rank_block = bytes_per_block(InProcessExecutor(engine_config(model_dir)).runner.model, config.block_size,
-                                     torch.float32) // 2  # a rank holds half the KV heads
+    single = InProcessExecutor(engine_config(model_dir))
+    per_rank_block = bytes_per_block(single.runner.model, single.runner.block_size, torch.float32) // 2  # KV heads / 2
+    single.shutdown()
     blocks = int(0.6 * available) // per_rank_block
     config = engine_config(model_dir, tensor_parallel_size=2, num_kv_blocks=blocks)
     workers = start_local_workers(config)
