@@ -30,7 +30,7 @@ from shardserve.cluster.admission import Prompt, RequestLimits, check_request, e
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.detokenizer import IncrementalDetokenizer
 from shardserve.cluster.executor import Executor
-from shardserve.cluster.outputs import CompletionOutput, RequestDelta, RequestOutput, TokenTexts, position_logprobs
+from shardserve.cluster.outputs import RequestDelta, RequestOutput, TokenTexts, position_logprobs
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
 from shardserve.cluster.request import Request
@@ -243,7 +243,7 @@ class Engine:
                 self.scheduler.finish(seq, reason)
                 deltas.append(self._on_finished(seq))
             elif not seq.params.final_only:  # a final-only request's tokens wait for its last delta
-                deltas.append(self._delta(seq, final=False))
+                deltas.append(seq.delta(final=False))
 
     def _apply_prompt_logprobs(self, result: StepResult) -> None:
         """Fills the prompt positions a result scored (once each: a recomputed request reports them again)."""
@@ -275,57 +275,19 @@ class Engine:
         return None
 
     # ---- outputs -------------------------------------------------------------------------------------------
-    def _delta(self, seq: Request, final: bool) -> RequestDelta:
-        start = seq.num_emitted_tokens
-        seq.num_emitted_tokens = len(seq.output_token_ids)
-        return RequestDelta(
-            request_id=seq.req_id,
-            text=seq.detokenizer.take_delta(final) if seq.detokenizer is not None else "",
-            token_ids=seq.output_token_ids[start:],
-            logprobs=seq.logprobs[start:] if seq.logprobs is not None else None,
-            prompt_logprobs=seq.prompt_logprobs if start == 0 else None,
-            queue_time_s=(seq.first_scheduled_at - seq.arrived_at
-                          if start == 0 and seq.first_scheduled_at is not None else None),
-            finished=final,
-            finish_reason=seq.finish_reason if final else None,
-            stop_reason=seq.stop_reason if final else None,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_generated=len(seq.output_token_ids),
-        )
-
     def _on_finished(self, seq: Request) -> RequestDelta:
         if seq.detokenizer is not None and seq.finish_reason != "stop":
             seq.detokenizer.flush()
         self.num_finished += 1
-        self._finished[seq.req_id] = self._output(seq)
-        return self._delta(seq, final=True)
-
-    def _output(self, seq: Request) -> RequestOutput:
-        completion = CompletionOutput(
-            index=0,
-            text=seq.detokenizer.text if seq.detokenizer is not None else "",
-            token_ids=list(seq.output_token_ids),
-            cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-        )
-        return RequestOutput(
-            request_id=seq.req_id,
-            prompt=seq.prompt,
-            prompt_token_ids=seq.prompt_token_ids,
-            prompt_logprobs=list(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None,
-            outputs=[completion],
-            finished=seq.is_finished,
-            num_cached_tokens=seq.num_cached_tokens,
-        )
+        self._finished[seq.req_id] = seq.output()
+        return seq.delta(final=True)
 
     def get_output(self, req_id: str) -> RequestOutput | None:
         """The final output of a finished request (kept until taken), or a snapshot of a live one."""
         if req_id in self._finished:
             return self._finished[req_id]
         seq = self.scheduler.requests.get(req_id)
-        return self._output(seq) if seq is not None else None
+        return seq.output() if seq is not None else None
 
     def pop_output(self, req_id: str) -> RequestOutput | None:
         """Removes and returns a finished request's output (its id becomes reusable); None if not finished."""

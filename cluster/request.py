@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.plan import SamplingSpec, TokenLogprobs
 
+from shardserve.cluster.outputs import CompletionOutput, RequestDelta, RequestOutput
+
 if TYPE_CHECKING:
     from shardserve.cluster.detokenizer import IncrementalDetokenizer
     from shardserve.cluster.outputs import PositionLogprobs
@@ -97,3 +99,44 @@ class Request:
         self.output_token_ids.append(token_id)
         if self.logprobs is not None:
             self.logprobs.append(logprobs)
+
+    # ---- what the engine hands back ----------------------------------------------------------------------
+    def delta(self, final: bool) -> RequestDelta:
+        """What the request gained since its last delta (text, tokens, logprobs), and marks it emitted."""
+        start = self.num_emitted_tokens
+        self.num_emitted_tokens = len(self.output_token_ids)
+        return RequestDelta(
+            request_id=self.req_id,
+            text=self.detokenizer.take_delta(final) if self.detokenizer is not None else "",
+            token_ids=self.output_token_ids[start:],
+            logprobs=self.logprobs[start:] if self.logprobs is not None else None,
+            prompt_logprobs=self.prompt_logprobs if start == 0 else None,
+            queue_time_s=(self.first_scheduled_at - self.arrived_at
+                          if start == 0 and self.first_scheduled_at is not None else None),
+            finished=final,
+            finish_reason=self.finish_reason if final else None,
+            stop_reason=self.stop_reason if final else None,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated=len(self.output_token_ids),
+        )
+
+    def output(self) -> RequestOutput:
+        """The request's whole output so far (final once it has finished)."""
+        completion = CompletionOutput(
+            index=0,
+            text=self.detokenizer.text if self.detokenizer is not None else "",
+            token_ids=list(self.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
+            logprobs=list(self.logprobs) if self.logprobs is not None else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+        return RequestOutput(
+            request_id=self.req_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
+            outputs=[completion],
+            finished=self.is_finished,
+            num_cached_tokens=self.num_cached_tokens,
+        )
