@@ -42,7 +42,7 @@ demo: $(SETUP)
 # TEST_WORKERS=N: N pytest-xdist workers (default 2), each running whole test modules (--dist loadfile: a module's
 # fixtures, its cluster or server among them, are made once, on one worker); tests/conftest.py hands out the slow
 # modules first and keeps each worker's OpenMP from oversubscribing the cores. TEST_WORKERS=0: one process. On 2
-# cores (clean clones of 2026-12-02): two workers 611 s, one process 720-837 s. (A drain test failed once in four
+# cores (clean clones of 2026-12-02): two workers 536-611 s, one process 720-837 s. (A drain test failed once in four
 # two-worker runs on 2026-12-01, a request cancelled by the server's stop; the stop's grace went from 1 to 10 s
 # after that, cluster/controller.py: SERVER_STOP_GRACE_S, and the two-worker runs since have passed.)
 test: $(SETUP)
