@@ -39,6 +39,11 @@ def test_offline_record_has_throughput_the_ceiling_and_the_ratio_to_transformers
     assert record["ceiling_output_tokens_per_s"] > 0
     arithmetic = record["notes"]["ceiling"]["arithmetic"]
     assert any(line.startswith("ceiling:") for line in arithmetic) and "copy" in arithmetic[0]
+    phases = record["notes"]["phases"]  # the workers' own time beside the wall time, inside it (CPU steps: synchronous)
+    assert 0 < phases["decode_device_s"] <= phases["decode_s"] and 0 < phases["prefill_device_s"] <= phases["prefill_s"]
+    for bucket in phases["decode_by_batch"].values():
+        assert bucket["device_ms_per_step"] == pytest.approx(bucket["device_s"] * 1e3 / bucket["steps"])
+        assert 0 < bucket["device_s"] <= bucket["s"]
     hf = record["notes"]["hf"]
     assert hf["method"] == "generate (padded)" and hf["output_tokens"] == 3 * 10  # fixed length: the range's top
     assert record["ratio_vs_hf"] == pytest.approx(record["notes"]["hf_sample"]["shardserve_output_tokens_per_s"]
