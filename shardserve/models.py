@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # Written last into a converted folder; names the GGUF file it came from.
 CONVERSION_RECORD = "shardserve_conversion.json"
 _FINGERPRINT_BYTES = 1 << 20
+_GGUF_SWAP = threading.Lock()  # gguf_parsed_once: one swap of gguf's attributes at a time
 
 
 @dataclass(frozen=True)
@@ -217,29 +219,31 @@ def gguf_parsed_once() -> Iterator[None]:
     tensor-name map once per module of the model (~400 times, ~12 ms each): ~14 s of a 25 s conversion. Both are
     read-only once built, so a reader is kept per (path, mode) and a map per (architecture, layers). transformers
     imports both from gguf when it calls them, which is what lets this wrapper take their place; a transformers
-    that bound them earlier would just convert at the old speed."""
+    that bound them earlier would just convert at the old speed. The swap is of gguf's module attributes, so one
+    conversion at a time in a process holds it (two threads restoring each other's wrappers would leave one in)."""
     import gguf
 
-    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
-    readers: dict = {}
-    name_maps: dict = {}
+    with _GGUF_SWAP:
+        real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        readers: dict = {}
+        name_maps: dict = {}
 
-    def reader(path, mode="r"):
-        key = (os.fspath(path), mode)
-        if key not in readers:
-            readers[key] = real_reader(path, mode)
-        return readers[key]
+        def reader(path, mode="r"):
+            key = (os.fspath(path), mode)
+            if key not in readers:
+                readers[key] = real_reader(path, mode)
+            return readers[key]
 
-    def name_map(arch, n_blocks):
-        if (arch, n_blocks) not in name_maps:
-            name_maps[arch, n_blocks] = real_name_map(arch, n_blocks)
-        return name_maps[arch, n_blocks]
+        def name_map(arch, n_blocks):
+            if (arch, n_blocks) not in name_maps:
+                name_maps[arch, n_blocks] = real_name_map(arch, n_blocks)
+            return name_maps[arch, n_blocks]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
 
 
 def _write_hf_folder(gguf_path: Path, out_dir: Path) -> None:
