@@ -13,10 +13,11 @@ after it.
 
 Inputs of a graph of size B with n real rows: worker/input_batch.py prepares a decode batch the graphs cover
 already padded to B (pack_inputs), and run() copies that host list into static device buffers:
-  staging (int64): token ids [B] | positions [B] | context lengths [B] | the rows' block tables [n x w]
-    (one host-to-device copy; padding rows get id 0, position 0, context length 0),
-  then one device copy of the [n x w] tables into the static [max B, max_blocks] int32 block table, and the
-  tokens still on the device (async scheduling) gathered into the ids.
+  staging (int64): token ids [B] | positions [B] | context lengths [B] | the rows' slots in the device block
+    table [n] (one host-to-device copy; padding rows get id 0, position 0, context length 0),
+  then the block table's staged writes (worker/block_tables.py), the n rows' first w entries gathered from it
+  into the static [max B, max_blocks] int32 block table, and the tokens still on the device (async scheduling)
+  gathered into the ids.
 Inside the graph each row's cache slot comes from input_batch.slot_mapping (its table entry at pos // block_size),
 or is -1 where the context length is 0: store_kv skips padding rows and the decode kernel reads no keys for them
 (their output is zeros that nobody reads). Entries of a table row past its context are stale and never read.
@@ -125,7 +126,7 @@ class DecodeGraphRunner:
         self.device = device
         self.use_cuda_graphs = use_cuda_graphs
         largest = self.batch_sizes[-1]
-        self._staging = torch.zeros(3 * largest + largest * self.max_blocks, dtype=torch.int64, device=device)
+        self._staging = torch.zeros(4 * largest, dtype=torch.int64, device=device)
         self._block_tables = torch.zeros(largest, self.max_blocks, dtype=torch.int32, device=device)
         self._query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self._rows = torch.arange(largest, dtype=torch.int64, device=device)
@@ -223,7 +224,8 @@ class DecodeGraphRunner:
         The result is a view of the graph's output: use it before the next run."""
         n, padded, width = batch.num_seqs, batch.padded, batch.width
         staged = copy_to_buffer(self._staging, batch.flat)
-        self._block_tables[:n, :width].copy_(staged[3 * padded :].view(n, width))
+        batch.tables.flush(self.device)
+        self._block_tables[:n, :width] = batch.tables.gather(staged[3 * padded : 3 * padded + n], width)
         batch.gather_pending(staged[:n])
         return self.replay(padded)[:n]
 

@@ -1,13 +1,18 @@
 """Per-request worker state and one step's flat batch built from it: InputBatch owns both.
 
 Plans carry deltas (proto/plan.py); InputBatch keeps what they add up to, per request (RequestState: token ids,
-computed count, block table, sampling settings). ModelRunner.launch_step calls prepare(plan), which
-  1. applies the plan's deltas (drop finished and preempted requests, add new ones, append new blocks);
+computed count, block table, sampling settings). The block tables also live on the device, one row (slot) per
+request, changed only by the entries a plan adds (worker/block_tables.py). ModelRunner.launch_step calls
+prepare(plan), which
+  1. applies the plan's deltas (drop finished and preempted requests, add new ones, append new blocks), staging
+     the device table's writes;
   2. checks every scheduled request and takes its positions [num_computed, num_computed + n): input ids,
-     positions, context length, its block table up to the last block this step writes, whether it samples;
+     positions, context length, its slot, whether it samples;
   3. lays them out as one int64 host list (pack_inputs) that a single copy moves to the device: into a fresh
      tensor (StepInputs.to_device, the eager forward), or, for a decode batch that a captured CUDA graph covers,
      padded to that graph's size, into the graph's static buffers (worker/cuda_graphs.py: DecodeGraphRunner.run).
+     Either way the staged table writes are applied first, and the batch's rows are gathered from the table
+     on the device.
 
 Async scheduling: a sampled token stays on the device until its step is finished (worker/step_in_flight.py).
 add_placeholders() appends a PENDING placeholder to each sampling request's token list and notes which step's
@@ -28,6 +33,7 @@ import torch
 
 from shardserve.kernels.backends import AttentionMetadata
 from shardserve.proto.plan import SamplingSpec, StepPlan, cdiv
+from shardserve.worker.block_tables import DeviceBlockTables
 from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.sampler import SamplingRow, uses_penalties
 from shardserve.worker.step_in_flight import StepInFlight
@@ -42,6 +48,7 @@ class RequestState:
     num_computed: int  # positions whose KV is in the cache
     block_ids: list[int]
     sampling: SamplingSpec
+    slot: int  # its row of the device block table (worker/block_tables.py)
     pending: dict[int, tuple[int, int]] = field(default_factory=dict)  # PENDING position -> (step id, row) of its id
 
 
@@ -54,35 +61,32 @@ class GraphSizes(Protocol):
 def pack_inputs(
     input_ids: list[int],
     positions: list[int],
-    block_tables: list[list[int]],
+    slots: list[int],
     padded: int | None = None,
     seq_lens: list[int] | None = None,
     query_lens: list[int] | None = None,
-) -> tuple[list[int], int]:
-    """A step's inputs as one int64 host list, and the block tables' width w (the longest table):
+) -> list[int]:
+    """A step's inputs as one int64 host list:
 
-        input ids [L] | positions [L] | context lengths [S] | block tables [n x w, 0-padded] | query_start_loc [n + 1]
+        input ids [L] | positions [L] | context lengths [S] | slots [n] | query_start_loc [n + 1]
 
-    Eager (padded None): L is the token count rounded up to even, so that the two sections read in place as int64
-    start 16-byte aligned (Triton specialises kernels on pointer alignment: positions at an odd offset would
-    compile a second RoPE variant mid-run); S = n. For a decode graph of size padded (one token per sequence):
-    L = S = padded, padding rows get id 0, position 0 and context length 0, and there is no query_start_loc
-    (the graph keeps a static one). seq_lens and query_lens default to one token per sequence (position + 1, 1).
+    (slots: each sequence's row of the device block table.) Eager (padded None): L is the token count rounded up
+    to even, so that the two sections read in place as int64 start 16-byte aligned (Triton specialises kernels on
+    pointer alignment: positions at an odd offset would compile a second RoPE variant mid-run); S = n. For a
+    decode graph of size padded (one token per sequence): L = S = padded, padding rows get id 0, position 0 and
+    context length 0, and there is no query_start_loc (the graph keeps a static one). seq_lens and query_lens
+    default to one token per sequence (position + 1, 1).
     """
     num_tokens = len(input_ids)
     pad = [0] * ((padded if padded is not None else num_tokens + num_tokens % 2) - num_tokens)
-    width = max(len(t) for t in block_tables)
     flat = input_ids + pad + positions + pad + (seq_lens if seq_lens is not None else [p + 1 for p in positions])
     if padded is not None:
         flat += pad
-    for table in block_tables:
-        flat += table
-        if len(table) < width:
-            flat += [0] * (width - len(table))
+    flat += slots
     if padded is None:
         flat.append(0)
         flat += itertools.accumulate(query_lens) if query_lens is not None else range(1, num_tokens + 1)
-    return flat, width
+    return flat
 
 
 def slot_mapping(
@@ -101,7 +105,8 @@ class StepInputs:
     sampling_states: list[RequestState]  # ... and their states
     flat: list[int]
     num_tokens: int
-    width: int  # of the block tables
+    width: int  # of the block tables: the most blocks a scheduled request reads
+    tables: DeviceBlockTables  # the rows of every request, with this step's writes staged
     padded: int | None  # the decode graph size the batch is padded to; None: eager
     query_lens: list[int]
     seq_lens: list[int]
@@ -121,17 +126,18 @@ class StepInputs:
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """The eager forward's inputs: one copy of the flat list to the device, then views of it (input ids with
-        the pending tokens gathered, positions) and the attention metadata."""
-        num_tokens, num_seqs, width, bs = self.num_tokens, self.num_seqs, self.width, self.block_size
+        the pending tokens gathered, positions), the batch's rows of the block table and the attention metadata."""
+        num_tokens, num_seqs, bs = self.num_tokens, self.num_seqs, self.block_size
         dev = device_tensor(self.flat, torch.int64, device)
+        self.tables.flush(device)
         span = num_tokens + num_tokens % 2
         input_ids = dev[:num_tokens]
         positions = dev[span : span + num_tokens]
         offset = 2 * span
         seq_lens = dev[offset : offset + num_seqs].to(torch.int32)
         offset += num_seqs
-        block_tables = dev[offset : offset + num_seqs * width].view(num_seqs, width)
-        query_start_loc = dev[offset + num_seqs * width :].to(torch.int32)
+        block_tables = self.tables.gather(dev[offset : offset + num_seqs], self.width)
+        query_start_loc = dev[offset + num_seqs :].to(torch.int32)
         seq_of_token = torch.repeat_interleave(
             torch.arange(num_seqs, device=device), query_start_loc.diff(), output_size=num_tokens
         )
@@ -139,7 +145,7 @@ class StepInputs:
             slot_mapping=slot_mapping(block_tables, seq_of_token, positions, bs),
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_tables=block_tables.to(torch.int32),
+            block_tables=block_tables,
             query_lens_cpu=self.query_lens,
             seq_lens_cpu=self.seq_lens,
             max_query_len=max(self.query_lens),
@@ -153,9 +159,11 @@ class InputBatch:
     """Every request's state on this rank, each step's batch built from it, and the placeholders of the tokens
     sampled by steps still in flight."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, max_seqs: int = 64, max_blocks: int = 0) -> None:
+        """max_seqs and max_blocks (per request) size the device block table; it grows past them if it must."""
         self.block_size = block_size
         self.requests: dict[str, RequestState] = {}
+        self.tables = DeviceBlockTables(max_seqs, max_blocks)
         self.last_step_id = 0
         # step id -> (the launched step, its sampling requests, where each one's placeholder sits), until resolved
         self._in_flight: dict[int, tuple[StepInFlight, list[RequestState], list[int]]] = {}
@@ -175,7 +183,8 @@ class InputBatch:
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        slots: list[int] = []
+        width = 0
         gathers: dict[int, tuple[list[int], list[int]]] = {}  # step id -> (input rows, rows of its sampled ids)
         for req_id, n in zip(plan.req_ids, plan.num_tokens):
             state = requests.get(req_id)
@@ -206,18 +215,20 @@ class InputBatch:
                 positions += range(start, end)
             query_lens.append(n)
             seq_lens.append(end)
-            tables.append(state.block_ids[:num_blocks])
+            slots.append(state.slot)
+            if num_blocks > width:
+                width = num_blocks
         for state, end in zip(states, seq_lens):
             state.num_computed = end
-        padded, flat, width = None, [], 0
+        padded, flat = None, []
         if states:
             if graphs is not None and len(input_ids) == len(states):  # decode only: one token per request
                 padded = graphs.padded_size(len(states), max(seq_lens))
-            flat, width = pack_inputs(input_ids, positions, tables, padded, seq_lens, query_lens)
+            flat = pack_inputs(input_ids, positions, slots, padded, seq_lens, query_lens)
         return StepInputs(
             states=states, sample_rows=sample_rows, sampling_states=sampling_states, flat=flat,
-            num_tokens=len(input_ids), width=width, padded=padded, query_lens=query_lens, seq_lens=seq_lens,
-            block_size=bs,
+            num_tokens=len(input_ids), width=width, tables=self.tables, padded=padded, query_lens=query_lens,
+            seq_lens=seq_lens, block_size=bs,
             gathers=[(self._in_flight[step_id][0].tokens, dst, src) for step_id, (dst, src) in gathers.items()],
         )
 
@@ -226,24 +237,32 @@ class InputBatch:
         if plan.step_id != self.last_step_id + 1:
             raise RuntimeError(f"step plan {plan.step_id} after {self.last_step_id}: plans must arrive in order")
         self.last_step_id = plan.step_id
-        for req_id in plan.finished_req_ids:
-            self.requests.pop(req_id, None)
-        for req_id in plan.preempted_req_ids:
-            self.requests.pop(req_id, None)
+        tables = self.tables
+        for req_id in itertools.chain(plan.finished_req_ids, plan.preempted_req_ids):
+            state = self.requests.pop(req_id, None)
+            if state is not None:
+                tables.release(state.slot)
         new_ids = set()
         for req in plan.new_requests:
-            self.requests[req.req_id] = RequestState(
+            if req.req_id in self.requests:  # sent again without being dropped: its slot is reused
+                tables.release(self.requests[req.req_id].slot)
+            state = RequestState(
                 token_ids=list(req.token_ids),
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_computed=req.num_computed_tokens,
                 block_ids=list(req.block_ids),
                 sampling=req.sampling,
+                slot=tables.assign(),
             )
+            self.requests[req.req_id] = state
+            tables.write(state.slot, 0, state.block_ids)
             new_ids.add(req.req_id)
         for req_id, blocks in plan.new_block_ids.items():
             if req_id in new_ids:
                 continue  # a new request's block_ids is already its whole table at this step
-            self._state(req_id).block_ids.extend(blocks)
+            state = self._state(req_id)
+            tables.write(state.slot, len(state.block_ids), blocks)
+            state.block_ids.extend(blocks)
 
     def _state(self, req_id: str) -> RequestState:
         state = self.requests.get(req_id)

@@ -89,7 +89,8 @@ class ModelRunner:
             enable_one_shot_all_reduce(self.dtype, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
-        self.input_batch = InputBatch(self.block_size)  # every request's state on this rank, and each step's batch
+        # every request's state on this rank, and each step's batch; its device block table sized for the limits
+        self.input_batch = InputBatch(self.block_size, config.max_num_seqs, cdiv(config.max_model_len, self.block_size))
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None  # captured by allocate_kv_cache on CUDA
         self._graph_reserve: int | None = None  # bytes the KV sizing left for the graphs (measured)
 

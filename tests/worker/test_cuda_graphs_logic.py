@@ -10,6 +10,7 @@ import torch
 
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, cdiv
+from shardserve.worker.block_tables import DeviceBlockTables
 from shardserve.worker.cuda_graphs import (
     DecodeGraphRunner,
     decode_inputs_from_staging,
@@ -47,13 +48,19 @@ def test_every_batch_pads_to_the_nearest_captured_size_and_larger_ones_go_eager(
 def test_staging_yields_the_eager_slots_and_masks_padding_rows():
     tables, tokens = [[3, 7, 6], [5], [9, 2, 4]], [101, 102, 103]
     positions = [9, 2, 10]  # with block size 4: entry 2, 0 and 2 of each table
-    flat, width = pack_decode_inputs(tokens, positions, tables, padded=4)
-    assert width == 3
-    largest, max_blocks = 8, 6
-    staging = torch.full((3 * largest + largest * max_blocks,), 999, dtype=torch.int64)  # stale garbage
+    device_tables = DeviceBlockTables(rows=2, cols=1)  # small: the writes below grow it
+    slots = [device_tables.assign() for _ in tables][::-1]  # rows 2, 1, 0: a request's row is not its batch row
+    for slot, table in zip(slots, tables):
+        device_tables.write(slot, 0, table)
+    flat = pack_decode_inputs(tokens, positions, slots, padded=4)
+    assert flat == tokens + [0] + positions + [0] + [10, 3, 11, 0] + slots
+    largest, max_blocks, width = 8, 6, 3
+    staging = torch.full((4 * largest,), 999, dtype=torch.int64)  # stale garbage
     staging[: len(flat)] = torch.tensor(flat)
     block_tables = torch.full((largest, max_blocks), 5, dtype=torch.int32)  # stale rows for the padding
-    block_tables[:3, :width] = staging[12 : 12 + 9].view(3, 3)
+    device_tables.flush(torch.device("cpu"))
+    block_tables[:3, :width] = device_tables.gather(staging[12:15], width)
+    assert block_tables[:3, :width].tolist() == [[3, 7, 6], [5, 0, 0], [9, 2, 4]]
     ids, pos, meta = decode_inputs_from_staging(
         staging, block_tables, torch.arange(largest + 1, dtype=torch.int32), padded=4, block_size=BLOCK, max_seq_len=64
     )

@@ -1,0 +1,80 @@
+"""Every live request's block table, kept on the step's device and changed only where a plan changes it.
+
+A step's kernels need each scheduled request's block table. Sending the tables whole every step costs the host
+time in proportion to the context (a batch of 256 at 1-2k tokens: ~28k entries a step to list, convert and copy),
+although a decode step appends at most one block per request. Here each request owns a row (its slot) of one
+[rows, cols] int32 table on the device:
+  - a new request takes a free slot, and its blocks become writes into that row; a plan's new blocks for a running
+    request become writes of just those entries; a finished or preempted request gives its slot back;
+  - the writes are applied by flush(): one small host-to-device copy and one index_copy_, queued on the step's
+    stream before its kernels (a step still running was queued before, so it is done with what it read);
+  - a step names its requests' slots, and gather() copies their rows into the [n, width] table the kernels read.
+Entries past a request's last block (left from an earlier owner of the slot) are never read: the kernels stop at
+each sequence's context length. The table grows (rows doubled, columns to the widest write) where it must.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardserve.worker.device_copy import device_tensor
+
+_FIRST_ROWS = 64
+
+
+class DeviceBlockTables:
+    def __init__(self, rows: int = _FIRST_ROWS, cols: int = 0) -> None:
+        self._rows, self._cols = max(1, rows), max(1, cols)  # the table's size when first made (or grown to)
+        self.table: torch.Tensor | None = None  # [rows, cols] int32, made on flush()'s device
+        self._num_slots = 0
+        self._free: list[int] = []
+        self._write_slots: list[int] = []  # staged writes: table[slot, col] = block
+        self._write_cols: list[int] = []
+        self._write_blocks: list[int] = []
+
+    def assign(self) -> int:
+        """A free slot (row) for a new request."""
+        if self._free:
+            return self._free.pop()
+        self._num_slots += 1
+        return self._num_slots - 1
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def write(self, slot: int, first_col: int, blocks: list[int]) -> None:
+        """Stages table[slot, first_col:first_col + len(blocks)] = blocks (applied by the next flush)."""
+        self._write_slots += [slot] * len(blocks)
+        self._write_cols += range(first_col, first_col + len(blocks))
+        self._write_blocks += blocks
+
+    def flush(self, device: torch.device) -> torch.Tensor:
+        """Applies the staged writes on device (without waiting for it) and returns the table."""
+        if self.table is None:
+            self.table = torch.zeros(self._rows, self._cols, dtype=torch.int32, device=device)
+        if not self._write_blocks:
+            return self.table
+        self._grow(self._num_slots, max(self._write_cols) + 1)
+        cols = self.table.shape[1]
+        count = len(self._write_blocks)
+        flat = [slot * cols + col for slot, col in zip(self._write_slots, self._write_cols)] + self._write_blocks
+        staged = device_tensor(flat, torch.int64, device)
+        self.table.view(-1).index_copy_(0, staged[:count], staged[count:].to(torch.int32))
+        self._write_slots, self._write_cols, self._write_blocks = [], [], []
+        return self.table
+
+    def _grow(self, rows: int, cols: int) -> None:
+        old_rows, old_cols = self.table.shape
+        if rows <= old_rows and cols <= old_cols:
+            return
+        new_rows = old_rows
+        while new_rows < rows:
+            new_rows *= 2
+        grown = torch.zeros(new_rows, max(cols, old_cols), dtype=torch.int32, device=self.table.device)
+        grown[:old_rows, :old_cols] = self.table
+        self.table = grown
+
+    def gather(self, slots: torch.Tensor, width: int) -> torch.Tensor:
+        """[n, width] int32: the first width entries of the rows of slots (int64, on the table's device). Call after
+        flush()."""
+        return self.table[:, :width].index_select(0, slots)
