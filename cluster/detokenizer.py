@@ -11,6 +11,11 @@ Stop strings are searched only in the newly decoded area (plus the longest stop 
 text is truncated before the first match, so a stop string never appears in the output (unless include_stop_str
 keeps it, as vLLM's include_stop_str_in_output); while streaming, the last
 len(longest stop) - 1 characters are held back because they might still turn into a stop string.
+
+Each token costs two decodes, on the engine's thread, for every request of every step. A transformers fast
+tokenizer's decode is its Rust tokenizer's decode plus Python around it (and an optional space cleanup); where
+that cleanup is off the Rust decode is called directly: the same text, ~3x less host time a call
+(`backend_decode`).
 """
 
 from __future__ import annotations
@@ -19,6 +24,15 @@ from typing import Any
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output, for the first tokens' spacing
 REPLACEMENT_CHAR = "\ufffd"
+
+
+def backend_decode(tokenizer: Any):
+    """The decode function to call: a transformers fast tokenizer's own Rust tokenizer (tokenizers.Tokenizer)
+    where transformers would return its text unchanged (no clean_up_tokenization_spaces), else the tokenizer's."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return backend.decode
+    return tokenizer.decode
 
 
 class IncrementalDetokenizer:
@@ -31,6 +45,7 @@ class IncrementalDetokenizer:
         include_stop_str: bool = False,
     ) -> None:
         self.tokenizer = tokenizer  # anything with decode(ids, skip_special_tokens=...): transformers or tokenizers
+        self._decode_ids = backend_decode(tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self.include_stop_str = include_stop_str  # keep a matched stop string at the end of the text
         self.stop = list(stop or [])
@@ -43,7 +58,7 @@ class IncrementalDetokenizer:
         self.stopped_by: str | None = None  # the stop string that matched
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        return self._decode_ids(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_token(self, token_id: int, check_stop: bool = True) -> bool:
         """Decodes one generated token. Returns True when the text now contains a stop string (then `text`

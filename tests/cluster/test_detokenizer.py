@@ -5,7 +5,7 @@ from _tiny_tokenizer import EOS, byte_level_bpe
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
-from shardserve.cluster.detokenizer import IncrementalDetokenizer
+from shardserve.cluster.detokenizer import IncrementalDetokenizer, backend_decode
 
 
 @pytest.fixture(scope="module", params=["tokenizers", "transformers"])
@@ -119,3 +119,23 @@ def test_include_stop_str_keeps_the_stop_string_and_nothing_after_it(tokenizer):
     deltas, stopped = stream(detok, ids)
     assert stopped and detok.stopped_by == "OP he"
     assert detok.text == "".join(deltas) == "hello world STOP he"
+
+
+def test_the_rust_decode_is_called_only_where_it_gives_transformers_text():
+    """backend_decode: a transformers fast tokenizer without the space cleanup decodes through its Rust tokenizer
+    (the same text as its decode over random ids, special tokens and broken characters included); with the cleanup
+    on, through transformers."""
+    plain = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(), eos_token=EOS, clean_up_tokenization_spaces=False)
+    fast = backend_decode(plain)
+    assert fast == plain.backend_tokenizer.decode
+    rng = random.Random(1)
+    vocab = plain.backend_tokenizer.get_vocab_size()
+    for _ in range(200):
+        ids = [rng.randrange(vocab) for _ in range(rng.randint(1, 12))]
+        for skip in (True, False):
+            assert fast(ids, skip_special_tokens=skip) == plain.decode(ids, skip_special_tokens=skip)
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=byte_level_bpe(), eos_token=EOS,
+                                       clean_up_tokenization_spaces=True)
+    assert backend_decode(cleaning) == cleaning.decode
+    raw = byte_level_bpe()  # a tokenizers.Tokenizer is called as it is
+    assert backend_decode(raw) == raw.decode
