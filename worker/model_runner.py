@@ -122,15 +122,24 @@ class ModelRunner:
                 self.model, self.kv_caches, self.attn_backend, self.config, self.device, self._graph_reserve
             )
         sampler_warm_up(self.model.vocab_size, self.dtype, self.device)
+        if self.device.type == "cuda" and num_blocks >= self._profile_blocks():
+            # The KV sizing emptied torch's cache after measuring the largest step; without this its activations
+            # would be allocated from the device again (cudaMalloc) inside the first large prefill steps served
+            # (0.2-0.3 s of a 4.3 s offline run on an H200). The cache is new: no request owns its blocks yet.
+            self._profile_forward(self.kv_caches)
+
+    def _profile_blocks(self) -> int:
+        return cdiv(min(self.config.max_num_batched_tokens, self.config.max_model_len), self.block_size)
 
     @torch.inference_mode()
-    def _profile_forward(self) -> None:
+    def _profile_forward(self, cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
         """The largest step the scheduler may plan: max_num_batched_tokens of prefill, then logits and sampling
-        for up to max_num_seqs rows, on a throwaway cache just big enough for one sequence."""
+        for up to max_num_seqs rows, on a throwaway cache just big enough for one sequence (or on the first blocks
+        of the given cache, which it writes over)."""
         total = self.config.max_num_batched_tokens
         seq_len = min(total, self.config.max_model_len)
-        blocks = list(range(cdiv(seq_len, self.block_size)))
-        scratch = kv_cache.allocate_kv_cache(
+        blocks = list(range(self._profile_blocks()))
+        scratch = cache if cache is not None else kv_cache.allocate_kv_cache(
             self.model, len(blocks), self.block_size, self.kv_dtype, self.device, self.attn_backend)
         spec = SamplingSpec(temperature=1.0, top_p=0.9)
         lens = [min(seq_len, total - start) for start in range(0, total, seq_len)]
