@@ -87,6 +87,10 @@ def add_bench_parser(sub) -> None:
 
     add_prompt_stall_parser(kinds, add_engine_args, _run("shardserve.bench.prompt_stall"))
 
+    from shardserve.bench.host import add_host_parser
+
+    add_host_parser(kinds, add_engine_args, _run("shardserve.bench.host"))
+
     from shardserve.bench.soak import add_soak_parser
 
     add_soak_parser(kinds, add_engine_args, _run("shardserve.bench.soak"))

@@ -12,6 +12,9 @@ text is truncated before the first match, so a stop string never appears in the 
 keeps it, as vLLM's include_stop_str_in_output); while streaming, the last
 len(longest stop) - 1 characters are held back because they might still turn into a stop string.
 
+Tokens that a decode with skip_special_tokens leaves out are not put in the window at all (the same text): kept,
+a run of them would grow the window, and the cost of every decode with it, until a token adds text again.
+
 Each token costs two decodes, on the engine's thread, for every request of every step. A transformers fast
 tokenizer's decode is its Rust tokenizer's decode plus Python around it (and an optional space cleanup); where
 that cleanup is off the Rust decode is called directly: the same text, ~3x less host time a call
@@ -20,6 +23,7 @@ that cleanup is off the Rust decode is called directly: the same text, ~3x less 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 PROMPT_CONTEXT_TOKENS = 5  # prompt tokens decoded before the output, for the first tokens' spacing
@@ -35,6 +39,16 @@ def backend_decode(tokenizer: Any):
     return tokenizer.decode
 
 
+@functools.lru_cache(maxsize=16)
+def skipped_ids(tokenizer: Any) -> frozenset[int]:
+    """The ids decode(..., skip_special_tokens=True) leaves out: the special added tokens of the Rust tokenizer (a
+    tokenizers.Tokenizer, or a transformers fast tokenizer's own), else transformers' all_special_ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if hasattr(backend, "get_added_tokens_decoder"):
+        return frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)
+    return frozenset(getattr(tokenizer, "all_special_ids", ()))
+
+
 class IncrementalDetokenizer:
     def __init__(
         self,
@@ -46,6 +60,7 @@ class IncrementalDetokenizer:
     ) -> None:
         self.tokenizer = tokenizer  # anything with decode(ids, skip_special_tokens=...): transformers or tokenizers
         self._decode_ids = backend_decode(tokenizer)
+        self._skipped = skipped_ids(tokenizer) if skip_special_tokens else frozenset()
         self.skip_special_tokens = skip_special_tokens
         self.include_stop_str = include_stop_str  # keep a matched stop string at the end of the text
         self.stop = list(stop or [])
@@ -64,6 +79,8 @@ class IncrementalDetokenizer:
         """Decodes one generated token. Returns True when the text now contains a stop string (then `text`
         ends right before it, or right after it with include_stop_str, and later tokens must not be added).
         check_stop=False (min_tokens not reached yet) only decodes."""
+        if token_id in self._skipped:
+            return False
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         new_text = self._decode(self._ids[self._prefix :])

@@ -24,7 +24,7 @@ _FIRST_ROWS = 64
 
 class DeviceBlockTables:
     def __init__(self, rows: int = _FIRST_ROWS, cols: int = 0) -> None:
-        self._rows, self._cols = max(1, rows), max(1, cols)  # the table's size when first made (or grown to)
+        self._rows, self._cols = max(1, rows), max(1, cols)  # the table's size (the device's follows at flush)
         self.table: torch.Tensor | None = None  # [rows, cols] int32, made on flush()'s device
         self._num_slots = 0
         self._free: list[int] = []
@@ -48,31 +48,34 @@ class DeviceBlockTables:
         self._write_cols += range(first_col, first_col + len(blocks))
         self._write_blocks += blocks
 
+    def take_writes(self) -> list[int]:
+        """The staged writes as one host list, [flat index into the table] * k + [block] * k, and the table's new
+        size where they need a larger one (the host half of flush)."""
+        if not self._write_blocks:
+            return []
+        while self._rows < self._num_slots:
+            self._rows *= 2
+        self._cols = max(self._cols, max(self._write_cols) + 1)
+        cols = self._cols
+        flat = [slot * cols + col for slot, col in zip(self._write_slots, self._write_cols)] + self._write_blocks
+        self._write_slots, self._write_cols, self._write_blocks = [], [], []
+        return flat
+
     def flush(self, device: torch.device) -> torch.Tensor:
         """Applies the staged writes on device (without waiting for it) and returns the table."""
+        writes = self.take_writes()
         if self.table is None:
             self.table = torch.zeros(self._rows, self._cols, dtype=torch.int32, device=device)
-        if not self._write_blocks:
-            return self.table
-        self._grow(self._num_slots, max(self._write_cols) + 1)
-        cols = self.table.shape[1]
-        count = len(self._write_blocks)
-        flat = [slot * cols + col for slot, col in zip(self._write_slots, self._write_cols)] + self._write_blocks
-        staged = device_tensor(flat, torch.int64, device)
-        self.table.view(-1).index_copy_(0, staged[:count], staged[count:].to(torch.int32))
-        self._write_slots, self._write_cols, self._write_blocks = [], [], []
+        elif self.table.shape != (self._rows, self._cols):
+            grown = torch.zeros(self._rows, self._cols, dtype=torch.int32, device=device)
+            old_rows, old_cols = self.table.shape
+            grown[:old_rows, :old_cols] = self.table
+            self.table = grown
+        if writes:
+            count = len(writes) // 2
+            staged = device_tensor(writes, torch.int64, device)
+            self.table.view(-1).index_copy_(0, staged[:count], staged[count:].to(torch.int32))
         return self.table
-
-    def _grow(self, rows: int, cols: int) -> None:
-        old_rows, old_cols = self.table.shape
-        if rows <= old_rows and cols <= old_cols:
-            return
-        new_rows = old_rows
-        while new_rows < rows:
-            new_rows *= 2
-        grown = torch.zeros(new_rows, max(cols, old_cols), dtype=torch.int32, device=self.table.device)
-        grown[:old_rows, :old_cols] = self.table
-        self.table = grown
 
     def gather(self, slots: torch.Tensor, width: int) -> torch.Tensor:
         """[n, width] int32: the first width entries of the rows of slots (int64, on the table's device). Call after

@@ -162,3 +162,29 @@ def test_offline_without_workload_flags_on_cpu_is_cpu_sized_shows_progress_and_n
     assert (record["workload"]["input_len"], record["workload"]["output_len"]) == ("32-128", "32-128")
     assert f"record: {out}" in printed.out
     assert "shardserve: 100%" in printed.err and "tok/s" in printed.err  # the tqdm bar over output tokens
+
+
+def test_host_bench_runs_every_request_to_its_length_and_times_the_workers_part_inside_the_step(model_dir, tmp_path):
+    """`bench host`: the real engine over an executor that only prepares the worker's inputs; every request gets its
+    max_tokens (the executor answers each sampling row), and each batch range's worker time is within its step time."""
+    record = run_bench(tmp_path, "host", "--model", model_dir, "--num-prompts", "12", "--input-len", "8-40",
+                       "--output-len", "3-30", "--max-num-seqs", "8")
+    notes = record["notes"]
+    from shardserve.bench.workload import parse_range, random_workload
+
+    workload = random_workload(12, parse_range("8-40"), parse_range("3-30"), 384, seed=0)
+    assert notes["output_tokens"] == workload.num_output_tokens
+    assert record["workload"]["detokenize"] is False
+    buckets = notes["by_batch"]
+    assert sum(b["steps"] for b in buckets.values()) == notes["steps"] and "8-15" in buckets  # the batch reached 8
+    for b in buckets.values():
+        assert 0 < b["worker_ms_per_step"] <= b["ms_per_step"]
+
+
+def test_host_bench_detokenizes_with_the_models_tokenizer_and_refuses_a_model_without_one(default_model_dir, model_dir,
+                                                                                          tmp_path, capsys):
+    record = run_bench(tmp_path, "host", "--model", default_model_dir, "--num-prompts", "4", "--input-len", "8",
+                       "--output-len", "5", "--detokenize")
+    assert record["workload"]["detokenize"] is True and record["notes"]["output_tokens"] == 20
+    assert cli(["bench", "host", "--model", model_dir, *SMALL, "--detokenize"]) == 2
+    assert "--detokenize needs a model with a tokenizer" in capsys.readouterr().err

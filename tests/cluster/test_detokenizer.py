@@ -139,3 +139,34 @@ def test_the_rust_decode_is_called_only_where_it_gives_transformers_text():
     assert backend_decode(cleaning) == cleaning.decode
     raw = byte_level_bpe()  # a tokenizers.Tokenizer is called as it is
     assert backend_decode(raw) == raw.decode
+
+
+def test_skipped_special_tokens_do_not_grow_the_window(tokenizer):
+    """Special tokens between words leave the text as a full decode gives it, and a long run of them costs no more
+    per decode: each decode's window stays a few tokens long."""
+    eos = 0
+    sizes = []
+
+    class Counting:  # the tokenizer, counting the ids each decode gets
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+        def decode(self, ids, **kwargs):
+            sizes.append(len(ids))
+            return tokenizer.decode(ids, **kwargs)
+
+    counting = Counting()
+    counting.backend_tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    ids = encode(tokenizer, "hello") + [eos] * 500 + encode(tokenizer, " world") + [eos]
+    detok = IncrementalDetokenizer(counting, [5])
+    detok._decode_ids = counting.decode  # count every decode
+    for t in ids:
+        detok.add_token(t)
+    detok.flush()
+    assert detok.take_delta(final=True) == "hello world" == tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(sizes) <= 12
+    kept = IncrementalDetokenizer(tokenizer, [5], skip_special_tokens=False)
+    for t in encode(tokenizer, "hi") + [eos]:
+        kept.add_token(t)
+    kept.flush()
+    assert kept.text == "hi<eos>"
