@@ -19,6 +19,7 @@ from shardserve.bench.record import BenchRecord
 from shardserve.bench.workload import parse_range, random_workload
 from shardserve.proto.plan import StepPlan, StepResult, cdiv
 
+
 class HostOnlyExecutor:
     """Runs each plan through InputBatch.prepare (and lists the block-table writes the device would get) and answers
     at once; times the worker's part of each step."""

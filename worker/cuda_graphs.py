@@ -13,7 +13,7 @@ after it.
 
 Inputs of a graph of size B with n real rows: worker/input_batch.py prepares a decode batch the graphs cover
 already padded to B (pack_inputs), and run() copies that host list into static device buffers:
-  staging (int64): token ids [B] | positions [B] | context lengths [B] | the rows' slots in the device block
+  staging (int64): token ids [B] | positions [B] | context lengths [B] | the n sequences' rows of the device block
     table [n] (one host-to-device copy; padding rows get id 0, position 0, context length 0),
   then the block table's staged writes (worker/block_tables.py), the n rows' first w entries gathered from it
   into the static [max B, max_blocks] int32 block table, and the tokens still on the device (async scheduling)

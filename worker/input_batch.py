@@ -1,13 +1,13 @@
 """Per-request worker state and one step's flat batch built from it: InputBatch owns both.
 
 Plans carry deltas (proto/plan.py); InputBatch keeps what they add up to, per request (RequestState: token ids,
-computed count, block table, sampling settings). The block tables also live on the device, one row (slot) per
+computed count, block table, sampling settings). The block tables also live on the device, one row per
 request, changed only by the entries a plan adds (worker/block_tables.py). ModelRunner.launch_step calls
 prepare(plan), which
   1. applies the plan's deltas (drop finished and preempted requests, add new ones, append new blocks), staging
      the device table's writes;
   2. checks every scheduled request and takes its positions [num_computed, num_computed + n): input ids,
-     positions, context length, its slot, whether it samples;
+     positions, context length, its table row, whether it samples;
   3. lays them out as one int64 host list (pack_inputs) that a single copy moves to the device: into a fresh
      tensor (StepInputs.to_device, the eager forward), or, for a decode batch that a captured CUDA graph covers,
      padded to that graph's size, into the graph's static buffers (worker/cuda_graphs.py: DecodeGraphRunner.run).
@@ -48,7 +48,7 @@ class RequestState:
     num_computed: int  # positions whose KV is in the cache
     block_ids: list[int]
     sampling: SamplingSpec
-    slot: int  # its row of the device block table (worker/block_tables.py)
+    table_row: int  # its row of the device block table (worker/block_tables.py)
     pending: dict[int, tuple[int, int]] = field(default_factory=dict)  # PENDING position -> (step id, row) of its id
 
 
@@ -61,16 +61,16 @@ class GraphSizes(Protocol):
 def pack_inputs(
     input_ids: list[int],
     positions: list[int],
-    slots: list[int],
+    table_rows: list[int],
     padded: int | None = None,
     seq_lens: list[int] | None = None,
     query_lens: list[int] | None = None,
 ) -> list[int]:
     """A step's inputs as one int64 host list:
 
-        input ids [L] | positions [L] | context lengths [S] | slots [n] | query_start_loc [n + 1]
+        input ids [L] | positions [L] | context lengths [S] | table rows [n] | query_start_loc [n + 1]
 
-    (slots: each sequence's row of the device block table.) Eager (padded None): L is the token count rounded up
+    (table rows: each sequence's row of the device block table.) Eager (padded None): L is the token count rounded up
     to even, so that the two sections read in place as int64 start 16-byte aligned (Triton specialises kernels on
     pointer alignment: positions at an odd offset would compile a second RoPE variant mid-run); S = n. For a
     decode graph of size padded (one token per sequence): L = S = padded, padding rows get id 0, position 0 and
@@ -82,7 +82,7 @@ def pack_inputs(
     flat = input_ids + pad + positions + pad + (seq_lens if seq_lens is not None else [p + 1 for p in positions])
     if padded is not None:
         flat += pad
-    flat += slots
+    flat += table_rows
     if padded is None:
         flat.append(0)
         flat += itertools.accumulate(query_lens) if query_lens is not None else range(1, num_tokens + 1)
@@ -183,7 +183,7 @@ class InputBatch:
         positions: list[int] = []
         query_lens: list[int] = []
         seq_lens: list[int] = []
-        slots: list[int] = []
+        table_rows: list[int] = []
         width = 0
         gathers: dict[int, tuple[list[int], list[int]]] = {}  # step id -> (input rows, rows of its sampled ids)
         for req_id, n in zip(plan.req_ids, plan.num_tokens):
@@ -215,7 +215,7 @@ class InputBatch:
                 positions += range(start, end)
             query_lens.append(n)
             seq_lens.append(end)
-            slots.append(state.slot)
+            table_rows.append(state.table_row)
             if num_blocks > width:
                 width = num_blocks
         for state, end in zip(states, seq_lens):
@@ -224,7 +224,7 @@ class InputBatch:
         if states:
             if graphs is not None and len(input_ids) == len(states):  # decode only: one token per request
                 padded = graphs.padded_size(len(states), max(seq_lens))
-            flat = pack_inputs(input_ids, positions, slots, padded, seq_lens, query_lens)
+            flat = pack_inputs(input_ids, positions, table_rows, padded, seq_lens, query_lens)
         return StepInputs(
             states=states, sample_rows=sample_rows, sampling_states=sampling_states, flat=flat,
             num_tokens=len(input_ids), width=width, tables=self.tables, padded=padded, query_lens=query_lens,
@@ -241,27 +241,27 @@ class InputBatch:
         for req_id in itertools.chain(plan.finished_req_ids, plan.preempted_req_ids):
             state = self.requests.pop(req_id, None)
             if state is not None:
-                tables.release(state.slot)
+                tables.release(state.table_row)
         new_ids = set()
         for req in plan.new_requests:
-            if req.req_id in self.requests:  # sent again without being dropped: its slot is reused
-                tables.release(self.requests[req.req_id].slot)
+            if req.req_id in self.requests:  # sent again without being dropped: its row is reused
+                tables.release(self.requests[req.req_id].table_row)
             state = RequestState(
                 token_ids=list(req.token_ids),
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_computed=req.num_computed_tokens,
                 block_ids=list(req.block_ids),
                 sampling=req.sampling,
-                slot=tables.assign(),
+                table_row=tables.assign(),
             )
             self.requests[req.req_id] = state
-            tables.write(state.slot, 0, state.block_ids)
+            tables.write(state.table_row, 0, state.block_ids)
             new_ids.add(req.req_id)
         for req_id, blocks in plan.new_block_ids.items():
             if req_id in new_ids:
                 continue  # a new request's block_ids is already its whole table at this step
             state = self._state(req_id)
-            tables.write(state.slot, len(state.block_ids), blocks)
+            tables.write(state.table_row, len(state.block_ids), blocks)
             state.block_ids.extend(blocks)
 
     def _state(self, req_id: str) -> RequestState:

@@ -79,13 +79,13 @@ def test_every_step_reads_each_requests_own_blocks(seed):
         for row, (req_id, end) in enumerate(zip(plan.req_ids, step.seq_lens)):
             want = maker.running[req_id][2][: cdiv(end, BLOCK)]
             assert meta.block_tables[row, : len(want)].tolist() == want, (plan.step_id, req_id)
-        slots = {s.slot for s in batch.requests.values()}
-        assert len(slots) == len(batch.requests)  # no two live requests share a row
+        rows = {s.table_row for s in batch.requests.values()}
+        assert len(rows) == len(batch.requests)  # no two live requests share a row
 
 
 def test_a_decode_steps_host_list_does_not_grow_with_the_context():
     """Eight decodes over 40 and over 1,600 tokens of context: the same host list (ids, positions, context lengths,
-    slots, query starts); the blocks went to the device when the requests arrived."""
+    table rows, query starts); the blocks went to the device when the requests arrived."""
     lengths = []
     for context in (40, 1600):
         batch = InputBatch(BLOCK)

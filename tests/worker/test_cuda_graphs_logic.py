@@ -49,11 +49,11 @@ def test_staging_yields_the_eager_slots_and_masks_padding_rows():
     tables, tokens = [[3, 7, 6], [5], [9, 2, 4]], [101, 102, 103]
     positions = [9, 2, 10]  # with block size 4: entry 2, 0 and 2 of each table
     device_tables = DeviceBlockTables(rows=2, cols=1)  # small: the writes below grow it
-    slots = [device_tables.assign() for _ in tables][::-1]  # rows 2, 1, 0: a request's row is not its batch row
-    for slot, table in zip(slots, tables):
-        device_tables.write(slot, 0, table)
-    flat = pack_decode_inputs(tokens, positions, slots, padded=4)
-    assert flat == tokens + [0] + positions + [0] + [10, 3, 11, 0] + slots
+    rows = [device_tables.assign() for _ in tables][::-1]  # rows 2, 1, 0: a request's table row is not its batch row
+    for row, table in zip(rows, tables):
+        device_tables.write(row, 0, table)
+    flat = pack_decode_inputs(tokens, positions, rows, padded=4)
+    assert flat == tokens + [0] + positions + [0] + [10, 3, 11, 0] + rows
     largest, max_blocks, width = 8, 6, 3
     staging = torch.full((4 * largest,), 999, dtype=torch.int64)  # stale garbage
     staging[: len(flat)] = torch.tensor(flat)
