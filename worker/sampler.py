@@ -262,11 +262,20 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     if len(sampled) == len(rows):
         tokens = _sample_rows(logits, rows)
     else:
-        tokens = torch.argmax(logits, dim=1)
+        tokens = greedy(logits)
         if sampled:
             idx = device_tensor(sampled, torch.int64, logits.device)
             tokens[idx] = _sample_rows(logits[idx], [rows[i] for i in sampled])
     return tokens
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[n] int64: each row's argmax (the first index of its largest value, as torch.argmax). On the CPU through
+    torch.max, whose indices are the same and which runs ~5x faster on bfloat16 logits (2.56 against 0.54 ms at
+    32 x 49,152 on the development VM)."""
+    if logits.device.type == "cpu":
+        return torch.max(logits, dim=1).indices
+    return torch.argmax(logits, dim=1)
 
 
 def plain_greedy(rows: list[SamplingRow]) -> bool:

@@ -39,6 +39,17 @@ def test_greedy_rows_take_the_argmax():
     assert out.token_ids == logits.argmax(dim=1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax(dtype):
+    """Ties are common in bfloat16 logits: the first index of the largest value, as torch.argmax (NaN rows too)."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randint(0, 3, (64, 1000), generator=g).to(dtype)  # many ties at the maximum
+    logits[5, 7] = float("nan")
+    out = sample(logits, [_row(temperature=0.0) for _ in range(64)])
+    assert out.token_ids == torch.argmax(logits, dim=1).tolist()
+    assert out.token_ids[5] == 7 and all(logits[i, out.token_ids[i]] == 2 for i in range(64) if i != 5)
+
+
 def test_draw_is_the_top_52_bits_of_the_splitmix64_key_and_inside_0_1():
     keys = [0, 1, 2**63 - 1, 2**64 - 1, row_key(12345, 7)]
     for key in keys:
