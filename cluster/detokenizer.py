@@ -39,10 +39,22 @@ def backend_decode(tokenizer: Any):
     return tokenizer.decode
 
 
-@functools.lru_cache(maxsize=16)
 def skipped_ids(tokenizer: Any) -> frozenset[int]:
     """The ids decode(..., skip_special_tokens=True) leaves out: the special added tokens of the Rust tokenizer (a
-    tokenizers.Tokenizer, or a transformers fast tokenizer's own), else transformers' all_special_ids."""
+    tokenizers.Tokenizer, or a transformers fast tokenizer's own), else transformers' all_special_ids. Computed
+    once per tokenizer (each request makes a detokenizer), except for a tokenizer that cannot be hashed."""
+    try:
+        return _skipped_ids_once(tokenizer)
+    except TypeError:  # unhashable
+        return _skipped_ids(tokenizer)
+
+
+@functools.lru_cache(maxsize=16)
+def _skipped_ids_once(tokenizer: Any) -> frozenset[int]:
+    return _skipped_ids(tokenizer)
+
+
+def _skipped_ids(tokenizer: Any) -> frozenset[int]:
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     if hasattr(backend, "get_added_tokens_decoder"):
         return frozenset(i for i, token in backend.get_added_tokens_decoder().items() if token.special)

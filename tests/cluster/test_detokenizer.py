@@ -170,3 +170,21 @@ def test_skipped_special_tokens_do_not_grow_the_window(tokenizer):
         kept.add_token(t)
     kept.flush()
     assert kept.text == "hi<eos>"
+
+
+def test_a_tokenizer_that_cannot_be_hashed_still_skips_its_special_tokens():
+    class Unhashable:  # transformers-like: decode and all_special_ids, and __eq__ without __hash__
+        all_special_ids = [0]
+
+        def __eq__(self, other):
+            return self is other
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join("" if (i == 0 and skip_special_tokens) else chr(97 + i % 26) for i in ids)
+
+    tok = Unhashable()
+    detok = IncrementalDetokenizer(tok, [1, 2])
+    for t in [3, 0, 4, 0, 0]:
+        detok.add_token(t)
+    detok.flush()
+    assert detok.text == "de" and detok._ids[-2:] == [3, 4]  # the special ids stayed out of the window
