@@ -27,6 +27,9 @@ def add_bench_parser(sub) -> None:
     offline.add_argument("--no-roofline", action="store_true", help="skip measuring the ceiling")
     offline.add_argument("--json-out", default=None, help="append the result as a JSON record to this file")
     offline.add_argument("--profile", default=None, metavar="PATH", help="torch profiler table of the timed run")
+    offline.add_argument("--repeats", type=int, default=1,
+                         help="timed runs on one engine (other prompt tokens, the same lengths); the record's figure "
+                         "is their median, every run's in its notes (the first run alone is profiled)")
     offline.set_defaults(func=_run("shardserve.bench.offline"))
 
     latency = kinds.add_parser("latency", help="decode ms/token at a small batch, against the weight-read bound")

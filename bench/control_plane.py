@@ -55,7 +55,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
             print(f"{name}: skipped, ray is not importable", flush=True)
             continue
         try:
-            run, _, graphs, _ = run_engine(config, workload, args.temperature, args.seed, vocab, executor=executor)
+            (run,), _, graphs, _ = run_engine(config, workload, args.temperature, args.seed, vocab, executor=executor)
         except Exception as exc:  # report and go on: the other executor may still measure
             results[executor] = dict(error=f"{type(exc).__name__}: {exc}")
             print(f"{name}: failed: {exc!r}", flush=True)

@@ -19,6 +19,7 @@ PY=${PY:-python3}
 SMOKE=${SMOKE:-0}
 BUDGET_S=${BUDGET_S:-330}
 PROFILE=${PROFILE:-0}  # 1: torch profiler tables of offline_qwen3 and latency_llama8b_tp1 in $OUT (slows those two runs)
+REPEATS=${REPEATS:-3}  # timed runs of the Qwen3 offline workload on one engine; the record's figure is their median
 ONLY=${ONLY:-}  # step names to run (space-separated); empty: every step
 START=$(date +%s)
 WORK=$(mktemp -d /tmp/shardserve-gpu-run.XXXXXX)
@@ -181,7 +182,7 @@ finish_step probe_qwen3; finish_step probe_llama8b
 # (b) offline Qwen3-0.6B, nano-vllm's workload [GPU 0]  ||  (c) latency Llama-3-8B TP=1 [GPU 1]
 PROF_OFF=; PROF_LAT=
 [ "$PROFILE" = 1 ] && PROF_OFF="--profile $OUT/profile_offline_qwen3.txt" && PROF_LAT="--profile $OUT/profile_latency_tp1.txt"
-start_step offline_qwen3 120 40 0 $(bench offline_qwen3 offline --model $SMALL $DEV --num-prompts $N_SMALL \
+start_step offline_qwen3 120 40 0 $(bench offline_qwen3 offline --model $SMALL $DEV --num-prompts $N_SMALL --repeats $REPEATS \
   --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF $PROF_OFF)
 start_step latency_llama8b_tp1 90 30 1 $(bench latency_llama8b_tp1 latency --model $BIG $DEV --tp 1 \
   --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT $PROF_LAT)
@@ -189,7 +190,7 @@ finish_step offline_qwen3; finish_step latency_llama8b_tp1
 
 # (b2) offline Qwen3-0.6B with the FP8 KV cache [GPU 0]  ||  (b3) its attention kernels' bytes/s, bf16 and FP8, and
 # where an FP8 step's time goes [GPU 1]
-start_step offline_qwen3_fp8 120 40 0 $(bench offline_qwen3_fp8 offline --model $SMALL $DEV --kv-cache-dtype fp8 \
+start_step offline_qwen3_fp8 120 40 0 $(bench offline_qwen3_fp8 offline --model $SMALL $DEV --kv-cache-dtype fp8 --repeats $REPEATS \
   --num-prompts $N_SMALL --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF)
 ATT_RATES="32x256,32x4096,64x1024,64x4096,256x800"; [ "$SMOKE" = 1 ] && ATT_RATES=""
 start_step probe_qwen3_fp8 $PROBE_LIMIT 60 1 $PY -m shardserve.cli bench probe --model $SMALL \

@@ -31,20 +31,26 @@ def free_device_memory() -> None:
 
 def run_engine(config, workload: Workload, temperature: float, seed: int, vocab: int, executor: str = "local",
                sample: Workload | None = None, profile_path: str | None = None, progress: str | None = None,
-               ) -> tuple[EngineRun, EngineRun | None, str | None, float]:
-    """Runs the workload (and the transformers sample, when given) on one engine; returns the runs, what the
-    runner captured as CUDA graphs, and this process's peak memory. progress: a label for a progress bar (stderr)
-    over the timed run's output tokens."""
+               repeats: int = 1) -> tuple[list[EngineRun], EngineRun | None, str | None, float]:
+    """Runs the workload `repeats` times on one engine (run k with Workload.shifted(k): the same lengths, no prefix
+    hits on the earlier runs; only the first profiled), then the transformers sample, when given; returns the runs,
+    the sample's run, what the runner captured as CUDA graphs, and this process's peak memory. progress: a label
+    for a progress bar (stderr) over each timed run's output tokens."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     bench = open_engine(config, executor)
     try:
         warm_up(bench, vocab)
         with profiled(profile_path, config.device):
-            run = run_workload(bench, workload, temperature, seed, progress=progress)
+            runs = [run_workload(bench, workload, temperature, seed, progress=progress)]
+        for k in range(1, repeats):
+            runs.append(run_workload(bench, workload.shifted(k, vocab), temperature, seed, progress=progress))
+        run = runs[0]
         sample_run = None
         if sample is not None:
             same = sample.prompts == workload.prompts and sample.output_lens == workload.output_lens
             sample_run = run if same else run_workload(bench, sample, temperature, seed)
-        return run, sample_run, bench.graphs, peak_memory_gb(config.device, config.tensor_parallel_size)
+        return runs, sample_run, bench.graphs, peak_memory_gb(config.device, config.tensor_parallel_size)
     finally:
         bench.close()
         free_device_memory()

@@ -60,8 +60,17 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     print(f"workload: {len(workload.prompts)} prompts, {workload.num_prompt_tokens} prompt tokens, "
           f"{workload.num_output_tokens} output tokens; device {config.device}, dtype {config.dtype}, "
           f"tp {config.tensor_parallel_size}", flush=True)
-    run, sample_run, graphs, peak = run_engine(config, workload, args.temperature, args.seed, vocab, sample=sample,
-                                               profile_path=args.profile, progress="shardserve")
+    runs, sample_run, graphs, peak = run_engine(config, workload, args.temperature, args.seed, vocab, sample=sample,
+                                                profile_path=args.profile, progress="shardserve",
+                                                repeats=args.repeats)
+    for k, each in enumerate(runs if len(runs) > 1 else []):
+        each_phases = phase_split(each)
+        print(f"run {k + 1} of {len(runs)}: {each.output_tokens_per_s:.1f} output tok/s in {each.elapsed_s:.2f} s; "
+              f"prefill {each_phases['prefill_s']:.2f} s (workers {each_phases['prefill_device_s']:.2f}), "
+              f"decode {each_phases['decode_s']:.2f} s (workers {each_phases['decode_device_s']:.2f})", flush=True)
+    order = sorted(range(len(runs)), key=lambda k: runs[k].output_tokens_per_s)
+    headline = order[(len(runs) - 1) // 2]  # the median run (the lower of the two middle ones)
+    run = runs[headline]
     tok_s = run.output_tokens_per_s
     print(f"shardserve: {run.output_tokens} tokens in {run.elapsed_s:.2f} s = {tok_s:.1f} output tok/s "
           f"(CUDA graphs: {graphs or 'see the worker logs'})", flush=True)
@@ -85,6 +94,11 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     record.notes.update(elapsed_s=run.elapsed_s, output_tokens=run.output_tokens, steps=len(run.step_ms), phases=phases,
                         cuda_graphs=graphs, max_num_seqs=config.max_num_seqs,
                         max_num_batched_tokens=config.max_num_batched_tokens)
+    if len(runs) > 1:
+        record.notes["repeats"] = dict(
+            headline=f"run {headline + 1}: the median of {len(runs)} runs on one engine (each with other prompt "
+                     "tokens of the same lengths), its figure and phases above",
+            runs=[_summary(each) for each in runs])
     bound = ceiling(config, workload, rates)
     if bound is not None and bound["ceiling_output_tokens_per_s"]:
         record.ceiling_output_tokens_per_s = bound["ceiling_output_tokens_per_s"]
@@ -106,8 +120,14 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     return 0
 
 
+def _summary(run: EngineRun) -> dict:
+    phases = phase_split(run)
+    keep = ("prefill_s", "prefill_device_s", "decode_s", "decode_device_s")
+    return dict(output_tokens_per_s=run.output_tokens_per_s, elapsed_s=run.elapsed_s, **{k: phases[k] for k in keep})
+
+
 def _compare_cluster(args, config, workload: Workload, vocab: int, local_tok_s: float, record: BenchRecord) -> None:
-    run, _, _, _ = run_engine(config, workload, args.temperature, args.seed, vocab, executor="cluster")
+    (run,), _, _, _ = run_engine(config, workload, args.temperature, args.seed, vocab, executor="cluster")
     cluster_tok_s = run.output_tokens_per_s
     share = control_plane_share(run, min_batch=1)
     record.control_plane_share = share["share"]

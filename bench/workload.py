@@ -31,11 +31,24 @@ class Workload:
     def num_output_tokens(self) -> int:
         return sum(self.output_lens)
 
+    def shifted(self, k: int, vocab_size: int) -> "Workload":
+        """The same lengths with every prompt token moved k * 1009 places within random_workload's range of ids: a
+        run of it finds nothing of an earlier run's prompts in the prefix cache (k = 0: this workload)."""
+        low, high = FIRST_ID, min(vocab_size, LAST_ID)
+        offset = (1009 * k) % (high - low)
+        if k and not offset:  # a range of a multiple of 1009 ids
+            offset = 1
+        prompts = [[low + (t - low + offset) % (high - low) for t in p] for p in self.prompts]
+        return Workload(prompts, list(self.output_lens))
+
+
+FIRST_ID, LAST_ID = 100, 32000  # prompt ids come from [FIRST_ID, min(vocab, LAST_ID)): past the special tokens
+
 
 def random_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],
                     vocab_size: int, seed: int = 0, avoid_ids: set[int] = frozenset()) -> Workload:
     rng = random.Random(seed)
-    usable = [t for t in range(100, min(vocab_size, 32000)) if t not in avoid_ids]  # past the special tokens
+    usable = [t for t in range(FIRST_ID, min(vocab_size, LAST_ID)) if t not in avoid_ids]
     prompts = [[rng.choice(usable) for _ in range(rng.randint(*input_len))] for _ in range(num_prompts)]
     outputs = [rng.randint(*output_len) for _ in range(num_prompts)]
     return Workload(prompts, outputs)

@@ -188,3 +188,29 @@ def test_host_bench_detokenizes_with_the_models_tokenizer_and_refuses_a_model_wi
     assert record["workload"]["detokenize"] is True and record["notes"]["output_tokens"] == 20
     assert cli(["bench", "host", "--model", model_dir, *SMALL, "--detokenize"]) == 2
     assert "--detokenize needs a model with a tokenizer" in capsys.readouterr().err
+
+
+def test_offline_repeats_report_the_median_run_and_every_run(model_dir, tmp_path):
+    record = run_bench(tmp_path, "offline", "--model", model_dir, "--num-prompts", "4", "--input-len", "8-24",
+                       "--output-len", "4-10", "--repeats", "3", "--no-roofline")
+    runs = record["notes"]["repeats"]["runs"]
+    assert len(runs) == 3
+    figures = sorted(r["output_tokens_per_s"] for r in runs)
+    assert record["output_tokens_per_s"] == figures[1]  # the median run is the record's figure
+    headline = runs[int(record["notes"]["repeats"]["headline"].split()[1].rstrip(":")) - 1]
+    assert headline["elapsed_s"] == record["notes"]["elapsed_s"]
+
+
+def test_a_shifted_workload_keeps_the_lengths_and_shares_no_prompt_start():
+    from shardserve.bench.workload import FIRST_ID, random_workload
+
+    base = random_workload(50, (1, 64), (1, 8), 384, seed=3)
+    for k in (1, 2, 7):
+        moved = base.shifted(k, 384)
+        assert [len(p) for p in moved.prompts] == [len(p) for p in base.prompts]
+        assert moved.output_lens == base.output_lens
+        assert all(FIRST_ID <= t < 384 for p in moved.prompts for t in p)
+        assert all(a[0] != b[0] for a, b in zip(moved.prompts, base.prompts))  # no prefix-cache hit on the base
+    assert base.shifted(0, 384).prompts == base.prompts
+    span = random_workload(5, (4, 4), (1, 1), FIRST_ID + 1009, seed=0)  # 1009 ids: the plain shift would be none
+    assert all(a != b for a, b in zip(span.shifted(1, FIRST_ID + 1009).prompts, span.prompts))
