@@ -15,6 +15,7 @@ workers with the GIL released), so the groups compute at once. Greedy outputs eq
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -164,6 +165,9 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
+        # Nothing here reads the deltas: each request's tokens come back in one at its end (final_only), which
+        # spares the engine a delta per request per step (bench host: 0.45 -> 0.32 ms of host work a step at 256).
+        params = [dataclasses.replace(p or SamplingParams(), final_only=True) for p in params]
         req_ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -211,16 +215,16 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(req_ids), desc="requests", unit="req", dynamic_ncols=True)
-        start, generated = time.perf_counter(), 0
+        start = time.perf_counter()
+        counted = sum(e.num_generated_tokens for e in self.engines)  # the engines' counts before this call
         lock = threading.Lock()
 
         def steps(engine: Engine) -> None:
-            nonlocal generated
             while engine.has_unfinished():
                 deltas = self._step(engine)
                 with lock:
-                    generated += sum(len(d.token_ids) for d in deltas)
                     if bar is not None:
+                        generated = sum(e.num_generated_tokens for e in self.engines) - counted
                         bar.update(sum(d.finished for d in deltas))
                         bar.set_postfix_str(f"{generated / max(time.perf_counter() - start, 1e-9):.1f} tok/s",
                                             refresh=False)

@@ -30,6 +30,28 @@ def test_outputs_come_back_in_prompt_order_with_per_prompt_params(llm):
     assert llm.engine.block_manager.all_free()
 
 
+def test_generate_takes_each_answer_in_one_delta_and_leaves_the_callers_params_alone(llm, monkeypatch):
+    """generate reads no deltas: its requests are final_only (one delta each, at the end), on copies of the
+    caller's params; the answers are those streaming gives."""
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    deltas = []
+    step = llm.engine.step
+
+    def recording_step():
+        got = step()
+        deltas.extend(got)
+        return got
+
+    monkeypatch.setattr(llm.engine, "step", recording_step)
+    outputs = llm.generate(["The capital of France is", "Hello"], greedy, use_tqdm=False)
+    monkeypatch.undo()
+    assert greedy.final_only is False
+    assert len(deltas) == 2 and all(d.finished and len(d.token_ids) == 6 for d in deltas)
+    streamed = list(llm.stream("Hello", greedy))
+    assert [t for d in streamed for t in d.token_ids] == outputs[1].outputs[0].token_ids
+    assert len(streamed) > 1
+
+
 def test_stop_string_ends_the_output_and_never_appears_in_it(llm):
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     full = llm.generate(["The capital of France is"], greedy, use_tqdm=False)[0].outputs[0].text
