@@ -76,7 +76,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     engine = Engine(config, executor, tokenizer, [], vocab_size=facts.vocab_size)
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
         engine.add_request(f"host-{i}", list(prompt), SamplingParams(temperature=args.temperature, max_tokens=n,
-                                                                     ignore_eos=True, seed=i))
+                                                                     ignore_eos=True, seed=i,
+                                                                     final_only=args.final_only))
     steps: list[tuple[int, float, float]] = []  # (the step's plan's requests, ms, the worker's ms)
     tokens = 0
     started = time.perf_counter()
@@ -97,7 +98,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     record = BenchRecord.for_engine(
         "host", args.model, config,
         workload=dict(num_prompts=len(workload.prompts), input_len=args.input_len, output_len=args.output_len,
-                      temperature=args.temperature, ignore_eos=True, detokenize=bool(tokenizer)),
+                      temperature=args.temperature, ignore_eos=True, detokenize=bool(tokenizer),
+                      final_only=args.final_only),
         output_tokens_per_s=tokens / elapsed)
     record.notes.update(steps=len(steps), output_tokens=tokens, elapsed_s=elapsed,
                         ms_per_step=elapsed / len(steps) * 1e3, worker_ms_per_step=executor.worker_s / len(steps) * 1e3,
@@ -125,5 +127,7 @@ def add_host_parser(kinds, add_engine_args, run) -> None:
     host.add_argument("--output-len", default="100-1024", help="N or LOW-HIGH (uniform)")
     host.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of every request")
     host.add_argument("--detokenize", action="store_true", help="detokenize every token with the model's tokenizer")
+    host.add_argument("--final-only", action="store_true",
+                      help="requests answered in one delta at their end (as LLM.generate makes them), not per token")
     host.add_argument("--json-out", default=None, help="append the result as a JSON record to this file")
     host.set_defaults(func=run)

@@ -174,7 +174,7 @@ def test_host_bench_runs_every_request_to_its_length_and_times_the_workers_part_
 
     workload = random_workload(12, parse_range("8-40"), parse_range("3-30"), 384, seed=0)
     assert notes["output_tokens"] == workload.num_output_tokens
-    assert record["workload"]["detokenize"] is False
+    assert record["workload"]["detokenize"] is False and record["workload"]["final_only"] is False
     buckets = notes["by_batch"]
     assert sum(b["steps"] for b in buckets.values()) == notes["steps"] and "8-15" in buckets  # the batch reached 8
     for b in buckets.values():
@@ -186,6 +186,9 @@ def test_host_bench_detokenizes_with_the_models_tokenizer_and_refuses_a_model_wi
     record = run_bench(tmp_path, "host", "--model", default_model_dir, "--num-prompts", "4", "--input-len", "8",
                        "--output-len", "5", "--detokenize")
     assert record["workload"]["detokenize"] is True and record["notes"]["output_tokens"] == 20
+    one_delta = run_bench(tmp_path, "host", "--model", default_model_dir, "--num-prompts", "4", "--input-len", "8",
+                          "--output-len", "5", "--final-only")
+    assert one_delta["workload"]["final_only"] is True and one_delta["notes"]["output_tokens"] == 20
     assert cli(["bench", "host", "--model", model_dir, *SMALL, "--detokenize"]) == 2
     assert "--detokenize needs a model with a tokenizer" in capsys.readouterr().err
 
