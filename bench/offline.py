@@ -63,8 +63,8 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     runs, sample_run, graphs, peak = run_engine(config, workload, args.temperature, args.seed, vocab, sample=sample,
                                                 profile_path=args.profile, progress="shardserve",
                                                 repeats=args.repeats)
-    for k, each in enumerate(runs if len(runs) > 1 else []):
-        each_phases = phase_split(each)
+    phases_of = [phase_split(each) for each in runs]
+    for k, (each, each_phases) in enumerate(zip(runs, phases_of) if len(runs) > 1 else []):
         print(f"run {k + 1} of {len(runs)}: {each.output_tokens_per_s:.1f} output tok/s in {each.elapsed_s:.2f} s; "
               f"prefill {each_phases['prefill_s']:.2f} s (workers {each_phases['prefill_device_s']:.2f}), "
               f"decode {each_phases['decode_s']:.2f} s (workers {each_phases['decode_device_s']:.2f})", flush=True)
@@ -82,7 +82,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         total_tokens_per_s=(run.output_tokens + run.prompt_tokens) / run.elapsed_s,
         peak_memory_gb=peak,
     )
-    phases = phase_split(run)
+    phases = phases_of[headline]
     print(f"phases: first step {phases['first_step_s']:.3f} s, untimed steps {phases['untimed_steps_s']:.3f} s, "
           f"outside steps {phases['outside_steps_s']:.3f} s; "
           f"{phases['prefill_steps']} steps with prefill in {phases['prefill_s']:.2f} s "
@@ -98,7 +98,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         record.notes["repeats"] = dict(
             headline=f"run {headline + 1}: the median of {len(runs)} runs on one engine (each with other prompt "
                      "tokens of the same lengths), its figure and phases above",
-            runs=[_summary(each) for each in runs])
+            runs=[_summary(each, p) for each, p in zip(runs, phases_of)])
     bound = ceiling(config, workload, rates)
     if bound is not None and bound["ceiling_output_tokens_per_s"]:
         record.ceiling_output_tokens_per_s = bound["ceiling_output_tokens_per_s"]
@@ -120,8 +120,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     return 0
 
 
-def _summary(run: EngineRun) -> dict:
-    phases = phase_split(run)
+def _summary(run: EngineRun, phases: dict) -> dict:
     keep = ("prefill_s", "prefill_device_s", "decode_s", "decode_device_s")
     return dict(output_tokens_per_s=run.output_tokens_per_s, elapsed_s=run.elapsed_s, **{k: phases[k] for k in keep})
 

@@ -18,6 +18,9 @@ def parse_range(text: str) -> tuple[int, int]:
     return low, high
 
 
+FIRST_ID, LAST_ID = 100, 32000  # prompt ids come from [FIRST_ID, min(vocab, LAST_ID)): past the special tokens
+
+
 @dataclass
 class Workload:
     prompts: list[list[int]]
@@ -40,9 +43,6 @@ class Workload:
             offset = 1
         prompts = [[low + (t - low + offset) % (high - low) for t in p] for p in self.prompts]
         return Workload(prompts, list(self.output_lens))
-
-
-FIRST_ID, LAST_ID = 100, 32000  # prompt ids come from [FIRST_ID, min(vocab, LAST_ID)): past the special tokens
 
 
 def random_workload(num_prompts: int, input_len: tuple[int, int], output_len: tuple[int, int],

@@ -12,14 +12,12 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from shardserve.cluster.outputs import CompletionOutput, PositionLogprobs, RequestDelta, RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.plan import SamplingSpec, TokenLogprobs
 
-from shardserve.cluster.outputs import CompletionOutput, RequestDelta, RequestOutput
-
 if TYPE_CHECKING:
     from shardserve.cluster.detokenizer import IncrementalDetokenizer
-    from shardserve.cluster.outputs import PositionLogprobs
 
 
 class RequestStatus(enum.Enum):

@@ -8,7 +8,8 @@ although a decode step appends at most one block per request. Here each request 
     request become writes of just those entries; a finished or preempted request gives its row back;
   - the writes are applied by flush(): one small host-to-device copy and one index_copy_, queued on the step's
     stream before its kernels (a step still running was queued before, so it is done with what it read);
-  - a step names its requests' rows, and gather() copies their rows into the [n, width] table the kernels read.
+  - a step names its requests' rows, and gather() applies the staged writes, then copies those rows into the
+    [n, width] table the kernels read.
 Entries past a request's last block (left from an earlier owner of the row) are never read: the kernels stop at
 each sequence's context length. The table grows (rows doubled, columns to the widest write) where it must.
 """
@@ -78,6 +79,6 @@ class DeviceBlockTables:
         return self.table
 
     def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """[n, width] int32: the first width entries of the given rows (int64, on the table's device). Call after
-        flush()."""
-        return self.table[:, :width].index_select(0, rows)
+        """[n, width] int32: the first width entries of the given rows (int64, on the step's device), the staged
+        writes applied first."""
+        return self.flush(rows.device)[:, :width].index_select(0, rows)

@@ -224,7 +224,6 @@ class DecodeGraphRunner:
         The result is a view of the graph's output: use it before the next run."""
         n, padded, width = batch.num_seqs, batch.padded, batch.width
         staged = copy_to_buffer(self._staging, batch.flat)
-        batch.tables.flush(self.device)
         self._block_tables[:n, :width] = batch.tables.gather(staged[3 * padded : 3 * padded + n], width)
         batch.gather_pending(staged[:n])
         return self.replay(padded)[:n]

@@ -129,7 +129,6 @@ class StepInputs:
         the pending tokens gathered, positions), the batch's rows of the block table and the attention metadata."""
         num_tokens, num_seqs, bs = self.num_tokens, self.num_seqs, self.block_size
         dev = device_tensor(self.flat, torch.int64, device)
-        self.tables.flush(device)
         span = num_tokens + num_tokens % 2
         input_ids = dev[:num_tokens]
         positions = dev[span : span + num_tokens]

@@ -58,7 +58,6 @@ def test_staging_yields_the_eager_slots_and_masks_padding_rows():
     staging = torch.full((4 * largest,), 999, dtype=torch.int64)  # stale garbage
     staging[: len(flat)] = torch.tensor(flat)
     block_tables = torch.full((largest, max_blocks), 5, dtype=torch.int32)  # stale rows for the padding
-    device_tables.flush(torch.device("cpu"))
     block_tables[:3, :width] = device_tables.gather(staging[12:15], width)
     assert block_tables[:3, :width].tolist() == [[3, 7, 6], [5, 0, 0], [9, 2, 4]]
     ids, pos, meta = decode_inputs_from_staging(
