@@ -10,12 +10,17 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.pdl import chained, start_as_dependent
+
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr):
-    """Grid (rows, cdiv(d, BLOCK)). Row r's gate is x[r, :d], its up x[r, d:2d]."""
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, d, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    """Grid (rows, cdiv(d, BLOCK)). Row r's gate is x[r, :d], its up x[r, d:2d]. PDL: launched as a programmatic
+    dependent (kernels/pdl.py)."""
+    if PDL:
+        start_as_dependent()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -36,8 +41,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], d, dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
+        pdl = chained(rows, elementwise=True)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, _BLOCK))](
-            rows, out, rows.stride(0), out.stride(0), d, BLOCK=_BLOCK
+            rows, out, rows.stride(0), out.stride(0), d, BLOCK=_BLOCK, PDL=pdl, launch_pdl=pdl,
         )
     return out.view(*gate_up.shape[:-1], d)
 

@@ -10,19 +10,26 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.pdl import chained, start_as_dependent
+
 
 @triton.jit
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """Grid (rows,). Program r normalises row r (adding its residual first when HAS_RESIDUAL)."""
+    """Grid (rows,). Program r normalises row r (adding its residual first when HAS_RESIDUAL). Every load comes
+    before the residual's store (a load after a store that may alias it waits for it). PDL: launched as a
+    programmatic dependent (kernels/pdl.py)."""
+    if PDL:
+        start_as_dependent()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         residual = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
         x = (x.to(tl.float32) + residual.to(tl.float32)).to(x_ptr.dtype.element_ty)
@@ -30,7 +37,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -43,11 +49,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     res_rows = residual.reshape(-1, hidden) if residual is not None else rows
     res_out = torch.empty_like(rows) if residual is not None else rows
     if rows.shape[0]:
+        pdl = chained(x, elementwise=True)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res_rows, weight, out, res_out,
             rows.stride(0), res_rows.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden),
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), PDL=pdl, launch_pdl=pdl,
         )
     return out.view(x.shape), res_out.view(x.shape)
 

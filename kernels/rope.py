@@ -23,33 +23,33 @@ from shardserve.kernels.store_kv import KVWrite, check_write, quantize_e4m3
 
 
 @triton.jit
-def _rotate_heads(x_ptr, w_ptr, token, stride_t, stride_h, num_heads, cos, sin, eps,
-                  HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Token `token`'s heads of x (normalised and) rotated: the two halves, rounded to x's dtype."""
-    heads = tl.arange(0, BLOCK_H)[:, None]
-    cols = tl.arange(0, BLOCK_HALF)[None, :]
+def _load_halves(row_ptr, stride_h, heads, num_heads, cols, HALF: tl.constexpr):
+    """A token's heads (rows of row_ptr, stride_h apart) as their two halves, in float32."""
     mask = (heads < num_heads) & (cols < HALF)
-    first = x_ptr + token * stride_t + heads * stride_h + cols
-    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    first = row_ptr + heads * stride_h + cols
+    return (tl.load(first, mask=mask, other=0.0).to(tl.float32),
+            tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _rotate_halves(x1, x2, w_ptr, cols, cos, sin, eps, DTYPE: tl.constexpr, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Heads given as float32 halves (normalised and) rotated: the two halves, rounded to DTYPE."""
     if NORM:  # RMSNorm over the whole head (rot_dim == head_dim = 2 * HALF)
         rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)
         w1 = tl.load(w_ptr + cols, mask=cols < HALF, other=0.0).to(tl.float32)
         w2 = tl.load(w_ptr + HALF + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-        x1 = (x1 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * w1
-        x2 = (x2 * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32) * w2
-        x1 = x1.to(x_ptr.dtype.element_ty).to(tl.float32)
-        x2 = x2.to(x_ptr.dtype.element_ty).to(tl.float32)
-    return (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+        x1 = (x1 * rstd[:, None]).to(DTYPE).to(tl.float32) * w1
+        x2 = (x2 * rstd[:, None]).to(DTYPE).to(tl.float32) * w2
+        x1 = x1.to(DTYPE).to(tl.float32)
+        x2 = x2.to(DTYPE).to(tl.float32)
+    return (x1 * cos - x2 * sin).to(DTYPE), (x2 * cos + x1 * sin).to(DTYPE)
 
 
 @triton.jit
-def _store_halves(ptr, dst, x1, x2, scale_ptr, h, num_heads, mask, HALF: tl.constexpr, FP8: tl.constexpr,
-                  FP8_LIMIT: tl.constexpr):
-    """Both halves of a token's heads h at ptr + dst (q or k in place, or the cache: quantized with the heads'
-    scales where it is FP8)."""
+def _store_halves(ptr, dst, x1, x2, scale, mask, HALF: tl.constexpr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr):
+    """Both halves of a token's heads at ptr + dst (q or k in place, or the cache: quantized with the heads'
+    scales, [heads] float32, where it is FP8)."""
     if FP8:
-        scale = tl.load(scale_ptr + h, mask=h < num_heads, other=1.0)
         x1 = quantize_e4m3(x1, scale, FP8_LIMIT)
         x2 = quantize_e4m3(x2, scale, FP8_LIMIT)
     tl.store(ptr + dst, x1.to(ptr.dtype.element_ty), mask=mask)
@@ -73,33 +73,42 @@ def _rope_kernel(
     if PDL:
         start_as_dependent()
     token = tl.program_id(0).to(tl.int64)
-    pos = tl.load(positions_ptr + token).to(tl.int64)
     cols = tl.arange(0, BLOCK_HALF)[None, :]
+    q_heads = tl.arange(0, BLOCK_QH)[:, None]
+    k_heads = tl.arange(0, BLOCK_KH)[:, None]
+    # Every load first, stores last: a store may alias a later load as far as the compiler knows, so a load
+    # written after a store waits for it (q, k, v and the cache are distinct memory here).
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    q1, q2 = _load_halves(q_ptr + token * stride_qt, stride_qh, q_heads, num_q_heads, cols, HALF)
+    k1, k2 = _load_halves(k_ptr + token * stride_kt, stride_kh, k_heads, num_k_heads, cols, HALF)
+    if STORE:
+        slot = tl.load(slot_ptr + token).to(tl.int64)
+        v1, v2 = _load_halves(v_ptr + token * stride_vt, stride_vh, k_heads, num_k_heads, cols, HALF)
+        if FP8:
+            kv_heads = tl.arange(0, BLOCK_KH)
+            k_scale = tl.load(k_scale_ptr + kv_heads, mask=kv_heads < num_k_heads, other=1.0)
+            v_scale = tl.load(v_scale_ptr + kv_heads, mask=kv_heads < num_k_heads, other=1.0)
     cos = tl.load(cos_ptr + pos * stride_cos + cols, mask=cols < HALF, other=1.0).to(tl.float32)
     sin = tl.load(sin_ptr + pos * stride_cos + cols, mask=cols < HALF, other=0.0).to(tl.float32)
-    q1, q2 = _rotate_heads(q_ptr, q_norm_ptr, token, stride_qt, stride_qh, num_q_heads, cos, sin, eps,
-                           HALF, NORM, BLOCK_QH, BLOCK_HALF)
-    q_heads = tl.arange(0, BLOCK_QH)
-    _store_halves(q_ptr, token * stride_qt + q_heads[:, None] * stride_qh + cols, q1, q2, q_ptr, q_heads, num_q_heads,
-                  (q_heads[:, None] < num_q_heads) & (cols < HALF), HALF, False, FP8_LIMIT)
-    k1, k2 = _rotate_heads(k_ptr, k_norm_ptr, token, stride_kt, stride_kh, num_k_heads, cos, sin, eps,
-                           HALF, NORM, BLOCK_KH, BLOCK_HALF)
-    h = tl.arange(0, BLOCK_KH)
-    heads = h[:, None]
-    k_mask = (heads < num_k_heads) & (cols < HALF)
+    dtype = q_ptr.dtype.element_ty
+    q1, q2 = _rotate_halves(q1, q2, q_norm_ptr, cols, cos, sin, eps, dtype, HALF, NORM)
+    k1, k2 = _rotate_halves(k1, k2, k_norm_ptr, cols, cos, sin, eps, dtype, HALF, NORM)
+    _store_halves(q_ptr, token * stride_qt + q_heads * stride_qh + cols, q1, q2, None,
+                  (q_heads < num_q_heads) & (cols < HALF), HALF, False, FP8_LIMIT)
+    k_mask = (k_heads < num_k_heads) & (cols < HALF)
     if STORE:  # rot_dim == head_dim: the two halves are the whole head
-        slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:
             dst = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_pos
-            dst += heads * stride_cache_head + cols
-            _store_halves(k_cache_ptr, dst, k1, k2, k_scale_ptr, h, num_k_heads, k_mask, HALF, FP8, FP8_LIMIT)
-            v_at = v_ptr + token * stride_vt + heads * stride_vh + cols
-            v1 = tl.load(v_at, mask=k_mask, other=0.0)
-            v2 = tl.load(v_at + HALF, mask=k_mask, other=0.0)
-            _store_halves(v_cache_ptr, dst, v1, v2, v_scale_ptr, h, num_k_heads, k_mask, HALF, FP8, FP8_LIMIT)
+            dst += k_heads * stride_cache_head + cols
+            if FP8:
+                _store_halves(k_cache_ptr, dst, k1, k2, k_scale, k_mask, HALF, True, FP8_LIMIT)
+                _store_halves(v_cache_ptr, dst, v1, v2, v_scale, k_mask, HALF, True, FP8_LIMIT)
+            else:
+                _store_halves(k_cache_ptr, dst, k1, k2, None, k_mask, HALF, False, FP8_LIMIT)
+                _store_halves(v_cache_ptr, dst, v1, v2, None, k_mask, HALF, False, FP8_LIMIT)
     else:
-        _store_halves(k_ptr, token * stride_kt + heads * stride_kh + cols, k1, k2, k_ptr, h, num_k_heads, k_mask,
-                      HALF, False, FP8_LIMIT)
+        _store_halves(k_ptr, token * stride_kt + k_heads * stride_kh + cols, k1, k2, None, k_mask, HALF, False,
+                      FP8_LIMIT)
 
 
 ROPE_KERNEL = _rope_kernel  # the jitted kernel itself, which bench/kernel_asm.py compiles for a GPU target

@@ -179,12 +179,15 @@ def test_gemv_bf16_one_row_equals_cublas_and_the_layers_take_it(n, k, monkeypatc
     assert calls == ([torch.Size([1, k])] if linear.GEMV else [])
 
 
-def test_rope_decode_and_merge_chained_as_dependents_compute_what_plain_launches_do(monkeypatch):
+def test_the_pdl_chain_computes_what_plain_launches_do(monkeypatch):
     """The PDL chain (kernels/pdl.py, on by default): a bs=1 layer's chain (GEMV, RoPE writing the cache, decode attention
-    over 8 splits and their merge, GEMV) launched as programmatic dependents, eagerly and replayed in a CUDA graph,
-    gives bit for bit what plain launches give: each kernel waits for the one before it before its first load."""
+    over 8 splits and their merge, GEMV), then the residual add + RMSNorm, a cuBLAS GEMM, SiLU-and-mul and another,
+    launched as programmatic dependents, eagerly and replayed in a CUDA graph, gives bit for bit what plain launches
+    give: each kernel waits for the one before it before its first load."""
     from shardserve.kernels import pdl
+    from shardserve.kernels.activation import silu_and_mul
     from shardserve.kernels.gemv import gemv
+    from shardserve.kernels.rmsnorm import add_rms_norm
     from shardserve.kernels.store_kv import KVWrite
 
     heads, kv_heads, dim = HEADS["llama-3-8b"]
@@ -200,17 +203,25 @@ def test_rope_decode_and_merge_chained_as_dependents_compute_what_plain_launches
     positions = torch.tensor([699], device="cuda")
     slot = meta.block_tables[0, 699 // 16].long() * 16 + 699 % 16
 
+    norm_w = 1.0 + 0.1 * torch.randn(heads * dim, generator=gen, device="cuda").bfloat16()
+    w_gate_up = torch.randn(2048, heads * dim, generator=gen, device="cuda").bfloat16() * 0.02
+    w_down = torch.randn(heads * dim, 1024, generator=gen, device="cuda").bfloat16() * 0.02
+
     def layer(kc, vc):
         qkv = gemv(x, w_qkv).view(1, heads + 2 * kv_heads, dim)
         q, k, v = (t.contiguous() for t in qkv.split([heads, kv_heads, kv_heads], dim=1))
         apply_rope_(positions, q, k, cos, sin, write=KVWrite(v, kc, vc, slot.view(1), None, None))
         attn = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, dim**-0.5, num_splits=8)
-        return gemv(attn.view(1, -1), w_o)
+        hidden, residual = add_rms_norm(gemv(attn.view(1, -1), w_o), x, norm_w, 1e-6)
+        up = silu_and_mul(torch.nn.functional.linear(hidden.repeat(8, 1), w_gate_up))  # 8 rows: cuBLAS
+        return torch.cat([torch.nn.functional.linear(up, w_down), residual])
 
     monkeypatch.setattr(pdl, "CHAIN", False)  # SHARDSERVE_PDL_CHAIN=0
+    monkeypatch.setattr(pdl, "CHAIN_ELEMENTWISE", False)
     plain_k, plain_v = kc0.clone(), vc0.clone()
     plain = layer(plain_k, plain_v)
     monkeypatch.setattr(pdl, "CHAIN", True)
+    monkeypatch.setattr(pdl, "CHAIN_ELEMENTWISE", True)
     chained_k, chained_v = kc0.clone(), vc0.clone()
     assert torch.equal(layer(chained_k, chained_v), plain)
     assert torch.equal(chained_k, plain_k) and torch.equal(chained_v, plain_v)
