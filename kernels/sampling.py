@@ -8,10 +8,15 @@ penalties) are never picked, nor, when a row has a threshold (kernels/sampling_f
 one cut-off), the tokens with logit / T below it.
 
 The hash: two rounds of murmur3's 32-bit finaliser, over the token index xor each half of the key, in uint32
-arithmetic (each multiply wraps modulo 2^32: the same bits as the int64 reference's multiply and mask; compiled
-for sm_90 the draw is 1,656 SASS instructions and 95 registers a program against 2,040 and 128 in int64; by
-estimate, issuing instructions is what bounds it: 96 us a step at batch ~190 x 152k on an H200, profiled). u takes
-the top 24 bits, centred: (h >> 8 + 0.5) / 2^24, never 0 or 1.
+arithmetic (each multiply wraps modulo 2^32: the same bits as the int64 reference's multiply and mask). Its top 24
+bits m give u = (m + 0.5) / 2^24 in (0, 1), the exponential draw E = -ln(u) and the noise g = -ln(E). E comes from
+w = 1 - u = (2^24 - 1 - m + 0.5) / 2^24, which float32 holds exactly where it is small: there (w < 1/4) E = -ln(1 -
+w) by its series, elsewhere from log2(u). The largest noise, which decides most draws, comes from the smallest w,
+so that end must be exact. (Computed as 1 - u in float32, the top m gave u = 1.0, since m + 0.5 rounds up to 2^24,
+then E = 0 and infinite noise: at Qwen3's 151,936 entries ~0.9% of rows drew that token whatever its
+probability.) Compiled, both logs are the GPU's approximate log2 (one instruction each, absolute error ~2^-22,
+where libdevice's logf took ~20 instructions), which leaves the noise within ~1e-6 of the exact one;
+interpreted, torch's log2.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.fp8_pairs import COMPILED
+
 _BLOCK = 2048
+_LN2 = tl.constexpr(0.6931471805599453)
 _PROGRAMS_PER_SM = 8  # the draw's programs: about this many per SM (a row's vocabulary split over several)
 
 
@@ -34,8 +42,30 @@ def _fmix32(h):  # h: uint32
 
 
 @triton.jit
+def _log2(x, ASM: tl.constexpr):
+    if ASM:
+        return tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    return tl.log2(x)
+
+
+@triton.jit
+def _gumbel_noise(h, ASM: tl.constexpr):
+    """-ln(E), E = -ln(u), from a uint32 hash h (the module's docstring); float32."""
+    m = h >> 8
+    u = (m.to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    w = ((16777215 - m).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    # -ln(1 - w) = w + w^2/2 + ... + w^10/10: under 1e-7 relative left out for w < 1/4
+    series = 0.1
+    for k in tl.static_range(9, 0, -1):
+        series = 1.0 / k + w * series
+    e = tl.where(w < 0.25, w * series, -_LN2 * _log2(u, ASM))
+    return -_LN2 * _log2(e, ASM)
+
+
+@triton.jit
 def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, inv_temps_ptr, thresholds_ptr, best_ptr, index_ptr, vocab,
-                          chunk, BLOCK: tl.constexpr, HAS_THRESHOLD: tl.constexpr):
+                          chunk, BLOCK: tl.constexpr, HAS_THRESHOLD: tl.constexpr, ASM: tl.constexpr = False):
     """Grid (rows, chunks). Program (r, c) scans vocabulary entries [c * chunk, (c + 1) * chunk) of row r and
     writes its best score and index to best[r, c], index[r, c]. keys: [rows, 2] int64 (low, high 32 bits).
     HAS_THRESHOLD: only tokens with logit * inv_temp >= thresholds[r] compete."""
@@ -56,8 +86,7 @@ def _gumbel_argmax_kernel(logits_ptr, stride, keys_ptr, inv_temps_ptr, threshold
         mask = cols < hi
         logit = tl.load(logits_ptr + row * stride + cols, mask=mask, other=float("-inf")).to(tl.float32)
         h = _fmix32(_fmix32(cols.to(tl.uint32) ^ k0) ^ k1)
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        score = logit * inv_t - tl.log(-tl.log(u))
+        score = logit * inv_t + _gumbel_noise(h, ASM)
         keep = mask & (logit > float("-inf"))
         if HAS_THRESHOLD:
             keep = keep & (logit * inv_t >= threshold)
@@ -102,7 +131,7 @@ def gumbel_sample(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Ten
     index = torch.empty(n, parts, dtype=torch.int64, device=logits.device)
     _gumbel_argmax_kernel[(n, parts)](logits, logits.stride(0), keys, inv_temps,
                                       inv_temps if thresholds is None else thresholds, best, index, vocab, chunk,
-                                      BLOCK=_BLOCK, HAS_THRESHOLD=thresholds is not None)
+                                      BLOCK=_BLOCK, HAS_THRESHOLD=thresholds is not None, ASM=COMPILED)
     if parts == 1:
         return index.view(n)
     return index.gather(1, best.argmax(dim=1, keepdim=True)).view(n)
@@ -118,12 +147,13 @@ def _fmix32_ref(h: torch.Tensor) -> torch.Tensor:
 
 def gumbel_sample_ref(logits: torch.Tensor, keys: torch.Tensor, inv_temps: torch.Tensor,
                       thresholds: torch.Tensor | None = None) -> torch.Tensor:
-    """The same draw in torch (int64 arithmetic): the reference the kernel is tested against."""
+    """The same draw in torch (int64 hashing, the noise in float64): the reference the kernel is tested against."""
     n, vocab = logits.shape
     cols = torch.arange(vocab, dtype=torch.int64, device=logits.device).unsqueeze(0)
     h = _fmix32_ref(_fmix32_ref(cols ^ keys[:, :1]) ^ keys[:, 1:])
-    u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
-    score = logits.float() * inv_temps.unsqueeze(1) - torch.log(-torch.log(u))
+    w = ((16777215 - (h >> 8)).to(torch.float64) + 0.5) / 16777216.0  # 1 - u, exact
+    noise = -torch.log(-torch.log1p(-w))  # float64, rounded once
+    score = logits.float() * inv_temps.unsqueeze(1) + noise.to(torch.float32)
     keep = logits.float() > float("-inf")
     if thresholds is not None:
         keep &= logits.float() * inv_temps.unsqueeze(1) >= thresholds.unsqueeze(1)

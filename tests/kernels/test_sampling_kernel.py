@@ -63,3 +63,20 @@ def test_a_row_depends_only_on_its_logits_and_key():
     assert torch.equal(full, alone)
     shuffled = torch.tensor([3, 0, 7, 1, 5, 2, 6, 4], device=DEVICE)
     assert torch.equal(gumbel_sample(logits[shuffled], keys[shuffled], inv_t)[torch.argsort(shuffled)], full)
+
+
+def test_the_largest_hash_gives_finite_noise():
+    """The hash's top value (m = 2^24 - 1) is the largest noise, but finite: computed as 1 - u in float32 it was
+    u = 1.0 and infinite noise, so that token won whatever its probability (at Qwen3's vocabulary, ~0.9% of rows).
+    With these keys, entry 3983 hashes to it (found by a search over random keys)."""
+    from shardserve.kernels.sampling import _fmix32_ref
+
+    key_low, key_high, hit = 2615940615, 1053230405, 3983
+    h = _fmix32_ref(_fmix32_ref(torch.tensor([hit]) ^ key_low) ^ key_high)
+    assert int(h >> 8) == 2**24 - 1
+    logits = torch.full((1, 4096), -30.0, device=DEVICE)
+    logits[0, 0] = 0.0  # every other token has probability ~e^-30
+    keys = _keys([key_low | key_high << 32])
+    inv_t = torch.ones(1, device=DEVICE)
+    assert gumbel_sample_ref(logits, keys, inv_t).tolist() == [0]
+    assert gumbel_sample(logits, keys, inv_t).tolist() == [0]
