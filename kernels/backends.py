@@ -69,8 +69,10 @@ class AttentionMetadata:
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
     """[num_seqs] int32: the sequences' indices by context length, longest first (ties in batch order): the order
-    the decode kernel starts their programs in (kernels/triton_backend.py: DECODE_ORDER)."""
-    return torch.argsort(seq_lens, descending=True, stable=True).to(torch.int32)
+    the decode kernel starts their programs in (kernels/triton_backend.py: DECODE_ORDER; kernels/decode_order.py)."""
+    from shardserve.kernels.decode_order import longest_first as order
+
+    return order(seq_lens)
 
 
 class AttentionBackend:
