@@ -114,3 +114,32 @@ def store_kv(
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
         FP8=fp8, FP8_LIMIT=FP8_MAX,
     )
+
+
+@triton.jit
+def _decode_slots_kernel(positions_ptr, seq_lens_ptr, tables_ptr, slots_ptr, seq_lens32_ptr, n, stride_bt,
+                         block_size, BLOCK: tl.constexpr):
+    """Grid (cdiv(n, BLOCK),). Row i of a decode batch: its slot, tables[i, pos // block_size] * block_size +
+    pos % block_size, or -1 where its context length is 0 (a padding row); and its context length as int32."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    pos = tl.load(positions_ptr + i, mask=ok, other=0)
+    length = tl.load(seq_lens_ptr + i, mask=ok, other=0)
+    live = ok & (length > 0)
+    block = tl.load(tables_ptr + i.to(tl.int64) * stride_bt + pos // block_size, mask=live, other=0).to(tl.int64)
+    tl.store(slots_ptr + i, tl.where(live, block * block_size + pos % block_size, -1), mask=ok)
+    tl.store(seq_lens32_ptr + i, length.to(tl.int32), mask=ok)
+
+
+def decode_slots(positions: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                 block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode batch's cache slots ([n] int64; -1 for rows whose context length is 0) and its context lengths as
+    int32, row i's table being block_tables[i]: one launch for what is otherwise ~9 small torch kernels a step
+    (worker/input_batch.py: slot_mapping, the reference)."""
+    n = positions.shape[0]
+    slots = torch.empty(n, dtype=torch.int64, device=positions.device)
+    seq_lens32 = torch.empty(n, dtype=torch.int32, device=positions.device)
+    if n:
+        _decode_slots_kernel[(triton.cdiv(n, 256),)](positions, seq_lens, block_tables, slots, seq_lens32, n,
+                                                    block_tables.stride(0), block_size, BLOCK=256)
+    return slots, seq_lens32

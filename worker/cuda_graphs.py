@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
+from shardserve.kernels.store_kv import decode_slots
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import cdiv
 from shardserve.worker.device_copy import copy_to_buffer
@@ -81,11 +82,14 @@ def decode_inputs_from_staging(
     int64 0, 1, ... on the device, the sequence of each token (the runner passes its static one)."""
     input_ids = staging[:padded]
     positions = staging[padded : 2 * padded]
-    seq_lens = staging[2 * padded : 3 * padded].to(torch.int32)
     tables = block_tables[:padded]
-    if rows is None:
-        rows = torch.arange(padded, device=staging.device)
-    slots = torch.where(seq_lens > 0, slot_mapping(tables, rows, positions, block_size), -1)
+    if staging.is_cuda:  # one launch
+        slots, seq_lens = decode_slots(positions, staging[2 * padded : 3 * padded], tables, block_size)
+    else:
+        seq_lens = staging[2 * padded : 3 * padded].to(torch.int32)
+        if rows is None:
+            rows = torch.arange(padded, device=staging.device)
+        slots = torch.where(seq_lens > 0, slot_mapping(tables, rows, positions, block_size), -1)
     meta = AttentionMetadata(
         slot_mapping=slots,
         query_start_loc=query_start_loc[: padded + 1],

@@ -102,3 +102,21 @@ def test_rope_matches_the_model_layers_rotary_embedding():
     apply_rope_(positions, q, k, emb.cos_cache, emb.sin_cache)
     torch.testing.assert_close(q, q_ref)
     torch.testing.assert_close(k, k_ref)
+
+
+def test_decode_slots_kernel_gives_the_reference_slots_and_int32_lengths():
+    """kernels/store_kv.decode_slots (a decode graph's one launch for its slots) against input_batch.slot_mapping:
+    row i's table is row i, a row with context 0 (padding) gets slot -1, and the lengths come back as int32."""
+    from shardserve.kernels.store_kv import decode_slots
+    from shardserve.worker.input_batch import slot_mapping
+
+    gen = torch.Generator().manual_seed(5)
+    n, width, bs = 300, 9, 16
+    tables = torch.randint(0, 1000, (n + 4, width), generator=gen, dtype=torch.int32)  # rows past n: stale
+    lengths = torch.randint(0, width * bs, (n,), generator=gen, dtype=torch.int64)
+    lengths[::7] = 0  # padding rows: position 0, context 0
+    positions = torch.where(lengths > 0, lengths - 1, 0)
+    slots, lengths32 = decode_slots(positions, lengths, tables, bs)
+    expected = torch.where(lengths > 0, slot_mapping(tables[:n], torch.arange(n), positions, bs), -1)
+    assert torch.equal(slots, expected) and slots.dtype == torch.int64
+    assert torch.equal(lengths32, lengths.to(torch.int32)) and lengths32.dtype == torch.int32
