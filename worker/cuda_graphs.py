@@ -18,9 +18,9 @@ already padded to B (pack_inputs), and run() copies that host list into static d
   then the block table's staged writes (worker/block_tables.py), the n rows' first w entries gathered from it
   into the static [max B, max_blocks] int32 block table, and the tokens still on the device (async scheduling)
   gathered into the ids.
-Inside the graph each row's cache slot comes from input_batch.slot_mapping (its table entry at pos // block_size),
-or is -1 where the context length is 0: store_kv skips padding rows and the decode kernel reads no keys for them
-(their output is zeros that nobody reads). Entries of a table row past its context are stale and never read.
+Inside the graph each row's cache slot is its table entry at pos // block_size (one launch on CUDA,
+kernels/store_kv.decode_slots; input_batch.slot_mapping elsewhere), or -1 where the context length is 0: store_kv
+skips padding rows and the decode kernel reads no keys for them (their output is zeros that nobody reads). Entries of a table row past its context are stale and never read.
 
 Attention: only the Triton backend is graph-safe here. Its decode kernel computes the split ranges on the device
 from seq_lens, so a split count fixed per captured size (chosen for max_model_len) is correct for any length.
