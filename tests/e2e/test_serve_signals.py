@@ -114,35 +114,12 @@ def test_sigterm_to_the_process_group_drains_exits_0_and_leaves_no_process(tiny_
         serve.kill()
 
 
-def quiet_port() -> int:
-    """A port free now, below the kernel's ephemeral range and above Ray's worker ports (10002-19999 by default):
-    nothing takes it by chance while serve starts its Ray. (An ephemeral port found free, as proto.transport.free_port
-    finds one, was once taken by the time the controller bound it, after Ray's start had opened its own sockets and
-    connections.)"""
-    import random
-    import socket
-
-    from shardserve.proto.transport import free_port
-
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        ephemeral_low = int(f.read().split()[0])
-    rng = random.Random(os.getpid() ^ time.time_ns())
-    for _ in range(100):
-        port = rng.randrange(20000, max(20001, ephemeral_low))
-        with socket.socket() as probe:
-            try:
-                probe.bind(("127.0.0.1", port))
-                return port
-            except OSError:
-                continue
-    return free_port()
-
-
 def test_a_killed_controller_is_started_again_and_resuming_clients_lose_nothing(tiny_llama_dir):
     """The controller keeps its address across its restart, so serve is given a fixed port."""
+    from shardserve.proto.transport import free_port
     from tests.e2e._local_groups import run_streams
 
-    serve = Serve(tiny_llama_dir, "--port", str(quiet_port()))
+    serve = Serve(tiny_llama_dir, "--port", str(free_port()))
     try:
         address = serve.wait_ready()
         undisturbed = run_streams(address)

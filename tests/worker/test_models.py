@@ -8,7 +8,6 @@ gloo (incl. replicated KV heads and a vocabulary not divisible by TP) equals HF;
 from __future__ import annotations
 
 import random
-import socket
 
 import pytest
 import torch
@@ -20,6 +19,7 @@ from transformers import Qwen3ForCausalLM as HFQwen3
 
 from shardserve.kernels.backends import AttentionMetadata
 from shardserve.kernels.torch_backend import TorchAttentionBackend
+from shardserve.proto.transport import free_port
 from shardserve.worker import distributed
 from shardserve.worker.loader import load_weights
 from shardserve.worker.models.registry import build_model
@@ -179,12 +179,6 @@ def test_tp_not_dividing_heads_is_a_clear_error(monkeypatch):
         build_model(config, torch.float32, torch.device("cpu"), TorchAttentionBackend())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tp_worker(rank: int, world_size: int, port: int, folders: dict[str, str], failures) -> None:
     torch.set_num_threads(1)
     distributed.init_distributed(rank, world_size, f"tcp://127.0.0.1:{port}", "gloo", 60.0)
@@ -213,7 +207,7 @@ def test_tensor_parallel_2_over_gloo_matches_transformers(tmp_path):
         folders[name] = str(tmp_path / name)
         save_hf_model(name, folders[name])
     failures = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(_tp_worker, args=(2, _free_port(), folders, failures), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, free_port(), folders, failures), nprocs=2, join=True)
     errors = []
     while not failures.empty():
         errors.append(failures.get())
