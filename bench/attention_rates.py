@@ -121,7 +121,7 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
     Longest first is also timed at 2x and 4x choose_num_splits' splits (more, shorter programs for the long
     contexts: what a batch too small to fill the GPU twice over may need)."""
     from shardserve.kernels.paged_decode import choose_num_splits
-    from shardserve.kernels.backends import longest_first
+    from shardserve.kernels.decode_order import longest_first
 
     heads, kv_heads, dim = _model_shape(model)
     out = []

@@ -64,15 +64,12 @@ class AttentionMetadata:
     def longest_first(self, num_seqs: int) -> torch.Tensor:
         """longest_first over the first num_seqs sequences, sorted once a step for every layer (inside a decode
         graph the sort is captured with the layers)."""
-        return self._once(("order", num_seqs), lambda: longest_first(self.seq_lens[:num_seqs]))
+        def order() -> torch.Tensor:
+            from shardserve.kernels.decode_order import longest_first  # Triton, optional: only where it runs
 
+            return longest_first(self.seq_lens[:num_seqs])
 
-def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
-    """[num_seqs] int32: the sequences' indices by context length, longest first (ties in batch order): the order
-    the decode kernel starts their programs in (kernels/triton_backend.py: DECODE_ORDER; kernels/decode_order.py)."""
-    from shardserve.kernels.decode_order import longest_first as order
-
-    return order(seq_lens)
+        return self._once(("order", num_seqs), order)
 
 
 class AttentionBackend:

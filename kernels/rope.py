@@ -84,6 +84,8 @@ def _rope_kernel(
     if STORE:
         slot = tl.load(slot_ptr + token).to(tl.int64)
         v1, v2 = _load_halves(v_ptr + token * stride_vt, stride_vh, k_heads, num_k_heads, cols, HALF)
+        k_scale = None  # an FP8 cache's per-head scales
+        v_scale = None
         if FP8:
             kv_heads = tl.arange(0, BLOCK_KH)
             k_scale = tl.load(k_scale_ptr + kv_heads, mask=kv_heads < num_k_heads, other=1.0)
@@ -100,12 +102,8 @@ def _rope_kernel(
         if slot >= 0:
             dst = (slot // block_size) * stride_cache_block + (slot % block_size) * stride_cache_pos
             dst += k_heads * stride_cache_head + cols
-            if FP8:
-                _store_halves(k_cache_ptr, dst, k1, k2, k_scale, k_mask, HALF, True, FP8_LIMIT)
-                _store_halves(v_cache_ptr, dst, v1, v2, v_scale, k_mask, HALF, True, FP8_LIMIT)
-            else:
-                _store_halves(k_cache_ptr, dst, k1, k2, None, k_mask, HALF, False, FP8_LIMIT)
-                _store_halves(v_cache_ptr, dst, v1, v2, None, k_mask, HALF, False, FP8_LIMIT)
+            _store_halves(k_cache_ptr, dst, k1, k2, k_scale, k_mask, HALF, FP8, FP8_LIMIT)
+            _store_halves(v_cache_ptr, dst, v1, v2, v_scale, k_mask, HALF, FP8, FP8_LIMIT)
     else:
         _store_halves(k_ptr, token * stride_kt + k_heads * stride_kh + cols, k1, k2, None, k_mask, HALF, False,
                       FP8_LIMIT)

@@ -20,7 +20,8 @@ already padded to B (pack_inputs), and run() copies that host list into static d
   gathered into the ids.
 Inside the graph each row's cache slot is its table entry at pos // block_size (one launch on CUDA,
 kernels/store_kv.decode_slots; input_batch.slot_mapping elsewhere), or -1 where the context length is 0: store_kv
-skips padding rows and the decode kernel reads no keys for them (their output is zeros that nobody reads). Entries of a table row past its context are stale and never read.
+skips padding rows and the decode kernel reads no keys for them (their output is zeros that nobody reads). Entries
+of a table row past its context are stale and never read.
 
 Attention: only the Triton backend is graph-safe here. Its decode kernel computes the split ranges on the device
 from seq_lens, so a split count fixed per captured size (chosen for max_model_len) is correct for any length.

@@ -129,8 +129,12 @@ class ModelRunner:
             # no device allocation during the runs). The cache is new: no request owns its blocks yet.
             self._profile_forward(self.kv_caches)
 
+    def _profile_seq_len(self) -> int:
+        """The longest sequence of the largest step (_profile_forward)."""
+        return min(self.config.max_num_batched_tokens, self.config.max_model_len)
+
     def _profile_blocks(self) -> int:
-        return cdiv(min(self.config.max_num_batched_tokens, self.config.max_model_len), self.block_size)
+        return cdiv(self._profile_seq_len(), self.block_size)
 
     @torch.inference_mode()
     def _profile_forward(self, cache: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> None:
@@ -138,7 +142,7 @@ class ModelRunner:
         for up to max_num_seqs rows, on a throwaway cache just big enough for one sequence (or on the first blocks
         of the given cache, which it writes over)."""
         total = self.config.max_num_batched_tokens
-        seq_len = min(total, self.config.max_model_len)
+        seq_len = self._profile_seq_len()
         blocks = list(range(self._profile_blocks()))
         scratch = cache if cache is not None else kv_cache.allocate_kv_cache(
             self.model, len(blocks), self.block_size, self.kv_dtype, self.device, self.attn_backend)

@@ -47,7 +47,7 @@ def test_decode_programs_started_longest_first_give_each_sequence_its_own_output
     """order= only changes which sequence a program row attends: under any permutation every output row equals the
     batch-order launch's, bit for bit (a kernel that read a sequence through the order but wrote its result, or
     its splits' partials, in the program row's place would not)."""
-    from shardserve.kernels.backends import longest_first
+    from shardserve.kernels.decode_order import longest_first
 
     q, _, _, k_cache, v_cache, meta = make_batch(
         [1] * 5, [17, 300, 5, 130, 64], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
