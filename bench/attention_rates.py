@@ -134,9 +134,6 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
                        kv_bytes=kv_bytes)
             row["batch_order_ms"] = graph_ms([_decode(c, splits) for c in cases])
             row["longest_first_ms"] = graph_ms([_decode(c, splits, order=longest_first(c["seq_lens"])) for c in cases])
-            if splits == 1:  # the two-item kernel (the default without splits) against the one-item kernel
-                row["longest_first_one_item_ms"] = graph_ms(
-                    [_decode(c, 1, order=longest_first(c["seq_lens"]), paired=False) for c in cases])
             for more in (2, 4):
                 row[f"longest_first_{more}x_splits_ms"] = graph_ms(
                     [_decode(c, more * splits, order=longest_first(c["seq_lens"])) for c in cases])
@@ -150,8 +147,7 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
             out.append(row)
             print(f"ragged {cache_dtype:8s} {batch} x {low}-{high}: batch order {row['batch_order_ms']:.4f} ms "
                   f"({row['batch_order_fraction_of_copy_rate']:.0%} of copy), longest first "
-                  f"{row['longest_first_ms']:.4f} ms ({row['longest_first_fraction_of_copy_rate']:.0%}; one item a program "
-                  f"{row.get('longest_first_one_item_ms', float('nan')):.4f}; splits x2 "
+                  f"{row['longest_first_ms']:.4f} ms ({row['longest_first_fraction_of_copy_rate']:.0%}; splits x2 "
                   f"{row['longest_first_2x_splits_ms']:.4f}, x4 {row['longest_first_4x_splits_ms']:.4f}), "
                   f"equal contexts of {mean} {row['equal_contexts_ms']:.4f} ms", flush=True)
     return out
@@ -177,8 +173,6 @@ def attention_rates(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s:
             cases, kv_bytes = _cases(heads, kv_heads, dim, batch, context, cache_dtype)
             splits = choose_num_splits(batch, kv_heads, context)
             kernels = {"decode": [_decode(c, splits) for c in cases]}
-            if splits == 1:  # the two-item kernel (the default without splits) against the one-item kernel
-                kernels["decode_one_item"] = [_decode(c, 1, paired=False) for c in cases]
             kernels["prefill_kernel_on_decodes"] = [
                 (lambda c=c: paged_prefill_attention(c["q"], c["k_cache"], c["v_cache"], c["query_start_loc"],
                                                      c["seq_lens"], c["tables"], dim**-0.5, **c["scales"]))

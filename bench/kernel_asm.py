@@ -43,14 +43,13 @@ def compile_kernel(fn, types: dict[str, str], constants: dict, aligned: set[str]
 
 
 def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: int, group: int = 2,
-                   head_dim: int = 128, rows: int = 16, arch: int = 90, pdl: bool = False, paired: bool = False):
+                   head_dim: int = 128, rows: int = 16, arch: int = 90, pdl: bool = False):
     """The paged decode kernel compiled for sm_<arch> (pointers and strides 16-byte aligned, as the cache's are);
-    pdl: launched as a programmatic dependent (kernels/pdl.py); paired: the two-item kernel
-    (kernels/paged_decode_paired.py; the FP8 "pairs" loop or bf16)."""
+    pdl: launched as a programmatic dependent (kernels/pdl.py)."""
     import triton
 
     from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS
-    from shardserve.kernels.paged_decode import DECODE_KERNEL, PAIRED_DECODE_KERNEL
+    from shardserve.kernels.paged_decode import DECODE_KERNEL
 
     fp8 = cache == "fp8"
     index = FP8_DECODE_VARIANTS.index(variant) if fp8 else 0
@@ -63,12 +62,8 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
                      BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, DOT_PRECISION="tf32", NUM_KV_HEADS=8,
                      FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma", ASM=True,
                      block_size=16, PDL=pdl, ORDERED=False)
-    kernel = DECODE_KERNEL
-    if paired:
-        kernel = PAIRED_DECODE_KERNEL
-        constants = {k: v for k, v in constants.items() if k in kernel.arg_names}
-    aligned = set(_POINTERS) | {n for n in kernel.arg_names if n.startswith("stride") and n != "stride_bt"}
-    return compile_kernel(kernel, types, constants, aligned, arch, num_warps=warps, num_stages=stages,
+    aligned = set(_POINTERS) | {n for n in DECODE_KERNEL.arg_names if n.startswith("stride") and n != "stride_bt"}
+    return compile_kernel(DECODE_KERNEL, types, constants, aligned, arch, num_warps=warps, num_stages=stages,
                           launch_pdl=pdl)
 
 
@@ -146,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--rows", type=int, default=16, help="rows of the products (the query group padded)")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
-    parser.add_argument("--paired", action="store_true", help="the two-item kernel (kernels/paged_decode_paired.py)")
     parser.add_argument("--json", action="store_true", help="print the PTX counts as one JSON object instead")
     parser.add_argument("--one-row", action="store_true",
                         help="instead: the one-row layer's GEMVs and RoPE-with-store (PTX counts per kernel)")
@@ -159,15 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(counts) if args.json else "\n".join(f"{n}: {c}" for n, c in counts.items()))
         return 0
     block_n = args.block_n or (128 if args.cache == "fp8" else 64)
-    kernel = compile_decode(args.cache, args.variant, block_n, args.warps, args.stages, rows=args.rows, arch=args.arch,
-                            paired=args.paired)
+    kernel = compile_decode(args.cache, args.variant, block_n, args.warps, args.stages, rows=args.rows, arch=args.arch)
     total, mix, resources = sass_mix(kernel.asm.get("cubin", b""))
     if args.json:
         registers = re.search(r"REG:(\d+)", resources)
         print(json.dumps({"ptx": count_ptx(kernel.asm["ptx"]), "sass_instructions": total,
                           "registers": int(registers.group(1)) if registers else None}))
         return 0
-    print(f"{'paired ' if args.paired else ''}decode kernel, {args.cache} cache{' (' + args.variant + ')' if args.cache == 'fp8' else ''}, "
+    print(f"decode kernel, {args.cache} cache{' (' + args.variant + ')' if args.cache == 'fp8' else ''}, "
           f"{block_n} keys a tile, {args.warps} warps, {args.stages} stages, sm_{args.arch}")
     for name, n in count_ptx(kernel.asm["ptx"]).items():
         print(f"  ptx {name:55s} {n}")

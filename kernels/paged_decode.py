@@ -21,7 +21,6 @@ from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS, dequantize_fp8, fp8_d
 from shardserve.kernels.pdl import chained, start_as_dependent
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
-from shardserve.kernels.paged_decode_paired import PAIRED_DECODE_KERNEL
 from shardserve.kernels.paged_decode_fp8 import (fp8_e4m3_loop, fp8_fma_loop, fp8_k_transposed_load_loop,
                                                  fp8_pairs_loop, fp8_transposed_loop, load_tiles,
                                                  softmax_step, start_state)
@@ -190,10 +189,6 @@ TARGET_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_PROGRAMS", "528"))
 DECODE_ROWS = int(os.environ.get("SHARDSERVE_DECODE_ROWS", "0"))
 
 
-# Two items a program where the batch needs no split (paged_decode_paired.py); SHARDSERVE_DECODE_PAIRED=0: one.
-PAIRED = os.environ.get("SHARDSERVE_DECODE_PAIRED", "1") != "0"
-
-
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_programs: int | None = None,
                       min_tokens_per_split: int = 64, max_splits: int = 16) -> int:
     """Enough programs for ~4 per SM of an H200 (132 SMs), never a split shorter than one 64-key tile.
@@ -221,7 +216,6 @@ def paged_decode_attention(
     fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: SHARDSERVE_FP8_DECODE, default "pairs"
     block_g: int | None = None,  # rows of the products (the group padded); None: the fewest the loop can take
     order: torch.Tensor | None = None,  # [num_seqs] int32, a permutation: the order the sequences' programs start in
-    paired: bool | None = None,  # two items a program without splits (paged_decode_paired.py); None: PAIRED
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
@@ -241,23 +235,9 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(head_dim)
     default_n, default_warps, default_stages = decode_launch(fp8, head_dim)
-    pairs = variant == FP8_DECODE_VARIANTS.index("pairs")
-    if pairs:  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
+    if variant == FP8_DECODE_VARIANTS.index("pairs"):  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     pdl = chained(q)
-    if (PAIRED if paired is None else paired) and num_splits == 1 and (pairs or not fp8):
-        num_items = num_seqs * num_kv_heads
-        PAIRED_DECODE_KERNEL[(triton.cdiv(num_items, 2),)](
-            q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order, out,
-            k_scale if fp8 else q, v_scale if fp8 else q, scale * LOG2E, num_items,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            k_cache.shape[1], GROUP=group, HEAD_DIM=head_dim, BLOCK_G=block_g or max(16, triton.next_power_of_2(group)),
-            BLOCK_D=block_d, BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
-            NUM_KV_HEADS=num_kv_heads, FP8=fp8, ASM=COMPILED, PDL=pdl, ORDERED=order is not None,
-            num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, launch_pdl=pdl,
-        )
-        return out
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,  # unread unless ORDERED
         out, part_out, part_lse,

@@ -151,28 +151,3 @@ def test_pairs_widening_in_ptx_gives_every_e4m3_value_exactly():
     want = x.view(torch.uint8).view(FP8_DTYPE).to(torch.float16).view(-1, 2)
     assert torch.equal(even.cpu()[ok].view(torch.int16), want[ok, 0].view(torch.int16))
     assert torch.equal(odd.cpu()[ok].view(torch.int16), want[ok, 1].view(torch.int16))
-
-
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("batch", [1, 3, 129, 256])
-def test_paired_decode_equals_the_one_item_kernel(batch, fp8):
-    """The two-item kernel (kernels/paged_decode_paired.py, compiled: inline-PTX widening, pipelined across the
-    two items) gives the one-item kernel's outputs at Qwen3's shape, contexts 1-2,047 and two padding rows without
-    keys (zeros), longest first as the backend launches it."""
-    from shardserve.kernels.decode_order import longest_first
-
-    heads, kv_heads, dim = HEADS["qwen3-0.6b"]
-    seq_lens = [int(x) for x in torch.randint(1, 2048, (batch,), generator=torch.Generator().manual_seed(batch))]
-    q, _, _, kc, vc, meta, ks, vs = fp8_batch([1] * batch, seq_lens, heads, kv_heads, dim, seed=batch)
-    if not fp8:
-        kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
-        ks = vs = None
-    if batch > 3:
-        meta.seq_lens[[5, batch - 1]] = 0
-    args = (q, kc, vc, meta.block_tables, meta.seq_lens, dim**-0.5, 1)
-    order = longest_first(meta.seq_lens)
-    one = paged_decode_attention(*args, k_scale=ks, v_scale=vs, paired=False, order=order)
-    paired = paged_decode_attention(*args, k_scale=ks, v_scale=vs, paired=True, order=order)
-    torch.testing.assert_close(paired, one, atol=0, rtol=0)
-    if batch > 3:
-        assert not paired[[5, batch - 1]].any()
