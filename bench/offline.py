@@ -45,7 +45,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.bench.roofline import measure_rates
     from shardserve.config import build_engine_config, read_model_facts
 
-    config = build_engine_config(**engine_kwargs)
+    config = build_engine_config(offline=True, **engine_kwargs)
     resolve_workload_args(args, config.device)
     vocab = read_model_facts(config.model).vocab_size
     # The rates first: the engine takes most of the device memory once it runs.

@@ -87,7 +87,7 @@ class LLM:
         requests over."""
         if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
-        self.config = build_engine_config(model=model, **settings)
+        self.config = build_engine_config(model=model, offline=True, **settings)
         _check_local_devices(self.config, data_parallel_size)
         self.engines = []
         try:

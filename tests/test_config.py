@@ -79,6 +79,17 @@ def test_user_values_are_resolved_in_build_engine_config():
     assert auto.device in ("cpu", "cuda") and auto.dtype == ("bfloat16" if auto.device == "cuda" else "float32")
 
 
+def test_an_offline_batch_takes_larger_steps_on_cuda_unless_told():
+    """The step token budget's default: 8192 on CUDA for serving, 16384 for an offline batch (LLM, bench
+    offline), 2048 on CPU either way; a value given wins. (A config only: nothing here needs a GPU.)"""
+    def budget(**kw):
+        return build_engine_config(model=BUILTIN, **kw).max_num_batched_tokens
+
+    assert budget(device="cuda") == 8192 and budget(device="cuda", offline=True) == 16384
+    assert budget(device="cpu") == budget(device="cpu", offline=True) == 2048
+    assert budget(device="cuda", offline=True, max_num_batched_tokens=4096) == 4096
+
+
 @pytest.mark.parametrize(
     "settings, error, message",
     [
