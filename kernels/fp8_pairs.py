@@ -40,61 +40,10 @@ def widen_pairs_tile(x, ASM: tl.constexpr):
             }""",
             constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
     else:
-        even, odd = _widen_bits(x)
+        x = x.to(tl.int32) & 0xFFFF
+        even = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+        odd = ((x & 0x8000) | ((x >> 1) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
     return even, odd
-
-
-@triton.jit
-def _widen_bits(x):
-    """int16 holding two e4m3 (low byte first) -> the two as fp16 by bit moves (the interpreter's widening): the
-    e4m3 bits go into fp16's (sign to sign, exponent and mantissa to the bits below, where the exponent bias is 8
-    more, hence x 256). The saturating cache never holds e4m3's NaN."""
-    x = x.to(tl.int32) & 0xFFFF
-    low = (((x & 0x80) << 8) | ((x & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
-    high = ((x & 0x8000) | ((x >> 1) & 0x3F80)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
-    return low, high
-
-
-@triton.jit
-def widen_quads_tile(x, ROWS: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
-    """x [ROWS, HALF]: int16 pairs of e4m3 (entry i holds dims 2i, 2i+1) -> (a, b) fp16 [ROWS, HALF] with the dims
-    of each four in place: a[2m + e] = dim 4m + e, b[2m + e] = dim 4m + 2 + e (e = 0, 1). ASM (compiled, sm_89+):
-    per two entries (one 32-bit register), two native e4m3x2 -> f16x2 conversions whose outputs are a's and b's
-    registers as they are, with no byte permutes (the "pairs" widening spends one a conversion regrouping halves
-    into even and odd dims). The interpreter: the same values by bit moves."""
-    if ASM:
-        a, b = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 lo, hi;
-            mov.b32 {lo, hi}, $2;
-            cvt.rn.f16x2.e4m3x2 $0, lo;
-            cvt.rn.f16x2.e4m3x2 $1, hi;
-            }""",
-            constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-    else:
-        first, second = tl.split(tl.reshape(x, [ROWS, HALF // 2, 2]))  # entries 2m and 2m + 1
-        d0, d1 = _widen_bits(first)
-        d2, d3 = _widen_bits(second)
-        a = tl.reshape(tl.join(d0, d1), [ROWS, HALF])
-        b = tl.reshape(tl.join(d2, d3), [ROWS, HALF])
-    return a, b
-
-
-@triton.jit
-def split_query_quads(q, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """q [ROWS, BLOCK_D] -> (a, b) fp16 [ROWS, BLOCK_D // 2] in widen_quads_tile's order: a[2m + e] = q[4m + e],
-    b[2m + e] = q[4m + 2 + e] (clamped to fp16's range)."""
-    q16 = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
-    a, b = tl.split(tl.permute(tl.reshape(q16, [ROWS, BLOCK_D // 4, 2, 2]), (0, 1, 3, 2)))
-    return tl.reshape(a, [ROWS, BLOCK_D // 2]), tl.reshape(b, [ROWS, BLOCK_D // 2])
-
-
-@triton.jit
-def join_quads(acc_a, acc_b, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """split_query_quads' inverse: the two halves back into one [ROWS, BLOCK_D] tile in dim order."""
-    a = tl.reshape(acc_a, [ROWS, BLOCK_D // 4, 2])
-    b = tl.reshape(acc_b, [ROWS, BLOCK_D // 4, 2])
-    return tl.reshape(tl.permute(tl.join(a, b), (0, 1, 3, 2)), [ROWS, BLOCK_D])
 
 
 @triton.jit
@@ -119,23 +68,6 @@ def _widen_pairs_kernel(x_ptr, even_ptr, odd_ptr, n, BLOCK: tl.constexpr, ASM: t
     even, odd = widen_pairs_tile(tl.load(x_ptr + i, mask=i < n, other=0), ASM)
     tl.store(even_ptr + i, even, mask=i < n)
     tl.store(odd_ptr + i, odd, mask=i < n)
-
-
-@triton.jit
-def _widen_quads_kernel(x_ptr, a_ptr, b_ptr, ROWS: tl.constexpr, HALF: tl.constexpr, ASM: tl.constexpr):
-    i = (tl.program_id(0) * ROWS + tl.arange(0, ROWS))[:, None] * HALF + tl.arange(0, HALF)[None, :]
-    a, b = widen_quads_tile(tl.load(x_ptr + i), ROWS, HALF, ASM)
-    tl.store(a_ptr + i, a)
-    tl.store(b_ptr + i, b)
-
-
-def widen_quads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """widen_quads_tile alone over an int16 [rows, half] tensor (rows a multiple of 16, half a power of two; for
-    tests), 16 rows a program as the decode loop's tiles: (a, b) fp16, the inline-PTX path where the kernels
-    compile, the bit moves in Triton's interpreter."""
-    a, b = (torch.empty(x.shape, dtype=torch.float16, device=x.device) for _ in range(2))
-    _widen_quads_kernel[(x.shape[0] // 16,)](x, a, b, ROWS=16, HALF=x.shape[1], ASM=COMPILED)
-    return a, b
 
 
 def widen_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -56,9 +56,7 @@ def scales_from_amax(amax: torch.Tensor, margin: float) -> torch.Tensor:
 # query's rounding by 61%). The torch path (CPU) rounds the query as the e4m3 loops do, so that their effect on
 # outputs can be measured with a model's real weights where no GPU can hold it. "pairs" and "fp16" compute the
 # same values (fp16 products of exactly widened tiles) in another order.
-# "quads" reads the pairs as "pairs" does, but keeps the dims of each four in place instead of regrouping them into
-# even and odd (no byte permutes; the query split to match).
-FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3", "pairs", "quads")
+FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3", "pairs")
 
 
 def fp8_decode_variant() -> str:

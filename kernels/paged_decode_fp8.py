@@ -12,8 +12,7 @@ import triton
 import triton.language as tl
 
 from shardserve.kernels.attention_common import NEG_BIG
-from shardserve.kernels.fp8_pairs import (join_dims, join_quads, split_query, split_query_quads, widen_pairs_tile,
-                                          widen_quads_tile)
+from shardserve.kernels.fp8_pairs import join_dims, split_query, widen_pairs_tile
 
 
 @triton.jit
@@ -191,32 +190,3 @@ def fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stri
         acc_even = tl.dot(p16, v_even, acc_even * alpha[:, None])
         acc_odd = tl.dot(p16, v_odd, acc_odd * alpha[:, None])
     return m, l, join_dims(acc_even, acc_odd, BLOCK_G, BLOCK_D)
-
-
-@triton.jit
-def fp8_quads_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp, stride_ch,
-                   block_size, scale_log2e, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_N: tl.constexpr, ASM: tl.constexpr):
-    """fp8_pairs_loop with the dims of each four kept in place (fp8_pairs.widen_quads_tile): the widened tiles are
-    the conversions' output registers as they are, without the byte permutes that regroup them into even and odd
-    dims; the query is split the same way once, and the output joined back into dim order at the end."""
-    HALF: tl.constexpr = BLOCK_D // 2
-    j = tl.arange(0, HALF)
-    pair_ok = j < HEAD_DIM // 2
-    q_a, q_b = split_query_quads(q, BLOCK_G, BLOCK_D)
-    m, l, acc_a = start_state(BLOCK_G, HALF)
-    acc_b = tl.zeros([BLOCK_G, HALF], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
-                                      BLOCK_N)
-        mask = valid[:, None] & pair_ok[None, :]
-        k_a, k_b = widen_quads_tile(tl.load(k_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0),
-                                    BLOCK_N, HALF, ASM)
-        v_a, v_b = widen_quads_tile(tl.load(v_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0),
-                                    BLOCK_N, HALF, ASM)
-        s = tl.dot(q_b, tl.trans(k_b), tl.dot(q_a, tl.trans(k_a))) * scale_log2e
-        p, alpha, m, l = softmax_step(s, valid, m, l)
-        p16 = p.to(tl.float16)
-        acc_a = tl.dot(p16, v_a, acc_a * alpha[:, None])
-        acc_b = tl.dot(p16, v_b, acc_b * alpha[:, None])
-    return m, l, join_quads(acc_a, acc_b, BLOCK_G, BLOCK_D)

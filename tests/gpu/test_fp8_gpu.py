@@ -151,14 +151,3 @@ def test_pairs_widening_in_ptx_gives_every_e4m3_value_exactly():
     want = x.view(torch.uint8).view(FP8_DTYPE).to(torch.float16).view(-1, 2)
     assert torch.equal(even.cpu()[ok].view(torch.int16), want[ok, 0].view(torch.int16))
     assert torch.equal(odd.cpu()[ok].view(torch.int16), want[ok, 1].view(torch.int16))
-
-
-def test_quads_widening_in_ptx_gives_every_e4m3_value_exactly_with_each_fours_dims_in_place():
-    """The "quads" loop's compiled widening (two cvt e4m3x2 -> f16x2 per register of two int16, no permutes): the
-    registers hold dims 4m, 4m + 1 (a) and 4m + 2, 4m + 3 (b) as the loop's query split expects, bit for bit."""
-    from shardserve.kernels.fp8_pairs import widen_quads
-    from test_fp8_kv import check_quads
-
-    x, ok = every_e4m3_pair()
-    a, b = widen_quads(x.view(512, 128).cuda())
-    check_quads(x, ok, a.cpu(), b.cpu())

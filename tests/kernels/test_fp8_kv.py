@@ -163,23 +163,3 @@ def test_pairs_widening_gives_every_e4m3_value_exactly():
     want = x.view(torch.uint8).view(FP8_DTYPE).to(torch.float16).view(-1, 2)
     assert torch.equal(even.cpu()[ok].view(torch.int16), want[ok, 0].view(torch.int16))  # bitwise: -0.0 too
     assert torch.equal(odd.cpu()[ok].view(torch.int16), want[ok, 1].view(torch.int16))
-
-
-def test_quads_widening_gives_every_e4m3_value_exactly_with_each_fours_dims_in_place():
-    """The "quads" decode loop's widening (the interpreter's bit moves here; the GPU suite checks the inline PTX):
-    a row of int16 pairs holds dims 0, 1, 2, ...; a[2m + e] is dim 4m + e and b[2m + e] dim 4m + 2 + e, each equal
-    to e4m3 -> fp16."""
-    from shardserve.kernels.fp8_pairs import widen_quads
-
-    x, ok = every_e4m3_pair()
-    a, b = widen_quads(x.view(512, 128).to(DEVICE))
-    check_quads(x, ok, a.cpu(), b.cpu())
-
-
-def check_quads(x, ok, a, b):
-    """widen_quads' outputs for every_e4m3_pair() as [512, 128] against torch's e4m3 -> fp16, bit for bit."""
-    want = x.view(512, 128).view(torch.uint8).view(FP8_DTYPE).to(torch.float16).view(512, 64, 2, 2)
-    ok = ok.view(512, 64, 2)  # the int16 entries 2m and 2m + 1 of each row
-    for got, half in ((a, 0), (b, 1)):
-        keep = ok[:, :, half, None].expand(512, 64, 2).reshape(512, 128)
-        assert torch.equal(got[keep].view(torch.int16), want[:, :, half, :].reshape(512, 128)[keep].view(torch.int16))
