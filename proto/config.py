@@ -49,7 +49,8 @@ class EngineConfig:
     block_size: int = _setting(16, help="tokens per KV-cache block (a power of two)")
     max_num_seqs: int = _setting(256, user_default=None, help="requests in one step at most (default 256)")
     max_num_batched_tokens: int = _setting(
-        8192, user_default=None, help="tokens in one step at most (default: 8192 on CUDA, 16384 for an offline batch, 2048 on CPU)")
+        8192, user_default=None,
+        help="tokens in one step at most (default: 8192 on CUDA, 16384 for an offline batch, 2048 on CPU)")
     max_model_len: int = _setting(
         4096, user_default=None,
         help="prompt + generated tokens of a request at most (default: the model's, capped at 4096 on CPU)")

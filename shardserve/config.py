@@ -117,9 +117,10 @@ def _check_tensor_parallel_size(tp, facts: ModelFacts) -> None:
 
 # Tokens a step takes at most where max_num_batched_tokens is unset, on CUDA: 8192 for serving (a step with a long
 # prompt's chunk in it holds up every running stream's next token for as long as the chunk takes), 16384 for an
-# offline batch (LLM, `bench offline`), whose prefill steps then leave the host ~15 ms of launching per ~40 ms of
-# device time instead of ~14 per ~20: on an H200 Qwen3-0.6B's offline prefill steps took 0.33-0.43 s at 16384
-# against 0.37-0.59 s at 8192, the host's speed varying (docs/performance.md).
+# offline batch (LLM, `bench offline`). At 8192 a prefill step's launching took ~14 ms of an H200 host's time
+# (20-30 ms while that host ran slow) against ~20 ms of device time, and the device waited for it; the host's work
+# is per launch, not per token, while the device's doubles at 16384. Qwen3-0.6B's offline prefill steps took
+# 0.33-0.43 s at 16384 against 0.37-0.59 s at 8192 (docs/performance.md).
 MAX_NUM_BATCHED_TOKENS = {"serve": 8192, "offline": 16384}
 
 
@@ -168,5 +169,6 @@ def build_engine_config(*, offline: bool = False, **settings) -> EngineConfig:
     if s["max_num_seqs"] is None:
         s["max_num_seqs"] = known["max_num_seqs"].default
     if s["max_num_batched_tokens"] is None:
-        s["max_num_batched_tokens"] = MAX_NUM_BATCHED_TOKENS["offline" if offline else "serve"] if device == "cuda" else 2048
+        on_cuda = MAX_NUM_BATCHED_TOKENS["offline" if offline else "serve"]
+        s["max_num_batched_tokens"] = on_cuda if device == "cuda" else 2048
     return EngineConfig(**s)
