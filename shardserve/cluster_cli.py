@@ -164,6 +164,7 @@ def _check_port_free(host: str, port: int | None, flag: str) -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     from shardserve.cluster.step_deadline import StepDeadline
     from shardserve.config import build_engine_config
+    from shardserve.local_ray import exit_past_broken_ray
     from shardserve.serve import serve
 
     _check_port_free(args.host, args.port, "--port")
@@ -187,7 +188,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
               "then cross the network and run at network speed", file=sys.stderr, flush=True)
     elif args.placement == "pack":
         strategy = "STRICT_PACK"
-    return serve(config, replicas=args.replicas, routing=args.routing, ray_address=args.ray_address,
+    code = serve(config, replicas=args.replicas, routing=args.routing, ray_address=args.ray_address,
                  host=args.host, port=args.port, worker_host=args.worker_host, metrics_port=args.metrics_port,
                  drain_timeout_s=args.drain_timeout,
                  strategy=strategy, model_name=args.served_model_name or display_name(args.model),
@@ -195,6 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  http_workers=args.http_workers, security=security,
                  step_deadline=StepDeadline(floor_s=args.step_timeout_floor, factor=args.step_timeout_factor),
                  stream_interval=args.stream_interval, worker_tls=plane_tls, replica_hosts=args.replica_hosts)
+    return exit_past_broken_ray(code)  # a Ray that died under serve: no interpreter finalization (it crashed)
 
 
 def cmd_client(args: argparse.Namespace) -> int:
