@@ -229,7 +229,7 @@ def _host(num_cpus: int) -> None:
                 print(f"shardserve: the local Ray's {', '.join(dead)} died: shutting it down", file=sys.stderr,
                       flush=True)
                 shutdown_broken_ray()  # serve sweeps this session of what is left
-                os._exit(1)
+                exit_past_broken_ray(1)
     finally:
         ray.shutdown()
 
@@ -260,9 +260,9 @@ def exit_past_broken_ray(code: int) -> int:
     """code, or, where this process's Ray died under it (shutdown_broken_ray ran), the process ended at once with
     code (logging, stdout and stderr flushed), skipping the interpreter's finalization and the C++ teardown of a
     normal exit: Ray's client threads may still run, its shutdown given up on a dead GCS. serve with a killed local
-    Ray, having said so and returned 1, died of SIGSEGV instead once in CI and in 1 of 24 runs here, with no Python
-    traceback under faulthandler: past the interpreter, in the exit's teardown under those threads (inferred; none
-    in 24 runs since)."""
+    Ray, having said so and returned 1, died of SIGSEGV instead (2026-12-02: once in CI, once in 24 runs on a
+    2-core VM; none in 24 runs after this), with no Python traceback under faulthandler: past the interpreter, in
+    the exit's teardown under those threads (inferred). The local Ray's host process leaves the same way."""
     if _RAY_BROKEN:
         import logging
 
