@@ -43,13 +43,11 @@ def compile_kernel(fn, types: dict[str, str], constants: dict, aligned: set[str]
 
 
 def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: int, group: int = 2,
-                   head_dim: int = 128, rows: int = 16, arch: int = 90, pdl: bool = False, widen: str = "cvt"):
+                   head_dim: int = 128, rows: int = 16, arch: int = 90, pdl: bool = False):
     """The paged decode kernel compiled for sm_<arch> (pointers and strides 16-byte aligned, as the cache's are);
-    pdl: launched as a programmatic dependent (kernels/pdl.py); widen: the "pairs" loop's widening
-    (fp8_pairs.WIDEN_SETTINGS)."""
+    pdl: launched as a programmatic dependent (kernels/pdl.py)."""
     import triton
 
-    from shardserve.kernels.fp8_pairs import WIDEN_SETTINGS
     from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS
     from shardserve.kernels.paged_decode import DECODE_KERNEL
 
@@ -62,8 +60,7 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
                                                  "scale_log2e": "fp32"}
     constants = dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=1, BLOCK_G=rows,
                      BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, DOT_PRECISION="tf32", NUM_KV_HEADS=8,
-                     FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma",
-                     ASM=WIDEN_SETTINGS[widen][0] + 4 * WIDEN_SETTINGS[widen][1],
+                     FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma", ASM=True,
                      block_size=16, PDL=pdl, ORDERED=False)
     aligned = set(_POINTERS) | {n for n in DECODE_KERNEL.arg_names if n.startswith("stride") and n != "stride_bt"}
     return compile_kernel(DECODE_KERNEL, types, constants, aligned, arch, num_warps=warps, num_stages=stages,
@@ -144,7 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--rows", type=int, default=16, help="rows of the products (the query group padded)")
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10")
-    parser.add_argument("--widen", default="cvt", help="the pairs loop's widening (kernels/fp8_pairs.py WIDEN_SETTINGS)")
     parser.add_argument("--json", action="store_true", help="print the PTX counts as one JSON object instead")
     parser.add_argument("--one-row", action="store_true",
                         help="instead: the one-row layer's GEMVs and RoPE-with-store (PTX counts per kernel)")
@@ -157,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(counts) if args.json else "\n".join(f"{n}: {c}" for n, c in counts.items()))
         return 0
     block_n = args.block_n or (128 if args.cache == "fp8" else 64)
-    kernel = compile_decode(args.cache, args.variant, block_n, args.warps, args.stages, rows=args.rows, arch=args.arch,
-                            widen=args.widen)
+    kernel = compile_decode(args.cache, args.variant, block_n, args.warps, args.stages, rows=args.rows, arch=args.arch)
     total, mix, resources = sass_mix(kernel.asm.get("cubin", b""))
     if args.json:
         registers = re.search(r"REG:(\d+)", resources)

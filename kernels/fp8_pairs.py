@@ -13,7 +13,6 @@ for which Triton reads e4m3 from shared memory in 16-byte loads; pairs there mea
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -22,15 +21,13 @@ import triton.language as tl
 
 
 @triton.jit
-def widen_pairs_tile(x, MODE: tl.constexpr):
-    """x: int16 holding two e4m3 (low byte: the even dim) -> (even, odd) as fp16. MODE 1 (compiled, sm_89+): per
-    two elements (one 32-bit register, four bytes), two native e4m3x2 -> f16x2 conversions and two byte permutes
-    that regroup the halves into the even and the odd tensor; exact. MODE 2 (compiled): integer instructions only,
-    no conversion: a byte permute puts each e4m3 in the high byte of an fp16 lane, then the exponent and mantissa
-    bits move one place down (sign stays): the fp16 whose bits those are is the value x 2^-8 exactly (fp16's
-    exponent bias is 8 more), which the caller scales back. MODE 0 (Triton's interpreter): the bit moves of MODE 2
-    written in Triton, then x 256: exact. The saturating cache never holds e4m3's NaN."""
-    if MODE == 1:
+def widen_pairs_tile(x, ASM: tl.constexpr):
+    """x: int16 holding two e4m3 (low byte: the even dim) -> (even, odd) as fp16, exactly. ASM (compiled, sm_89+):
+    per two elements (one 32-bit register, four bytes), two native e4m3x2 -> f16x2 conversions and two byte
+    permutes that regroup the halves into the even and the odd tensor. Else (Triton's interpreter) the same values
+    by bit moves: the e4m3 bits go into fp16's (sign to sign, exponent and mantissa to the bits below, where the
+    exponent bias is 8 more, hence x 256). The saturating cache never holds e4m3's NaN."""
+    if ASM:
         even, odd = tl.inline_asm_elementwise(
             asm="""{
             .reg .b16 lo, hi;
@@ -40,21 +37,6 @@ def widen_pairs_tile(x, MODE: tl.constexpr):
             cvt.rn.f16x2.e4m3x2 b, hi;
             prmt.b32 $0, a, b, 0x5410;
             prmt.b32 $1, a, b, 0x7632;
-            }""",
-            constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
-    elif MODE == 2:
-        # bytes [b3 b2 b1 b0] (b0, b2: even dims) -> lanes (b << 8) -> lanes (b << 8) - ((b & 0x7F) << 7)
-        even, odd = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 ye, yo, te, to;
-            prmt.b32 ye, $2, 0, 0x2404;
-            prmt.b32 yo, $2, 0, 0x3414;
-            shr.b32 te, ye, 1;
-            shr.b32 to, yo, 1;
-            and.b32 te, te, 0x3F803F80;
-            and.b32 to, to, 0x3F803F80;
-            sub.s32 $0, ye, te;
-            sub.s32 $1, yo, to;
             }""",
             constraints="=r,=r,r", args=[x], dtype=(tl.float16, tl.float16), is_pure=True, pack=2)
     else:
@@ -78,39 +60,20 @@ def join_dims(acc_even, acc_odd, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
 
 
 COMPILED = os.environ.get("TRITON_INTERPRET") != "1"  # inline PTX only where the kernels compile, not interpreted
-# How the decode loop widens its K and V tiles where it compiles (SHARDSERVE_FP8_WIDEN): "cvt" both by the native
-# conversion (MODE 1), "alu" both by integer instructions (MODE 2), "k_alu" / "v_alu" one tile each way.
-WIDEN_SETTINGS = {"cvt": (1, 1), "alu": (2, 2), "k_alu": (2, 1), "v_alu": (1, 2)}
-
-
-@functools.cache
-def widen_code() -> int:
-    """The decode kernel's ASM argument: K's widening MODE + 4 x V's (0: Triton's interpreter, bit moves)."""
-    if not COMPILED:
-        return 0
-    setting = os.environ.get("SHARDSERVE_FP8_WIDEN", "cvt")
-    if setting not in WIDEN_SETTINGS:
-        raise ValueError(f"SHARDSERVE_FP8_WIDEN must be one of {', '.join(WIDEN_SETTINGS)}; got {setting!r}")
-    k_mode, v_mode = WIDEN_SETTINGS[setting]
-    return k_mode + 4 * v_mode
 
 
 @triton.jit
-def _widen_pairs_kernel(x_ptr, even_ptr, odd_ptr, n, BLOCK: tl.constexpr, MODE: tl.constexpr):
+def _widen_pairs_kernel(x_ptr, even_ptr, odd_ptr, n, BLOCK: tl.constexpr, ASM: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    even, odd = widen_pairs_tile(tl.load(x_ptr + i, mask=i < n, other=0), MODE)
-    if MODE == 2:  # the integer widening's fp16 is the value x 2^-8
-        even = even * 256.0
-        odd = odd * 256.0
+    even, odd = widen_pairs_tile(tl.load(x_ptr + i, mask=i < n, other=0), ASM)
     tl.store(even_ptr + i, even, mask=i < n)
     tl.store(odd_ptr + i, odd, mask=i < n)
 
 
-def widen_pairs(x: torch.Tensor, mode: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """widen_pairs_tile alone over a flat int16 tensor (the decode loop's widening, for tests): (even, odd) fp16 by
-    MODE (None: the native conversion where the kernels compile, the bit moves in Triton's interpreter)."""
+def widen_pairs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """widen_pairs_tile alone over a flat int16 tensor (the decode loop's widening, for tests): (even, odd) fp16, the
+    inline-PTX path where the kernels compile, the bit moves in Triton's interpreter."""
     even, odd = (torch.empty(x.shape, dtype=torch.float16, device=x.device) for _ in range(2))
     block = 1024
-    _widen_pairs_kernel[(triton.cdiv(x.numel(), block),)](x, even, odd, x.numel(), BLOCK=block,
-                                                  MODE=(1 if COMPILED else 0) if mode is None else mode)
+    _widen_pairs_kernel[(triton.cdiv(x.numel(), block),)](x, even, odd, x.numel(), BLOCK=block, ASM=COMPILED)
     return even, odd

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.fp8_pairs import widen_code
+from shardserve.kernels.fp8_pairs import COMPILED
 from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS, dequantize_fp8, fp8_decode_variant
 from shardserve.kernels.pdl import chained, start_as_dependent
 
@@ -39,7 +39,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
-    ASM: tl.constexpr = 0, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
+    ASM: tl.constexpr = False, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
 ):
     """Grid (num_seqs * num_kv_heads, NUM_SPLITS). Program (s * num_kv_heads + h, j) attends the query heads
     h*GROUP .. h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles).
@@ -252,7 +252,7 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
-        ASM=widen_code(), PDL=pdl, ORDERED=order is not None,
+        ASM=COMPILED, PDL=pdl, ORDERED=order is not None,
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, launch_pdl=pdl,
     )
     if num_splits > 1:

@@ -169,13 +169,7 @@ def fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stri
                    BLOCK_N: tl.constexpr, ASM: tl.constexpr):
     """The e4m3 cache read as int16 pairs (kernels/fp8_pairs.py; the caches and strides given as int16 views): to
     the memory pipeline an FP8 tile of N keys is a 16-bit tile of N keys x head_dim / 2, which Triton copies and
-    loads as it does bf16 (an e4m3 tile it reads back from shared memory a byte at a time). ASM: K's widening
-    MODE + 4 x V's (fp8_pairs.widen_code); the integer widening's 2^-8 comes off in the softmax scale (K) and the
-    output (V)."""
-    K_MODE: tl.constexpr = ASM % 4
-    V_MODE: tl.constexpr = ASM // 4
-    if K_MODE == 2:
-        scale_log2e = scale_log2e * 256.0
+    loads as it does bf16 (an e4m3 tile it reads back from shared memory a byte at a time)."""
     HALF: tl.constexpr = BLOCK_D // 2
     j = tl.arange(0, HALF)
     pair_ok = j < HEAD_DIM // 2
@@ -188,15 +182,11 @@ def fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stri
         mask = valid[:, None] & pair_ok[None, :]
         # both tiles widened before the products: widening V after the softmax took 166 registers instead of 128
         # (bench/kernel_asm.py), and a kernel of that build ran 1.3x slower at 64 x 4,096 on an H200
-        k_even, k_odd = widen_pairs_tile(tl.load(k_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0), K_MODE)
-        v_even, v_odd = widen_pairs_tile(tl.load(v_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0),
-                                         V_MODE)
+        k_even, k_odd = widen_pairs_tile(tl.load(k_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0), ASM)
+        v_even, v_odd = widen_pairs_tile(tl.load(v_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0), ASM)
         s = tl.dot(q_odd, tl.trans(k_odd), tl.dot(q_even, tl.trans(k_even))) * scale_log2e
         p, alpha, m, l = softmax_step(s, valid, m, l)
         p16 = p.to(tl.float16)
         acc_even = tl.dot(p16, v_even, acc_even * alpha[:, None])
         acc_odd = tl.dot(p16, v_odd, acc_odd * alpha[:, None])
-    acc = join_dims(acc_even, acc_odd, BLOCK_G, BLOCK_D)
-    if V_MODE == 2:
-        acc = acc * 256.0
-    return m, l, acc
+    return m, l, join_dims(acc_even, acc_odd, BLOCK_G, BLOCK_D)

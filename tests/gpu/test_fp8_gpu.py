@@ -141,15 +141,13 @@ def test_an_fp8_cache_holds_twice_the_blocks_in_the_same_memory():
     assert counts["fp8"] // 2 == counts["auto"]  # floors of one budget: 2n or 2n + 1
 
 
-@pytest.mark.parametrize("mode", [1, 2, 0], ids=["cvt", "integer", "bit-moves"])
-def test_pairs_widening_in_ptx_gives_every_e4m3_value_exactly(mode):
-    """The "pairs" loop's compiled widenings (cvt e4m3x2 -> f16x2 and byte permutes; byte permutes and integer
-    bit moves, scaled back by 256; the interpreter's bit moves compiled), two int16 per register: every int16's low
-    byte is the even output, its high byte the odd one, e4m3 -> fp16 bit for bit (NaN bytes aside)."""
+def test_pairs_widening_in_ptx_gives_every_e4m3_value_exactly():
+    """The "pairs" loop's compiled widening (cvt e4m3x2 -> f16x2 and byte permutes, two int16 per register): every
+    int16's low byte is the even output, its high byte the odd one, e4m3 -> fp16 bit for bit (NaN bytes aside)."""
     from shardserve.kernels.fp8_pairs import widen_pairs
 
     x, ok = every_e4m3_pair()
-    even, odd = widen_pairs(x.cuda(), mode)
+    even, odd = widen_pairs(x.cuda())
     want = x.view(torch.uint8).view(FP8_DTYPE).to(torch.float16).view(-1, 2)
     assert torch.equal(even.cpu()[ok].view(torch.int16), want[ok, 0].view(torch.int16))
     assert torch.equal(odd.cpu()[ok].view(torch.int16), want[ok, 1].view(torch.int16))
