@@ -53,7 +53,7 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
 
     fp8 = cache == "fp8"
     index = FP8_DECODE_VARIANTS.index(variant) if fp8 else 0
-    kv = ("*i16" if variant.startswith("pairs") else "*fp8e4nv") if fp8 else "*bf16"
+    kv = ("*i16" if variant == "pairs" else "*fp8e4nv") if fp8 else "*bf16"
     types = dict.fromkeys(_POINTERS, "*bf16") | {"k_cache_ptr": kv, "v_cache_ptr": kv, "block_tables_ptr": "*i32",
                                                  "seq_lens_ptr": "*i32", "order_ptr": "*i32", "part_out_ptr": "*fp32",
                                                  "part_lse_ptr": "*fp32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",

@@ -56,7 +56,7 @@ def scales_from_amax(amax: torch.Tensor, margin: float) -> torch.Tensor:
 # query's rounding by 61%). The torch path (CPU) rounds the query as the e4m3 loops do, so that their effect on
 # outputs can be measured with a model's real weights where no GPU can hold it. "pairs" and "fp16" compute the
 # same values (fp16 products of exactly widened tiles) in another order.
-FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3", "pairs", "pairs_t")
+FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3", "pairs")
 
 
 def fp8_decode_variant() -> str:

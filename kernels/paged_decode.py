@@ -22,7 +22,7 @@ from shardserve.kernels.pdl import chained, start_as_dependent
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
 from shardserve.kernels.paged_decode_fp8 import (fp8_e4m3_loop, fp8_fma_loop, fp8_k_transposed_load_loop,
-                                                 fp8_pairs_loop, fp8_pairs_transposed_loop, fp8_transposed_loop, load_tiles,
+                                                 fp8_pairs_loop, fp8_transposed_loop, load_tiles,
                                                  softmax_step, start_state)
 
 
@@ -91,10 +91,6 @@ def _decode_kernel(
     elif FP8_DOT == 7:
         m, l, acc = fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
                                    stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ASM)
-    elif FP8_DOT == 8:
-        m, l, acc = fp8_pairs_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb,
-                                              stride_cp, stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G,
-                                              BLOCK_D, BLOCK_N, ASM)
     elif FP8_DOT >= 5:
         m, l, acc = fp8_e4m3_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
                                   stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N,
@@ -225,8 +221,7 @@ def paged_decode_attention(
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     fp8 = check_scales(k_cache, k_scale, v_scale)
     variant = FP8_DECODE_VARIANTS.index(fp8_variant or fp8_decode_variant()) if fp8 else 0
-    pairs = variant in (FP8_DECODE_VARIANTS.index("pairs"), FP8_DECODE_VARIANTS.index("pairs_t"))
-    if pairs and q.dtype == torch.float32:
+    if variant == FP8_DECODE_VARIANTS.index("pairs") and q.dtype == torch.float32:
         variant = FP8_DECODE_VARIANTS.index("fp16")  # float32 queries: products in float32 (fp16 pairs would round)
     fma = variant == FP8_DECODE_VARIANTS.index("fma")
     if out is None:
@@ -240,7 +235,7 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(head_dim)
     default_n, default_warps, default_stages = decode_launch(fp8, head_dim)
-    if pairs and q.dtype != torch.float32:  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
+    if variant == FP8_DECODE_VARIANTS.index("pairs"):  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     pdl = chained(q)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
@@ -253,7 +248,6 @@ def paged_decode_attention(
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_G=block_g or (triton.next_power_of_2(group) if fma
-                            else max(8, triton.next_power_of_2(group)) if variant == FP8_DECODE_VARIANTS.index("pairs_t")
                             else max(16, DECODE_ROWS, triton.next_power_of_2(group))),
         BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),

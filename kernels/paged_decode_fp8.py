@@ -190,39 +190,3 @@ def fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stri
         acc_even = tl.dot(p16, v_even, acc_even * alpha[:, None])
         acc_odd = tl.dot(p16, v_odd, acc_odd * alpha[:, None])
     return m, l, join_dims(acc_even, acc_odd, BLOCK_G, BLOCK_D)
-
-
-@triton.jit
-def fp8_pairs_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
-                              stride_ch, block_size, scale_log2e, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
-                              BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
-    """The "pairs" loop with the keys as the products' rows (s^T = k q^T, acc^T = v^T p^T): the query heads are
-    the products' columns, which a tensor-core product pads to 8 (not 16 rows), so the online softmax runs over
-    BLOCK_N x 8 scores a tile instead of 16 x BLOCK_N, and the products take half the instructions."""
-    HALF: tl.constexpr = BLOCK_D // 2
-    j = tl.arange(0, HALF)
-    pair_ok = j < HEAD_DIM // 2
-    q_even, q_odd = split_query(q, BLOCK_G, BLOCK_D)
-    qe_t = tl.trans(q_even)  # [HALF, BLOCK_G]
-    qo_t = tl.trans(q_odd)
-    m = tl.full([BLOCK_G], NEG_BIG, dtype=tl.float32)
-    l = tl.zeros([BLOCK_G], dtype=tl.float32)
-    acc_even = tl.zeros([HALF, BLOCK_G], dtype=tl.float32)
-    acc_odd = tl.zeros([HALF, BLOCK_G], dtype=tl.float32)
-    for tile_start in range(start, end, BLOCK_N):
-        kv_off, valid = _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size,
-                                      BLOCK_N)
-        mask = valid[:, None] & pair_ok[None, :]
-        k_even, k_odd = widen_pairs_tile(tl.load(k_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0), ASM)
-        v_even, v_odd = widen_pairs_tile(tl.load(v_cache_ptr + kv_off[:, None] + j[None, :], mask=mask, other=0), ASM)
-        s_t = tl.dot(k_odd, qo_t, tl.dot(k_even, qe_t)) * scale_log2e  # [BLOCK_N, BLOCK_G]
-        s_t = tl.where(valid[:, None], s_t, NEG_BIG)
-        m_new = tl.maximum(m, tl.max(s_t, 0))
-        p_t = tl.exp2(s_t - m_new[None, :])
-        alpha = tl.exp2(m - m_new)
-        l = l * alpha + tl.sum(p_t, 0)
-        p16 = p_t.to(tl.float16)
-        acc_even = tl.dot(tl.trans(v_even), p16, acc_even * alpha[None, :])
-        acc_odd = tl.dot(tl.trans(v_odd), p16, acc_odd * alpha[None, :])
-        m = m_new
-    return m, l, join_dims(tl.trans(acc_even), tl.trans(acc_odd), BLOCK_G, BLOCK_D)
