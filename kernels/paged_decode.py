@@ -153,33 +153,39 @@ def _merge_splits_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-# Launch settings per cache (keys per tile, warps, pipeline stages), head_dim <= 128. An e4m3 tile of 128 keys
-# moves the bytes of a bf16 tile of 64 (the loop's fixed costs, the two products and the softmax, are paid per
-# tile, so half-size FP8 tiles left the kernel at ~1.0-1.45 TB/s on an H200: docs/performance.md).
-DECODE_LAUNCH = {"bf16": (64, 4, 2), "fp8": (128, 4, 2)}
+# Launch settings per cache (keys per tile, warps, pipeline stages, stages where a context is one split), head_dim
+# <= 128. An e4m3 tile of 128 keys moves the bytes of a bf16 tile of 64 (the loop's fixed costs, the two products and
+# the softmax, are paid per tile, so half-size FP8 tiles left the kernel at ~1.0-1.45 TB/s on an H200:
+# docs/performance.md). bf16 takes a third stage where each program reads a whole context (batches of 34+
+# sequences at Qwen3's 8 KV heads: one split): on an H200 64 x 4,096 0.283 -> 0.249 ms, 256 x 800 0.214 -> 0.199,
+# while the split launches of small batches ran slower with it (32 x 1,024: 0.040 -> 0.047).
+DECODE_LAUNCH = {"bf16": (64, 4, 2, 3), "fp8": (128, 4, 2, 2)}
 
 
-def _launch_overrides(text: str) -> dict[str, tuple[int, int, int]]:
-    """SHARDSERVE_DECODE_LAUNCH="fp8=128,8,3;bf16=64,4,2": other settings for measurements."""
+def _launch_overrides(text: str) -> dict[str, tuple[int, int, int, int]]:
+    """SHARDSERVE_DECODE_LAUNCH="fp8=128,8,3;bf16=64,4,2,3": other settings for measurements (BLOCK_N, WARPS,
+    STAGES[, STAGES at one split; default: STAGES])."""
     out = {}
     for item in filter(None, text.split(";")):
         cache, _, values = item.partition("=")
         numbers = tuple(int(v) for v in values.split(",") if v.strip().isdigit())
-        if cache not in DECODE_LAUNCH or len(numbers) != 3 or len(values.split(",")) != 3:
-            raise ValueError(f"SHARDSERVE_DECODE_LAUNCH: expected CACHE=BLOCK_N,WARPS,STAGES, got {item!r}")
-        out[cache] = numbers
+        if cache not in DECODE_LAUNCH or len(numbers) not in (3, 4) or len(values.split(",")) != len(numbers):
+            raise ValueError(f"SHARDSERVE_DECODE_LAUNCH: expected CACHE=BLOCK_N,WARPS,STAGES[,ONE_SPLIT_STAGES], "
+                             f"got {item!r}")
+        out[cache] = numbers if len(numbers) == 4 else numbers + numbers[2:]
     return out
 
 
 DECODE_LAUNCH |= _launch_overrides(os.environ.get("SHARDSERVE_DECODE_LAUNCH", ""))
 
 
-def decode_launch(fp8: bool, head_dim: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) the decode kernel uses by default for this cache and head size."""
-    block_n, warps, stages = DECODE_LAUNCH["fp8" if fp8 else "bf16"]
+def decode_launch(fp8: bool, head_dim: int, num_splits: int = 2) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) the decode kernel uses by default for this cache, head size and split
+    count."""
+    block_n, warps, stages, one_split_stages = DECODE_LAUNCH["fp8" if fp8 else "bf16"]
     if triton.next_power_of_2(head_dim) > 128:
         block_n = max(32, block_n // 2)
-    return block_n, warps, stages
+    return block_n, warps, one_split_stages if num_splits == 1 else stages
 
 
 # Programs the split-K decode aims for (SHARDSERVE_DECODE_PROGRAMS: another value, for measurements).
@@ -234,7 +240,7 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(head_dim)
-    default_n, default_warps, default_stages = decode_launch(fp8, head_dim)
+    default_n, default_warps, default_stages = decode_launch(fp8, head_dim, num_splits)
     if variant == FP8_DECODE_VARIANTS.index("pairs"):  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     pdl = chained(q)

@@ -126,8 +126,11 @@ def test_decode_launch_settings_per_cache_and_their_override_checked():
 
     assert decode_launch(True, 128)[0] == 2 * decode_launch(False, 128)[0]  # e4m3 tiles: the bytes of a bf16 tile
     assert decode_launch(True, 256)[0] == decode_launch(True, 128)[0] // 2  # larger heads: half the keys
-    assert _launch_overrides("fp8=64,8,3;bf16=32,4,2") == {"fp8": (64, 8, 3), "bf16": (32, 4, 2)}
-    for bad in ("fp4=64,4,2", "fp8=64,4", "fp8"):
+    assert decode_launch(False, 128, num_splits=1)[2] == 3  # bf16, a whole context a program: a third stage
+    assert decode_launch(False, 128, num_splits=4)[2] == 2
+    assert decode_launch(True, 128, num_splits=1)[2] == decode_launch(True, 128, num_splits=4)[2] == 2
+    assert _launch_overrides("fp8=64,8,3;bf16=32,4,2,3") == {"fp8": (64, 8, 3, 3), "bf16": (32, 4, 2, 3)}
+    for bad in ("fp4=64,4,2", "fp8=64,4", "fp8", "fp8=64,4,2,3,1", "bf16=64,4,x"):
         with pytest.raises(ValueError, match="SHARDSERVE_DECODE_LAUNCH"):
             _launch_overrides(bad)
 
