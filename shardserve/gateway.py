@@ -27,6 +27,7 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.client import AsyncClient
 from shardserve.gateway_requests import Gateway, GatewayError, metadata_of
@@ -55,7 +56,13 @@ def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tl
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         error = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = _param(error.get("loc", ()))
-        if error.get("type") == "extra_forbidden":
+        if error.get("type") == "json_invalid":  # loc is ("body", offset): the offset is no param
+            offset = next((p for p in error.get("loc", ()) if isinstance(p, int)), None)
+            param, message = None, ("the request body is not valid JSON"
+                                    + (f" (at character {offset})" if offset is not None else ""))
+        elif error.get("type") == "missing" and tuple(error.get("loc", ())) == ("body",):
+            message = "the request body is empty: a JSON object is expected"
+        elif error.get("type") == "extra_forbidden":
             message = f"Unrecognized request argument supplied: {param}"
         elif param and param.split(".")[0] == "prompt":  # one error per alternative of the union: say them all
             param, message = "prompt", ("prompt must be a string, a list of strings, a list of token ids or a list "
@@ -65,6 +72,15 @@ def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tl
         endpoint = "chat" if request.url.path.endswith("chat/completions") else "completions"
         gateway.metrics.requests.labels(endpoint, "400").inc()
         return JSONResponse(error_body(message, "invalid_request_error", param, None), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Routing's own errors (an unknown path 404, a wrong method 405) in OpenAI's error body, as every other."""
+        message = {404: f"no such endpoint: {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}"}.get(exc.status_code, str(exc.detail))
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(message, kind, None, None), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -130,6 +130,29 @@ def test_a_value_the_grpc_request_cannot_hold_is_a_400_naming_the_field(fake, pa
     assert httpx.post(f"{fake[2]}/v1/completions", json={"prompt": "hello"}, timeout=30).status_code == 200
 
 
+def test_a_body_that_is_not_json_is_a_400_saying_so(fake):
+    for body in (b'{"prompt": ', b"prompt=hi", b""):
+        reply = httpx.post(f"{fake[2]}/v1/completions", content=body, headers={"content-type": "application/json"},
+                           timeout=30)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] is None, error
+        assert error["message"].startswith("the request body is " + ("empty" if not body else "not valid JSON")), error
+
+
+def test_an_unknown_path_or_method_is_answered_in_openai_error_bodies(fake):
+    """What the routing refuses (404, 405) comes in the envelope OpenAI's clients parse, like every other error."""
+    reply = httpx.post(f"{fake[2]}/v1/embeddings", json={"input": "x"}, timeout=30)
+    assert reply.status_code == 404
+    assert reply.json()["error"] == {"message": "no such endpoint: POST /v1/embeddings", "type": "not_found_error",
+                                     "param": None, "code": None}
+    reply = httpx.get(f"{fake[2]}/v1/completions", timeout=30)
+    assert reply.status_code == 405 and "POST" in reply.headers.get("allow", "")
+    assert reply.json()["error"]["message"] == "GET is not allowed on /v1/completions"
+    with pytest.raises(openai.NotFoundError, match="no such endpoint"):
+        openai.OpenAI(base_url=f"{fake[2]}/v1", api_key="x", max_retries=0).embeddings.create(input="x", model="fake")
+
+
 def test_an_error_after_the_stream_began_arrives_as_its_last_event(fake):
     with openai.OpenAI(base_url=f"{fake[2]}/v1", api_key="x", max_retries=0) as client:
         stream = client.completions.create(model="fake", prompt="MIDSTREAM_UNAVAILABLE", stream=True)
