@@ -179,7 +179,7 @@ def _launch_overrides(text: str) -> dict[str, tuple[int, int, int, int]]:
 DECODE_LAUNCH |= _launch_overrides(os.environ.get("SHARDSERVE_DECODE_LAUNCH", ""))
 
 
-def decode_launch(fp8: bool, head_dim: int, num_splits: int = 2) -> tuple[int, int, int]:
+def decode_launch(fp8: bool, head_dim: int, num_splits: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) the decode kernel uses by default for this cache, head size and split
     count."""
     block_n, warps, stages, one_split_stages = DECODE_LAUNCH["fp8" if fp8 else "bf16"]

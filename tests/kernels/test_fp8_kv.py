@@ -124,8 +124,8 @@ def test_backends_store_then_attend_over_an_fp8_cache_alike(query_lens, seq_lens
 def test_decode_launch_settings_per_cache_and_their_override_checked():
     from shardserve.kernels.paged_decode import _launch_overrides, decode_launch
 
-    assert decode_launch(True, 128)[0] == 2 * decode_launch(False, 128)[0]  # e4m3 tiles: the bytes of a bf16 tile
-    assert decode_launch(True, 256)[0] == decode_launch(True, 128)[0] // 2  # larger heads: half the keys
+    assert decode_launch(True, 128, 1)[0] == 2 * decode_launch(False, 128, 1)[0]  # e4m3 tiles: a bf16 tile's bytes
+    assert decode_launch(True, 256, 1)[0] == decode_launch(True, 128, 1)[0] // 2  # larger heads: half the keys
     assert decode_launch(False, 128, num_splits=1)[2] == 3  # bf16, a whole context a program: a third stage
     assert decode_launch(False, 128, num_splits=4)[2] == 2
     assert decode_launch(True, 128, num_splits=1)[2] == decode_launch(True, 128, num_splits=4)[2] == 2
