@@ -153,12 +153,14 @@ def _merge_splits_kernel(
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
-# Launch settings per cache (keys per tile, warps, pipeline stages, stages where a context is one split), head_dim
-# <= 128. An e4m3 tile of 128 keys moves the bytes of a bf16 tile of 64 (the loop's fixed costs, the two products and
-# the softmax, are paid per tile, so half-size FP8 tiles left the kernel at ~1.0-1.45 TB/s on an H200:
-# docs/performance.md). bf16 takes a third stage where each program reads a whole context (batches of 34+
-# sequences at Qwen3's 8 KV heads: one split): on an H200 64 x 4,096 0.283 -> 0.249 ms, 256 x 800 0.214 -> 0.199,
-# while the split launches of small batches ran slower with it (32 x 1,024: 0.040 -> 0.047).
+# Launch settings per cache (keys per tile, warps, pipeline stages, stages where a context is one split and the
+# launch small), head_dim <= 128. An e4m3 tile of 128 keys moves the bytes of a bf16 tile of 64 (the loop's fixed
+# costs, the two products and the softmax, are paid per tile, so half-size FP8 tiles left the kernel at ~1.0-1.45
+# TB/s on an H200: docs/performance.md). bf16 takes a third stage where each program reads a whole context (one
+# split) and the launch has at most DEEP_MAX_PROGRAMS programs: on an H200, 64 x 1,024 0.076 -> 0.065 ms, 64 x
+# 100-2,048 0.099 -> 0.092; with more programs (three stages fit 2 programs an SM, two stages 3) unequal contexts
+# ran slower (256 x 100-1,024 0.138 -> 0.141 ms; the offline run's decode steps at 128-256 sequences 1.7% slower),
+# and so did split launches (32 x 1,024: 0.040 -> 0.047).
 DECODE_LAUNCH = {"bf16": (64, 4, 2, 3), "fp8": (128, 4, 2, 2)}
 
 
@@ -179,13 +181,17 @@ def _launch_overrides(text: str) -> dict[str, tuple[int, int, int, int]]:
 DECODE_LAUNCH |= _launch_overrides(os.environ.get("SHARDSERVE_DECODE_LAUNCH", ""))
 
 
-def decode_launch(fp8: bool, head_dim: int, num_splits: int) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) the decode kernel uses by default for this cache, head size and split
-    count."""
+DEEP_MAX_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_DEEP_PROGRAMS", "1024"))
+
+
+def decode_launch(fp8: bool, head_dim: int, num_splits: int, programs: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) the decode kernel uses by default for this cache and head size, for a
+    launch of `programs` programs (sequences x KV heads x splits) over num_splits splits."""
     block_n, warps, stages, one_split_stages = DECODE_LAUNCH["fp8" if fp8 else "bf16"]
     if triton.next_power_of_2(head_dim) > 128:
         block_n = max(32, block_n // 2)
-    return block_n, warps, one_split_stages if num_splits == 1 else stages
+    deep = num_splits == 1 and programs <= DEEP_MAX_PROGRAMS
+    return block_n, warps, one_split_stages if deep else stages
 
 
 # Programs the split-K decode aims for (SHARDSERVE_DECODE_PROGRAMS: another value, for measurements).
@@ -240,7 +246,8 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(head_dim)
-    default_n, default_warps, default_stages = decode_launch(fp8, head_dim, num_splits)
+    default_n, default_warps, default_stages = decode_launch(fp8, head_dim, num_splits,
+                                                            num_seqs * num_kv_heads * num_splits)
     if variant == FP8_DECODE_VARIANTS.index("pairs"):  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     pdl = chained(q)

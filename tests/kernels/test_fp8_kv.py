@@ -122,13 +122,14 @@ def test_backends_store_then_attend_over_an_fp8_cache_alike(query_lens, seq_lens
 
 
 def test_decode_launch_settings_per_cache_and_their_override_checked():
-    from shardserve.kernels.paged_decode import _launch_overrides, decode_launch
+    from shardserve.kernels.paged_decode import DEEP_MAX_PROGRAMS, _launch_overrides, decode_launch
 
-    assert decode_launch(True, 128, 1)[0] == 2 * decode_launch(False, 128, 1)[0]  # e4m3 tiles: a bf16 tile's bytes
-    assert decode_launch(True, 256, 1)[0] == decode_launch(True, 128, 1)[0] // 2  # larger heads: half the keys
-    assert decode_launch(False, 128, num_splits=1)[2] == 3  # bf16, a whole context a program: a third stage
-    assert decode_launch(False, 128, num_splits=4)[2] == 2
-    assert decode_launch(True, 128, num_splits=1)[2] == decode_launch(True, 128, num_splits=4)[2] == 2
+    assert decode_launch(True, 128, 1, 512)[0] == 2 * decode_launch(False, 128, 1, 512)[0]  # a bf16 tile's bytes
+    assert decode_launch(True, 256, 1, 512)[0] == decode_launch(True, 128, 1, 512)[0] // 2  # larger heads: half
+    # bf16, a whole context a program in a launch of at most DEEP_MAX_PROGRAMS: a third stage; else two
+    assert decode_launch(False, 128, 1, DEEP_MAX_PROGRAMS)[2] == 3
+    assert decode_launch(False, 128, 1, DEEP_MAX_PROGRAMS + 8)[2] == decode_launch(False, 128, 4, 512)[2] == 2
+    assert decode_launch(True, 128, 1, 512)[2] == decode_launch(True, 128, 4, 512)[2] == 2
     assert _launch_overrides("fp8=64,8,3;bf16=32,4,2,3") == {"fp8": (64, 8, 3, 3), "bf16": (32, 4, 2, 3)}
     for bad in ("fp4=64,4,2", "fp8=64,4", "fp8", "fp8=64,4,2,3,1", "bf16=64,4,x"):
         with pytest.raises(ValueError, match="SHARDSERVE_DECODE_LAUNCH"):
