@@ -164,11 +164,31 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     logits = logits.float() / temps
     if _uses_filters(rows):
         logits = _filter(logits, rows)
-    probs = torch.softmax(logits, dim=1)
-    draws = [uniform_draw(row_key(r.spec.seed, r.output_index)) for r in rows]
-    cdf = torch.cumsum(probs.double(), dim=1)
-    u = device_tensor(draws, torch.float64, device).unsqueeze(1) * cdf[:, -1:]  # scaled: filtered rows sum < 1
-    return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    weights = torch.exp(logits - logits.max(dim=1, keepdim=True).values)  # unnormalised: the draw scales by the sum
+    draws = device_tensor([uniform_draw(row_key(r.spec.seed, r.output_index)) for r in rows], torch.float64, device)
+    return inverse_cdf(weights, draws)
+
+
+CDF_BLOCK = 256  # entries a block of the two-level inverse CDF
+
+
+def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """weights [n, V] >= 0 (some > 0 in each row, unnormalised), draws [n] float64 in (0, 1) -> [n] int64: per row
+    the first index whose cumulative weight (float64 sums) reaches draw x the row's total. In two levels: the
+    blocks' sums and their cumulative sum find the block, then that block's own cumulative sum the token (one pass
+    over the weights instead of a float64 copy and a cumulative sum of the whole vocabulary: ~2 ms of a float32
+    decode step at 32 x 49,152 on 2 cores). A token of weight 0 is never drawn: were the block's own sums to round
+    below the draw, its last token of weight > 0 is taken."""
+    n, vocab = weights.shape
+    pad = (-vocab) % CDF_BLOCK
+    blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(n, -1, CDF_BLOCK)
+    block_cdf = torch.cumsum(blocks.sum(2, dtype=torch.float64), 1)  # [n, blocks]
+    u = (draws * block_cdf[:, -1]).unsqueeze(1)
+    b = torch.searchsorted(block_cdf, u).clamp_(max=block_cdf.shape[1] - 1)  # [n, 1]: the first reaching u
+    before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_(min=0)), torch.zeros_like(u))
+    inner = before + torch.cumsum(blocks.gather(1, b.unsqueeze(2).expand(n, 1, CDF_BLOCK)).squeeze(1).double(), 1)
+    j = torch.searchsorted(inner, torch.minimum(u, inner[:, -1:])).squeeze(1)
+    return (b.squeeze(1) * CDF_BLOCK + j).clamp_(max=vocab - 1)
 
 
 SEARCH_TOP_K = False  # top-k without top-p through the cut-off search too (else torch.topk's k-th value)
