@@ -206,21 +206,3 @@ def test_row_keys_split_equals_row_key_per_row():
     assert row_keys_split([r.spec.seed for r in rows], [r.output_index for r in rows]) == split_keys(
         [row_key(r.spec.seed, r.output_index) for r in rows])
 
-
-def test_the_two_level_inverse_cdf_is_the_whole_vocabularys():
-    """worker/sampler.inverse_cdf (block sums, then one block's cumulative sum) draws what a cumulative sum over the
-    whole row does, across block edges and a ragged last block, and never a token of weight 0."""
-    from shardserve.worker.sampler import CDF_BLOCK, inverse_cdf
-
-    gen = torch.Generator().manual_seed(0)
-    n, vocab = 2000, 3 * CDF_BLOCK + 77
-    weights = torch.rand(n, vocab, generator=gen) ** 8  # most of the mass in a few tokens a row
-    weights[:, CDF_BLOCK - 5: 2 * CDF_BLOCK + 9] = 0.0  # a run of zeros over a whole block and two block edges
-    weights[:100, :-1] = 0.0  # rows whose only token is the very last
-    draws = (torch.arange(n, dtype=torch.float64) + 0.5) / n
-    cdf = torch.cumsum(weights.double(), 1)
-    want = torch.searchsorted(cdf, (draws * cdf[:, -1]).unsqueeze(1)).squeeze(1)
-    got = inverse_cdf(weights, draws)
-    assert (got == want).float().mean() > 0.999, (got != want).nonzero()[:5]
-    assert bool((weights.gather(1, got.unsqueeze(1)) > 0).all())
-    assert bool((got[:100] == vocab - 1).all())
