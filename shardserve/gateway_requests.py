@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shardserve.client import AsyncClient, FieldError
 from shardserve.gateway_metrics import GatewayMetrics
-from shardserve.openai_format import DONE, Choice, error_body, response_body, sse, usage_chunk
+from shardserve.openai_format import DONE, Choice, error_body, prompt_tokens, response_body, sse, usage_chunk
 from shardserve.proto import generation_pb2 as pb
 
 # gRPC status -> (HTTP status, OpenAI error type, code)
@@ -100,13 +100,22 @@ class Gateway:
             sampling = body.sampling()
             if not body.stream:
                 sampling["final_only"] = True  # upstream: one message per choice when it ends, not one per token
-            choices = [Choice(chat, rid, info.model, i, top_logprobs=sampling.get("logprobs"),
-                              usage_field=body.include_usage, token_ids=body.return_token_ids)
-                       for i in range(len(prompts))]
+            n = body.n or 1
+            choices, work = [], []  # prompt-major, as OpenAI orders them: prompt p's j-th choice is p * n + j
+            for prompt in prompts:
+                for j in range(n):
+                    choice = Choice(chat, rid, info.model, len(choices), top_logprobs=sampling.get("logprobs"),
+                                    usage_field=body.include_usage, token_ids=body.return_token_ids)
+                    choice.prompt_shared = j > 0
+                    seeded = dict(sampling)  # a seeded request's choices differ: the j-th draws with seed + j
+                    if j and "seed" in sampling:
+                        seeded["seed"] = sampling["seed"] + j
+                    choices.append(choice)
+                    work.append((prompt, seeded))
             calls = []
             try:
-                for i, prompt in enumerate(prompts):
-                    calls.append(await self._start(prompt, sampling, rid if len(prompts) == 1 else f"{rid}-{i}",
+                for i, (prompt, seeded) in enumerate(work):
+                    calls.append(await self._start(prompt, seeded, rid if len(work) == 1 else f"{rid}-{i}",
                                                    metadata, choices[i], "messages" if chat else "prompt"))
             except BaseException:
                 for call in calls:
@@ -221,7 +230,7 @@ class Gateway:
     def _count(self, endpoint: str, code: str, choices: list[Choice], arrival: float) -> None:
         self.metrics.requests.labels(endpoint, code).inc()
         self.metrics.latency.labels(endpoint).observe(time.perf_counter() - arrival)
-        self.metrics.prompt_tokens.inc(sum(c.prompt_tokens for c in choices))
+        self.metrics.prompt_tokens.inc(prompt_tokens(choices))
         self.metrics.completion_tokens.inc(sum(c.completion_tokens for c in choices))
 
 

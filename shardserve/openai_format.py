@@ -24,6 +24,11 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | i
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def prompt_tokens(choices: list["Choice"]) -> int:
+    """The usage's prompt tokens: each prompt once, however many choices it has (as OpenAI counts them)."""
+    return sum(c.prompt_tokens for c in choices if not c.prompt_shared)
+
+
 def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
@@ -45,6 +50,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.prompt_shared = False  # another choice of the same prompt counts its tokens in the usage (n > 1)
         self.started = False
         created = int(time.time()) if created is None else created
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -127,7 +133,7 @@ class Choice:
 def response_body(chat: bool, request_id: str, model: str, choices: list[Choice], replica: str = "") -> dict:
     body = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [c.body() for c in choices],
-            "usage": usage_dict(sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices))}
+            "usage": usage_dict(prompt_tokens(choices), sum(c.completion_tokens for c in choices))}
     if replica:
         body["system_fingerprint"] = replica
     return body
@@ -137,5 +143,4 @@ def usage_chunk(chat: bool, request_id: str, model: str, choices: list[Choice]) 
     """stream_options.include_usage: the last chunk before [DONE], with no choices."""
     return sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": model, "choices": [],
-                "usage": usage_dict(sum(c.prompt_tokens for c in choices),
-                                    sum(c.completion_tokens for c in choices))})
+                "usage": usage_dict(prompt_tokens(choices), sum(c.completion_tokens for c in choices))})

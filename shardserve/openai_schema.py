@@ -1,11 +1,12 @@
 """The OpenAI request bodies the HTTP gateway accepts (shardserve/gateway.py), as pydantic models.
 
 Three kinds of fields:
-- mapped onto the gRPC GenerateRequest (temperature, top_p, seed, stop, max_tokens, logprobs, ...), plus vLLM's
+- mapped onto the gRPC GenerateRequest (temperature, top_p, seed, stop, max_tokens, logprobs, ...; `n`: as many
+  requests a prompt, the i-th with seed + i), plus vLLM's
   extensions the engine has (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) and its
   `return_token_ids` (the output's token ids next to its text: a model without a tokenizer has no text);
 - OpenAI fields that change nothing here and are accepted and ignored (`user`, `metadata`, `store`, ...);
-- OpenAI fields that would change the answer in a way we cannot honour (`n` > 1, `best_of`, `logit_bias`, `tools`,
+- OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `logit_bias`, `tools`,
   `echo`, ...): `unsupported()` names them, and the gateway answers 400 with that field as `param`.
 Any other field is refused by pydantic (extra="forbid"), as OpenAI refuses unrecognized arguments.
 Ranges are the server's to check (its INVALID_ARGUMENT reason comes back in the 400); only shapes are checked here.
@@ -32,6 +33,11 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool | None = None  # an OpenAI anti-side-channel padding field: ignored
 
 
+# Choices a prompt at most (`n`): each is a request of its own on the server (its prompt a prefix-cache hit after
+# the first), so this bounds what one HTTP request may ask of the server's admission.
+MAX_N = 16
+
+
 class _Request(BaseModel):
     """What completions and chat completions share."""
 
@@ -46,7 +52,7 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int | None = None
+    n: int | None = None  # choices a prompt (each sampled as a request of its own; seed + i for the i-th)
     logit_bias: dict[str, float] | None = None
     # vLLM's extensions, which the engine has (the openai SDK sends them through extra_body)
     top_k: int | None = None
@@ -65,8 +71,8 @@ class _Request(BaseModel):
     safety_identifier: str | None = None
 
     def unsupported(self) -> UnsupportedField | None:
-        if self.n is not None and self.n != 1:
-            return UnsupportedField("n", f"n must be 1 (one choice per request), got {self.n}")
+        if self.n is not None and not 1 <= self.n <= MAX_N:
+            return UnsupportedField("n", f"n must be an integer in [1, {MAX_N}], got {self.n}")
         if self.logit_bias:
             return UnsupportedField("logit_bias", "logit_bias is not supported")
         return None

@@ -5,7 +5,7 @@ on CPU; its gateway is a thread of it and one more process on the port). Status 
 Proves: /v1/models lists GetModelInfo's name; greedy completions and chat through the gateway equal the gRPC
 client's output, streamed or not; token-id prompts, several prompts, stop strings, logprobs, seeds and usage
 (stream_options.include_usage) map onto the gRPC request; invalid requests get 400 naming the field (ours and the
-server's INVALID_ARGUMENT), n=2 and other unsupported fields 400, an unknown model 404; a client that disconnects
+server's INVALID_ARGUMENT) and unsupported fields 400, n choices as n seeded requests, an unknown model 404; a client that disconnects
 mid-stream frees its KV blocks on the server; SIGTERM drains (health 503) and stops the gateway.
 """
 
@@ -223,11 +223,23 @@ def test_a_prompt_too_long_for_the_context_is_400_context_length_exceeded(oai, c
     assert refused.value.param == ("messages" if chat else "prompt")
     assert "exceeds max_model_len" in refused.value.message
 
-def test_n_above_1_gets_400(oai):
+def test_n_choices_are_the_seeded_requests_seed_plus_i(oai):
+    """n=3 with a seed: choice i is what one choice with seed + i gives (each is a request of its own on the
+    server); the prompt counts once in the usage; greedy choices are all the same."""
+    model = oai.models.list().data[0].id
+    messages = [{"role": "user", "content": "Name a colour."}]
+    many = oai.chat.completions.create(model=model, messages=messages, n=3, seed=7, temperature=1.0, max_tokens=8)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    alone = [oai.chat.completions.create(model=model, messages=messages, seed=7 + i, temperature=1.0, max_tokens=8)
+             for i in range(3)]
+    assert [c.message.content for c in many.choices] == [a.choices[0].message.content for a in alone]
+    assert many.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    assert many.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    greedy = oai.completions.create(model=model, prompt=PROMPT, n=2, temperature=0, max_tokens=6)
+    assert greedy.choices[0].text == greedy.choices[1].text
     with pytest.raises(openai.BadRequestError) as error:
-        oai.chat.completions.create(model=oai.models.list().data[0].id, n=2,
-                                    messages=[{"role": "user", "content": "hi"}])
-    assert error.value.body["param"] == "n" and "n must be 1" in error.value.message
+        oai.chat.completions.create(model=model, n=17, messages=messages)
+    assert error.value.body["param"] == "n" and "n must be an integer in [1, 16]" in error.value.message
 
 
 def test_an_unknown_model_gets_404(oai):

@@ -33,9 +33,11 @@ class FakeGeneration(pb_grpc.GenerationServicer):
         self.metadata: list[dict] = []
         self.peers: list[str] = []  # each gateway process has its own channel: its own peer address
         self.resumed: list[tuple[list[int], int]] = []  # (resume_token_ids, seed) of each request sent again
+        self.requests: list[tuple[str, str, int]] = []  # (text, request_id, seed) of each Generate
 
     def Generate(self, request, context):
         self.metadata.append(dict(context.invocation_metadata()))
+        self.requests.append((request.text, request.request_id, request.seed))
         self.peers.append(context.peer())
         name = request.text
         if name == "CHECK_TOKEN" and self.metadata[-1].get("authorization") != "Bearer sk-good":
@@ -153,6 +155,40 @@ def test_an_unknown_path_or_method_is_answered_in_openai_error_bodies(fake):
         openai.OpenAI(base_url=f"{fake[2]}/v1", api_key="x", max_retries=0).embeddings.create(input="x", model="fake")
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_a_prompt_are_requests_of_their_own_with_seeds_apart(fake, stream):
+    """n: prompt-major choices (prompt p's j-th at p * n + j), each its own Generate with seed + j, every prompt's
+    tokens counted once in the usage."""
+    servicer = fake[0]
+    before = len(servicer.requests)
+    body = {"prompt": ["one", "two"], "n": 3, "seed": 10, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    reply = httpx.post(f"{fake[2]}/v1/completions", json=body, timeout=30)
+    assert reply.status_code == 200, reply.text
+    sent = sorted(servicer.requests[before:], key=lambda r: int(r[1].rsplit("-", 1)[1]))
+    assert [(text, seed) for text, _, seed in sent] == [("one", 10), ("one", 11), ("one", 12),
+                                                         ("two", 10), ("two", 11), ("two", 12)]
+    if stream:
+        events = [json.loads(line[6:]) for line in reply.text.splitlines() if line.startswith("data: {")]
+        assert {c["index"] for e in events for c in e["choices"]} == set(range(6))
+        assert sum(c["finish_reason"] is not None for e in events for c in e["choices"]) == 6
+        usage = events[-1]["usage"]
+    else:
+        result = reply.json()
+        assert [c["index"] for c in result["choices"]] == list(range(6))
+        assert [c["text"] for c in result["choices"]] == ["ok"] * 6
+        usage = result["usage"]
+    assert usage == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}  # 3 a prompt, once each
+
+
+@pytest.mark.parametrize("n", [0, 17, -1])
+def test_n_outside_1_to_16_is_a_400_naming_it(fake, n):
+    reply = httpx.post(f"{fake[2]}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                "n": n}, timeout=30)
+    assert reply.status_code == 400 and reply.json()["error"]["param"] == "n", reply.text
+
+
 def test_an_error_after_the_stream_began_arrives_as_its_last_event(fake):
     with openai.OpenAI(base_url=f"{fake[2]}/v1", api_key="x", max_retries=0) as client:
         stream = client.completions.create(model="fake", prompt="MIDSTREAM_UNAVAILABLE", stream=True)
@@ -244,7 +280,7 @@ def test_health_follows_the_servers_health(fake):
 def test_metrics_count_requests_by_endpoint_and_status(fake):
     base = fake[2]
     httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
-    httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 3})
+    httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 30})
     text = httpx.get(f"{base}/metrics").text
     assert re.search(r'shardserve_gateway_requests_total\{code="200",endpoint="chat"\} [1-9]', text)
     assert re.search(r'shardserve_gateway_requests_total\{code="400",endpoint="chat"\} [1-9]', text)
