@@ -101,6 +101,9 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: RequestL
     does), the tokens max_model_len and the KV cache leave after the prompt (a copy: params may be shared)."""
     if not isinstance(params, SamplingParams):
         raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+    if params.n != 1:  # LLM.generate and the HTTP gateway send n requests instead
+        raise ValueError(f"n={params.n}: a request makes one output; send the prompt n times (the i-th with seed + i, "
+                         "as LLM.generate and the HTTP gateway do)")
     if not token_ids:
         raise ValueError("prompt must not be empty")
     vocab = limits.vocab_size

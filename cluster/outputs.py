@@ -54,7 +54,7 @@ def top_entries(entries: PositionLogprobs, n: int) -> list[tuple[int, Logprob]]:
 
 @dataclass(slots=True)
 class CompletionOutput:
-    index: int  # always 0: one output per prompt (n > 1 is refused)
+    index: int  # i of the prompt's n outputs (SamplingParams.n; LLM.generate), else 0
     text: str  # "" when the engine has no tokenizer (dummy weights); a stop string only with include_stop_str_in_output
     token_ids: list[int]  # generated tokens (a stop token id included, as transformers' generate does)
     cumulative_logprob: float | None  # the sum of the sampled tokens' logprobs, when logprobs were asked for

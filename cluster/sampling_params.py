@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from shardserve.proto.plan import SamplingSpec
 
 MAX_LOGPROBS = 20
+MAX_N = 16  # outputs per prompt (SamplingParams.n)
 
 
 def _is_int(value) -> bool:
@@ -50,7 +51,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = _param(False, "keep the stop string that ended the request in the text")
     final_only: bool = _param(False, "no per-token stream: the whole answer comes in one message when the request "
                                      "ends (offline and batch work: spares the server a message per token)")
-    n: int = _param(1, "outputs per prompt: only 1 is supported", cli=False)
+    n: int = _param(1, f"outputs per prompt, 1-{MAX_N}: LLM.generate makes them as n requests (output i draws with "
+                       "seed + i); a request to the engine (gRPC) makes one", cli=False)
     best_of: int | None = _param(None, "candidates per prompt: not supported (None or 1)", cli=False)
 
     def __post_init__(self) -> None:
@@ -105,10 +107,11 @@ class SamplingParams:
         for name in ("skip_special_tokens", "include_stop_str_in_output", "final_only"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")
-        if self.n != 1 or self.best_of not in (None, 1):
-            raise ValueError(
-                f"n={self.n}, best_of={self.best_of}: several outputs per prompt (n > 1, best_of) are not supported; "
-                "send the prompt several times with different seeds")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]")
+        if self.best_of not in (None, 1):
+            raise ValueError(f"best_of={self.best_of}: best-of-n candidates are not supported; ask for n outputs "
+                             "and pick among them")
 
     def to_spec(self, eos_token_ids: list[int], default_seed: int) -> SamplingSpec:
         """The worker's view: the fields both have, by name, and what the worker needs in its own form. A request

@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from shardserve.cluster.sampling_params import MAX_N  # choices a prompt at most, as LLM.generate's n
+
 
 class UnsupportedField(ValueError):
     """An OpenAI field whose value this server cannot honour; `param` names it."""
@@ -31,11 +33,6 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
     include_obfuscation: bool | None = None  # an OpenAI anti-side-channel padding field: ignored
-
-
-# Choices a prompt at most (`n`): each is a request of its own on the server (its prompt a prefix-cache hit after
-# the first), so this bounds what one HTTP request may ask of the server's admission.
-MAX_N = 16
 
 
 class _Request(BaseModel):

@@ -98,8 +98,8 @@ def test_invalid_sampling_value_names_the_field(field, value):
         SamplingParams(**{field: value})
 
 
-@pytest.mark.parametrize("kwargs", [dict(n=2), dict(best_of=3), dict(n=2, best_of=2)])
-def test_several_outputs_per_prompt_are_refused_as_not_supported(kwargs):
+@pytest.mark.parametrize("kwargs", [dict(best_of=3), dict(n=2, best_of=2)])
+def test_best_of_is_refused_as_not_supported(kwargs):
     import grpc
 
     from shardserve.client import build_request
@@ -111,6 +111,45 @@ def test_several_outputs_per_prompt_are_refused_as_not_supported(kwargs):
     with pytest.raises(ValueError, match="not supported"):  # what the server does with a client's request
         request_from_proto(build_request("hi", None, kwargs))
     assert SamplingParams(n=1, best_of=1).n == 1
+
+
+@pytest.mark.parametrize("n", [0, 17, -1, 2.0, True])
+def test_n_outside_1_to_16_names_the_field(n):
+    with pytest.raises(ValueError, match="n must be an integer in"):
+        SamplingParams(n=n)
+
+
+def test_n_outputs_are_the_requests_seed_plus_i_would_give(llm):
+    """n=3 with a seed: output i of each prompt is what one request with seed + i gives (LLM.generate sends n
+    requests); outputs are indexed 0..n-1, prompts keep their order, and the cache is left empty."""
+    import dataclasses
+
+    prompts = ["The capital of France is", "Once upon a time"]
+    params = SamplingParams(n=3, seed=11, temperature=1.0, max_tokens=8, ignore_eos=True)
+    many = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in many] == prompts and params.n == 3 and params.seed == 11  # the caller's params kept
+    for result, prompt in zip(many, prompts):
+        assert [c.index for c in result.outputs] == [0, 1, 2]
+        alone = [llm.generate(prompt, dataclasses.replace(params, n=1, seed=11 + i), use_tqdm=False)[0].outputs[0]
+                 for i in range(3)]
+        assert [c.token_ids for c in result.outputs] == [a.token_ids for a in alone]
+    assert len({tuple(c.token_ids) for c in many[0].outputs}) > 1  # the seeds differ, so do the outputs (8 tokens)
+    assert llm.engine.block_manager.all_free()
+
+
+def test_a_request_of_n_outputs_is_refused_by_the_engine_and_so_over_grpc(llm):
+    """The engine makes one output a request: n > 1 that did not come through LLM.generate (stream, add_request,
+    a gRPC client's GenerateRequest) is INVALID_ARGUMENT, naming the way to ask for n outputs."""
+    import grpc
+
+    from shardserve.cluster.generation_service import status_of
+
+    with pytest.raises(ValueError, match="a request makes one output") as refused:
+        next(llm.stream("hi", SamplingParams(n=2)))
+    assert status_of(refused.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(ValueError, match="a request makes one output"):
+        llm.engine.admit("n2", "hi", SamplingParams(n=2))
+    assert llm.engine.block_manager.all_free()
 
 
 def test_stop_strings_and_special_tokens_in_the_text_as_vllm(llm):
