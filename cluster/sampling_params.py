@@ -13,6 +13,12 @@ MAX_LOGPROBS = 20
 MAX_N = 16  # outputs per prompt (SamplingParams.n)
 
 
+def output_seed(seed: int | None, i: int) -> int | None:
+    """The seed output i of a prompt's n draws with (LLM.generate, the HTTP gateway): seed + i, so that each is what
+    a request of its own with that seed gives; None stays None (the engine draws a seed per request)."""
+    return seed + i if seed is not None else None
+
+
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 

@@ -14,6 +14,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from shardserve.client import AsyncClient, FieldError
+from shardserve.cluster.sampling_params import output_seed
 from shardserve.gateway_metrics import GatewayMetrics
 from shardserve.openai_format import DONE, Choice, error_body, prompt_tokens, response_body, sse, usage_chunk
 from shardserve.proto import generation_pb2 as pb
@@ -108,8 +109,8 @@ class Gateway:
                                     usage_field=body.include_usage, token_ids=body.return_token_ids)
                     choice.prompt_shared = j > 0
                     seeded = dict(sampling)  # a seeded request's choices differ: the j-th draws with seed + j
-                    if j and "seed" in sampling:
-                        seeded["seed"] = sampling["seed"] + j
+                    if "seed" in sampling:
+                        seeded["seed"] = output_seed(sampling["seed"], j)
                     choices.append(choice)
                     work.append((prompt, seeded))
             calls = []

@@ -26,7 +26,7 @@ from shardserve.cluster.engine import Engine
 from shardserve.cluster.replica import ReplicaLoad
 from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.outputs import RequestDelta, RequestOutput
-from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.cluster.sampling_params import SamplingParams, output_seed
 from shardserve.config import build_engine_config
 from shardserve.engine_factory import build_engine
 from shardserve.proto.config import EngineConfig
@@ -174,8 +174,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             p = p or SamplingParams()
             for j in range(p.n):
-                seed = p.seed + j if p.seed is not None and j else p.seed
-                work.append((i, prompt, dataclasses.replace(p, final_only=True, n=1, seed=seed)))
+                work.append((i, prompt, dataclasses.replace(p, final_only=True, n=1, seed=output_seed(p.seed, j))))
         req_ids = []
         try:
             for _, prompt, p in work:

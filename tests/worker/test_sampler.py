@@ -205,4 +205,3 @@ def test_row_keys_split_equals_row_key_per_row():
     rows = [SamplingRow(SamplingSpec(temperature=1.0, seed=s), [7] * (3 + i), 2) for i, s in enumerate(seeds)]
     assert row_keys_split([r.spec.seed for r in rows], [r.output_index for r in rows]) == split_keys(
         [row_key(r.spec.seed, r.output_index) for r in rows])
-
