@@ -119,8 +119,7 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
     in batch order and longest first (SHARDSERVE_DECODE_ORDER=longest), next to a batch of equal contexts holding as
     many tokens (the probe's usual case): how much a batch's long tail costs, and how much the order wins back.
     Longest first is also timed at 2x and 4x choose_num_splits' splits (more, shorter programs for the long
-    contexts: what a batch too small to fill the GPU twice over may need), each context split evenly and split
-    where the longest one is (by_longest: a context within the first run is one program), at 2 and 3 stages."""
+    contexts: what a batch too small to fill the GPU twice over may need)."""
     from shardserve.kernels.paged_decode import choose_num_splits
     from shardserve.kernels.decode_order import longest_first
 
@@ -138,11 +137,6 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
             for more in (2, 4):
                 row[f"longest_first_{more}x_splits_ms"] = graph_ms(
                     [_decode(c, more * splits, order=longest_first(c["seq_lens"])) for c in cases])
-                # the splits cut where the longest context's are (by_longest): short contexts stay one program
-                for stages in (2, 3):
-                    row[f"by_longest_{more}x_splits_{stages}_stages_ms"] = graph_ms(
-                        [_decode(c, more * splits, order=longest_first(c["seq_lens"]), by_longest=True,
-                                 num_stages=stages) for c in cases])
             del cases
             mean = round(sum(contexts) / batch)
             even, _ = _cases(heads, kv_heads, dim, batch, mean, cache_dtype)
@@ -155,10 +149,7 @@ def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: floa
                   f"({row['batch_order_fraction_of_copy_rate']:.0%} of copy), longest first "
                   f"{row['longest_first_ms']:.4f} ms ({row['longest_first_fraction_of_copy_rate']:.0%}; splits x2 "
                   f"{row['longest_first_2x_splits_ms']:.4f}, x4 {row['longest_first_4x_splits_ms']:.4f}), "
-                  f"equal contexts of {mean} {row['equal_contexts_ms']:.4f} ms; by the longest (2 / 3 stages) x2 "
-                  f"{row['by_longest_2x_splits_2_stages_ms']:.4f} / {row['by_longest_2x_splits_3_stages_ms']:.4f}, "
-                  f"x4 {row['by_longest_4x_splits_2_stages_ms']:.4f} / {row['by_longest_4x_splits_3_stages_ms']:.4f}",
-                  flush=True)
+                  f"equal contexts of {mean} {row['equal_contexts_ms']:.4f} ms", flush=True)
     return out
 
 

@@ -40,7 +40,6 @@ def _decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
     ASM: tl.constexpr = False, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
-    BY_LONGEST: tl.constexpr = False, MIN_SPLIT_TILES: tl.constexpr = 1,
 ):
     """Grid (num_seqs * num_kv_heads, NUM_SPLITS). Program (s * num_kv_heads + h, j) attends the query heads
     h*GROUP .. h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles).
@@ -53,10 +52,7 @@ def _decode_kernel(
     block_size is a compile-time constant: a position's block and slot by shifts (12% fewer instructions than by
     division, compiled for sm_90). PDL: launched as a programmatic dependent (kernels/pdl.py).
     ORDERED: program row s attends sequence order_ptr[s] instead of s (the GPU starts programs about in grid order,
-    so an order longest first leaves short programs, not long ones, for the end of a batch of unequal contexts).
-    BY_LONGEST (with ORDERED): the splits cut every context at the same positions, those that cut the batch's
-    longest (order_ptr[0]'s) into NUM_SPLITS runs of at least MIN_SPLIT_TILES tiles, so a short context is one
-    program and a long one several; a context within the first run is written to out by split 0 directly."""
+    so an order longest first leaves short programs, not long ones, for the end of a batch of unequal contexts)."""
     if PDL:
         start_as_dependent()
     seq = tl.program_id(0) // NUM_KV_HEADS
@@ -65,10 +61,7 @@ def _decode_kernel(
     kv_head = tl.program_id(0) % NUM_KV_HEADS
     split = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
-    if BY_LONGEST:
-        tiles_per_split = split_tiles(seq_lens_ptr, order_ptr, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TILES)
-    else:
-        tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
+    tiles_per_split = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), NUM_SPLITS)
     start = split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, seq_len)
 
@@ -124,28 +117,11 @@ def _decode_kernel(
         tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  result.to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
-        part_ok = head_ok
-        if BY_LONGEST:  # a context within split 0's run: its output is split 0's, no partials
-            run_keys = tiles_per_split * BLOCK_N
-            # (a scalar condition joins a mask through tl.where: `&` with a scalar is no mask in the interpreter)
-            tl.store(out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                     result.to(out_ptr.dtype.element_ty), mask=tl.where((split == 0) & (seq_len <= run_keys),
-                                                                        out_mask, False))
-            part_ok = tl.where(seq_len > run_keys, head_ok, False)
         # partials: part_out [num_seqs, num_heads, NUM_SPLITS, HEAD_DIM], part_lse [num_seqs, num_heads, NUM_SPLITS]
         row = (seq * (NUM_KV_HEADS * GROUP) + heads) * NUM_SPLITS + split
-        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], result, mask=part_ok[:, None] & dim_ok[None, :])
+        tl.store(part_out_ptr + row[:, None] * HEAD_DIM + d[None, :], result, mask=out_mask)
         lse = tl.where(has_keys, m + tl.log2(tl.where(has_keys, l, 1.0)), NEG_BIG)
-        tl.store(part_lse_ptr + row, lse, mask=part_ok)
-
-
-@triton.jit
-def split_tiles(seq_lens_ptr, order_ptr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                MIN_SPLIT_TILES: tl.constexpr):
-    """Tiles a split covers when the splits cut the batch's longest context (order_ptr[0], longest first) into
-    NUM_SPLITS runs of at least MIN_SPLIT_TILES tiles."""
-    longest = tl.load(seq_lens_ptr + tl.load(order_ptr))
-    return tl.maximum(tl.cdiv(tl.cdiv(longest, BLOCK_N), NUM_SPLITS), MIN_SPLIT_TILES)
+        tl.store(part_lse_ptr + row, lse, mask=head_ok)
 
 
 DECODE_KERNEL = _decode_kernel  # the jitted kernel itself, which bench/kernel_asm.py compiles for a GPU target
@@ -156,11 +132,10 @@ def _merge_splits_kernel(
     part_out_ptr, part_lse_ptr, out_ptr,
     stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False, seq_lens_ptr=None, order_ptr=None, BY_LONGEST: tl.constexpr = False,
-    BLOCK_N: tl.constexpr = 1, MIN_SPLIT_TILES: tl.constexpr = 1,
+    PDL: tl.constexpr = False,
 ):
     """Grid (num_seqs, num_heads). Merges one head's split partials by their log-sum-exp (log2 domain). PDL: as
-    the decode kernel. BY_LONGEST: as the decode kernel's; a context split 0 wrote to out whole is left alone."""
+    the decode kernel."""
     if PDL:
         start_as_dependent()
     seq = tl.program_id(0)
@@ -169,17 +144,13 @@ def _merge_splits_kernel(
     d = tl.arange(0, BLOCK_D)
     row0 = (seq * tl.num_programs(1) + head) * NUM_SPLITS
     split_ok = splits < NUM_SPLITS
-    store_ok = d < HEAD_DIM
-    if BY_LONGEST:
-        tiles_per_split = split_tiles(seq_lens_ptr, order_ptr, BLOCK_N, NUM_SPLITS, MIN_SPLIT_TILES)
-        store_ok = tl.where(tl.load(seq_lens_ptr + seq) > tiles_per_split * BLOCK_N, store_ok, False)
     lse = tl.load(part_lse_ptr + row0 + splits, mask=split_ok, other=NEG_BIG)
     weight = tl.exp2(lse - tl.max(lse, 0))
     weight = tl.where(split_ok, weight, 0.0)
     parts = tl.load(part_out_ptr + (row0 + splits)[:, None] * HEAD_DIM + d[None, :],
                     mask=split_ok[:, None] & (d < HEAD_DIM)[None, :], other=0.0)
     result = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
-    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=store_ok)
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, result.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
 # Launch settings per cache (keys per tile, warps, pipeline stages, stages where a context is one split and the
@@ -213,38 +184,16 @@ DECODE_LAUNCH |= _launch_overrides(os.environ.get("SHARDSERVE_DECODE_LAUNCH", ""
 DEEP_MAX_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_DEEP_PROGRAMS", "1024"))
 
 
-def decode_launch(fp8: bool, head_dim: int, num_splits: int, programs: int,
-                  by_longest: bool = False) -> tuple[int, int, int]:
+def decode_launch(fp8: bool, head_dim: int, num_splits: int, programs: int) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) the decode kernel uses by default for this cache and head size, for a
-    launch of `programs` programs (sequences x KV heads x splits) over num_splits splits (by_longest: cut where
-    the longest context is, a short context's program reading it whole)."""
+    launch of `programs` programs (sequences x KV heads x splits) over num_splits splits."""
     block_n, warps, stages, one_split_stages = DECODE_LAUNCH["fp8" if fp8 else "bf16"]
     if triton.next_power_of_2(head_dim) > 128:
         block_n = max(32, block_n // 2)
-    deep = (num_splits == 1 or by_longest) and programs <= DEEP_MAX_PROGRAMS
+    deep = num_splits == 1 and programs <= DEEP_MAX_PROGRAMS
     return block_n, warps, one_split_stages if deep else stages
 
 
-# The shortest run of keys a split by the longest context gets (by_longest): shorter batches are not split.
-MIN_SPLIT_KEYS = 256
-
-
-def _longest_split(text: str) -> tuple[int, int]:
-    numbers = tuple(int(v) for v in text.split(",") if v.strip().isdigit())
-    if len(numbers) != 2 or len(text.split(",")) != 2 or numbers[0] < 1:
-        raise ValueError(f"SHARDSERVE_DECODE_LONGEST_SPLIT: expected SPLITS,MAX_PROGRAMS, got {text!r}")
-    return numbers
-
-
-# A launch choose_num_splits leaves at one split, of at most MAX_PROGRAMS programs (sequences x KV heads), is
-# split SPLITS ways where its longest context is (by_longest), when its programs start longest first.
-LONGEST_SPLIT = _longest_split(os.environ.get("SHARDSERVE_DECODE_LONGEST_SPLIT", "1,0"))
-
-
-def longest_splits(num_seqs: int, num_kv_heads: int) -> int:
-    """Splits by the longest context for a one-split launch of this size (1: none)."""
-    splits, max_programs = LONGEST_SPLIT
-    return splits if num_seqs * num_kv_heads <= max_programs else 1
 # Programs the split-K decode aims for (SHARDSERVE_DECODE_PROGRAMS: another value, for measurements).
 TARGET_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_PROGRAMS", "528"))
 # Rows of the tensor-core products (the query group padded), for measurements: SHARDSERVE_DECODE_ROWS=64 (an H200
@@ -279,7 +228,6 @@ def paged_decode_attention(
     fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: SHARDSERVE_FP8_DECODE, default "pairs"
     block_g: int | None = None,  # rows of the products (the group padded); None: the fewest the loop can take
     order: torch.Tensor | None = None,  # [num_seqs] int32, a permutation: the order the sequences' programs start in
-    by_longest: bool = False,  # (with an order longest first) the splits cut the batch's longest context: _decode_kernel
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
@@ -292,9 +240,6 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    if by_longest and order is None:
-        raise ValueError("by_longest splits need the sequences' order, longest first")
-    by_longest = by_longest and num_splits > 1
     if num_splits > 1:
         part_out = torch.empty(num_seqs, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=q.device)
@@ -302,11 +247,9 @@ def paged_decode_attention(
         part_out = part_lse = out  # unused when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(head_dim)
     default_n, default_warps, default_stages = decode_launch(fp8, head_dim, num_splits,
-                                                            num_seqs * num_kv_heads * num_splits, by_longest)
+                                                            num_seqs * num_kv_heads * num_splits)
     if variant == FP8_DECODE_VARIANTS.index("pairs"):  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
-    block_n = block_n or default_n
-    min_split_tiles = triton.cdiv(MIN_SPLIT_KEYS, block_n)
     pdl = chained(q)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, seq_lens if order is None else order,  # unread unless ORDERED
@@ -320,17 +263,16 @@ def paged_decode_attention(
         BLOCK_G=block_g or (triton.next_power_of_2(group) if fma
                             else max(16, DECODE_ROWS, triton.next_power_of_2(group))),
         BLOCK_D=block_d,
-        BLOCK_N=block_n, DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
         NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
-        ASM=COMPILED, PDL=pdl, ORDERED=order is not None, BY_LONGEST=by_longest, MIN_SPLIT_TILES=min_split_tiles,
+        ASM=COMPILED, PDL=pdl, ORDERED=order is not None,
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, launch_pdl=pdl,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_seqs, num_heads)](
             part_out, part_lse, out, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, NUM_SPLITS=num_splits, BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d,
-            PDL=pdl, seq_lens_ptr=seq_lens, order_ptr=seq_lens if order is None else order, BY_LONGEST=by_longest,
-            BLOCK_N=block_n, MIN_SPLIT_TILES=min_split_tiles, launch_pdl=pdl,
+            PDL=pdl, launch_pdl=pdl,
         )
     return out
 

@@ -21,7 +21,7 @@ import os
 import torch
 
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
-from shardserve.kernels.paged_decode import choose_num_splits, longest_splits, paged_decode_attention
+from shardserve.kernels.paged_decode import choose_num_splits, paged_decode_attention
 from shardserve.kernels.prefill import paged_prefill_attention
 from shardserve.kernels.store_kv import store_kv
 
@@ -75,9 +75,5 @@ class TritonAttentionBackend(AttentionBackend):
         if num_seqs < meta.num_seqs:
             tables, seq_lens = tables[:num_seqs], seq_lens[:num_seqs]
         order = meta.longest_first(num_seqs) if DECODE_ORDER == "longest" and num_seqs > 1 else None
-        by_longest = False
-        if order is not None and splits == 1:
-            splits = longest_splits(num_seqs, k_cache.shape[2])
-            by_longest = splits > 1
         return paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, scale, splits, out=out, k_scale=k_scale,
-                                      v_scale=v_scale, order=order, by_longest=by_longest)
+                                      v_scale=v_scale, order=order)

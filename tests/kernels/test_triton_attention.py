@@ -63,56 +63,6 @@ def test_decode_programs_started_longest_first_give_each_sequence_its_own_output
     assert torch.equal(shuffled, plain)
 
 
-@pytest.mark.parametrize("num_splits,min_keys", [(2, 64), (3, 64), (2, 256), (4, 1024)])
-def test_decode_split_by_the_longest_context_merges_to_the_same_result(monkeypatch, num_splits, min_keys):
-    """by_longest: every context is cut where the longest one's splits are (300 keys = 5 tiles; at 2 splits of 3
-    tiles the 200-key context spans two, 130 and shorter stay whole in split 0, which writes them directly; at 3
-    splits of 2 tiles 130 spans two, 300 three); a run is never shorter than MIN_SPLIT_KEYS (1,024: one split
-    holds the whole batch). Each output equals the reference's, in any order of the programs."""
-    from shardserve.kernels import paged_decode
-    from shardserve.kernels.decode_order import longest_first
-
-    monkeypatch.setattr(paged_decode, "MIN_SPLIT_KEYS", min_keys)
-    q, _, _, k_cache, v_cache, meta = make_batch(
-        [1] * 5, [130, 300, 9, 200, 64], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
-        dtype=torch.float32, device=DEVICE, seed=6)
-    order = longest_first(meta.seq_lens)
-    out = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE, num_splits,
-                                 order=order, by_longest=True, block_n=64)
-    ref = paged_decode_attention_ref(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE)
-    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="order"):
-        paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE, num_splits,
-                               by_longest=True)
-
-
-def test_triton_backend_splits_small_one_split_launches_by_the_longest_context(monkeypatch):
-    """SHARDSERVE_DECODE_LONGEST_SPLIT=SPLITS,MAX_PROGRAMS: a decode launch choose_num_splits leaves at one split
-    and of at most MAX_PROGRAMS programs is split where its longest context is; it attends as the torch backend."""
-    from shardserve.kernels import paged_decode
-
-    calls = []
-    launch = paged_decode.paged_decode_attention
-
-    def spy(*args, **kwargs):
-        calls.append((args[6], kwargs["by_longest"]))
-        return launch(*args, **kwargs)
-
-    monkeypatch.setattr("shardserve.kernels.triton_backend.paged_decode_attention", spy)
-    monkeypatch.setattr(paged_decode, "MIN_SPLIT_KEYS", 64)
-    q, k, v, k_cache, v_cache, meta = make_batch(
-        [1, 1, 1], [40, 300, 150], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
-        device=DEVICE, seed=7)
-    expected = _torch_backend().attend(q, k_cache, v_cache, meta, SCALE)
-    for setting, launched in [((1, 0), (1, False)), ((3, 6), (3, True)), ((3, 5), (1, False))]:
-        monkeypatch.setattr(paged_decode, "LONGEST_SPLIT", setting)
-        out = TritonAttentionBackend(decode_num_splits=1).attend(q, k_cache, v_cache, meta, SCALE)
-        assert calls.pop() == launched
-        torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
-    with pytest.raises(ValueError, match="SPLITS,MAX_PROGRAMS"):
-        paged_decode._longest_split("2")
-
-
 def test_triton_backend_ordering_longest_first_attends_like_batch_order(monkeypatch):
     """SHARDSERVE_DECODE_ORDER=longest (the default): the backend sorts once a step (the order is kept for every
     layer) and attends as in the batch's order (=batch)."""
