@@ -209,3 +209,66 @@ def test_tail_of_a_mixed_batch_is_fresh_16_byte_aligned_tensors():
     assert torch.equal(seq_lens, meta.seq_lens[3:]) and torch.equal(block_tables, meta.block_tables[3:])
     assert all(t.data_ptr() % 16 == 0 for t in (query_start_loc, seq_lens, block_tables))
     assert meta.tail(3)[1] is seq_lens  # computed once a step, for every layer
+
+
+def _flash_stand_in(q, k, v, cu_seqlens, max_len, scale):
+    """What torch's flash op computes (causal, each sequence to its own keys, GQA), in float32 on the CPU: flash
+    attention itself runs on CUDA only (the GPU suite runs the real one)."""
+    out = torch.empty_like(q)
+    bounds = cu_seqlens.tolist()
+    assert max_len == max(b - a for a, b in zip(bounds, bounds[1:]))
+    for a, b in zip(bounds, bounds[1:]):
+        attended = torch.nn.functional.scaled_dot_product_attention(
+            q[a:b].transpose(0, 1).float(), k[a:b].transpose(0, 1).float(), v[a:b].transpose(0, 1).float(),
+            is_causal=True, scale=scale, enable_gqa=True)
+        out[a:b] = attended.transpose(0, 1).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("query_lens,seq_lens,fresh_from", [
+    ([1, 5, 20, 7], [40, 30, 20, 7], 2),  # a decode and a chunk after its prefix, then two fresh prompts
+    ([20, 7], [20, 7], 0),  # every prompt fresh: the flash output is the answer
+    ([20, 5], [20, 30], 2),  # the batch ends in a chunk after its prefix: no flash launch
+])
+def test_fresh_prompts_attend_to_the_steps_own_keys_like_the_cache(monkeypatch, query_lens, seq_lens, fresh_from):
+    """A batch ending in prompts with nothing cached (query_len == seq_len) sends those to flash attention over
+    the step's own k and v, the sequences before them to the prefill kernel, each output in its rows: the same as
+    the torch backend attending to the cache."""
+    from shardserve.kernels import triton_backend as tb
+
+    launches = []
+
+    def flash(q, k, v, cu_seqlens, max_len, scale):
+        launches.append((q.shape[0], cu_seqlens.tolist()))
+        return _flash_stand_in(q, k, v, cu_seqlens, max_len, scale)
+
+    monkeypatch.setattr(tb, "flash_ready", lambda q: True)
+    monkeypatch.setattr(tb, "flash_causal", flash)
+    q, k, v, k_cache, v_cache, meta = make_batch(
+        query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
+        device=DEVICE, seed=8)
+    assert meta.fresh_from() == fresh_from
+    expected = _torch_backend().forward(q, k, v, k_cache.clone(), v_cache.clone(), meta, SCALE)
+    out = TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, SCALE)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    head = sum(query_lens[:fresh_from])
+    fresh = [0] + [sum(query_lens[fresh_from : i + 1]) for i in range(fresh_from, len(query_lens))]
+    assert launches == ([(q.shape[0] - head, fresh)] if fresh_from < len(query_lens) else [])
+
+
+def test_flash_for_fresh_prompts_follows_its_setting(monkeypatch):
+    """SHARDSERVE_PREFILL_FLASH: "1" with a cache in the model's dtype, "all" with an FP8 cache as well, "0" never;
+    never for decodes alone, nor where flash attention does not run."""
+    from shardserve.kernels import triton_backend as tb
+
+    q, _, _, _, _, meta = make_batch([20, 7], [20, 7], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                                     dtype=torch.float32, device=DEVICE)
+    decodes = make_batch([1, 1], [20, 7], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16,
+                         dtype=torch.float32, device=DEVICE)[5]
+    backend = TritonAttentionBackend()
+    assert not backend.reads_new_kv(q, meta, False)  # flash attention runs on CUDA only
+    monkeypatch.setattr(tb, "flash_ready", lambda q: True)
+    for setting, model_dtype, fp8 in [("1", True, False), ("all", True, True), ("0", False, False)]:
+        monkeypatch.setattr(tb, "PREFILL_FLASH", setting)
+        assert backend.reads_new_kv(q, meta, False) is model_dtype and backend.reads_new_kv(q, meta, True) is fp8
+        assert not backend.reads_new_kv(q, decodes, False)
