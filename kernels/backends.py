@@ -48,17 +48,6 @@ class AttentionMetadata:
             self._derived[key] = compute()
         return self._derived[key]
 
-    def fresh_from(self) -> int:
-        """The first of the sequences at the end of the batch that have nothing cached before this step (a whole
-        prompt or its first chunk: query_len == seq_len); num_seqs when the last one has a cached prefix."""
-        def first() -> int:
-            i = self.num_seqs
-            while i and self.query_lens_cpu[i - 1] == self.seq_lens_cpu[i - 1]:
-                i -= 1
-            return i
-
-        return self._once("fresh", first)
-
     def leading_decodes(self) -> int:
         """How many sequences at the front of the batch are decodes (the scheduler puts running requests first)."""
         return self._once("decodes", lambda: next((i for i, q_len in enumerate(self.query_lens_cpu) if q_len != 1),
@@ -103,19 +92,7 @@ class AttentionBackend:
         v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
-        return self.attend_stored(q, k, v, k_cache, v_cache, meta, scale, k_scale, v_scale)
-
-    def attend_stored(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        """attend, once the step's new k and v ([T, num_kv_heads, head_dim]) are in the cache: a backend may attend
-        prompts with nothing cached before them to k and v directly. By default, attend."""
         return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
-
-    def reads_new_kv(self, q: torch.Tensor, meta: AttentionMetadata, fp8_cache: bool) -> bool:
-        """Whether attend_stored would read this step's new k and v themselves (so a kernel that stores them must
-        leave k rotated too). By default, no."""
-        return False
 
     def new_cache(self, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

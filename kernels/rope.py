@@ -65,12 +65,11 @@ def _rope_kernel(
     num_q_heads, num_k_heads, eps,
     HALF: tl.constexpr, NORM: tl.constexpr, BLOCK_QH: tl.constexpr, BLOCK_KH: tl.constexpr,
     BLOCK_HALF: tl.constexpr, STORE: tl.constexpr, FP8: tl.constexpr, FP8_LIMIT: tl.constexpr,
-    KEEP_K: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (T,). Program t (normalises and) rotates every q and k head of token t by the angles of positions[t].
     q is rotated in place; k too, or with STORE written with v straight into the paged cache at slot_ptr[t] (as
-    kernels/store_kv.py would; slot -1: not stored), and with KEEP_K in place as well. PDL: launched as a
-    programmatic dependent (kernels/pdl.py)."""
+    kernels/store_kv.py would; slot -1: not stored). PDL: launched as a programmatic dependent (kernels/pdl.py)."""
     if PDL:
         start_as_dependent()
     token = tl.program_id(0).to(tl.int64)
@@ -105,7 +104,7 @@ def _rope_kernel(
             dst += k_heads * stride_cache_head + cols
             _store_halves(k_cache_ptr, dst, k1, k2, k_scale, k_mask, HALF, FP8, FP8_LIMIT)
             _store_halves(v_cache_ptr, dst, v1, v2, v_scale, k_mask, HALF, FP8, FP8_LIMIT)
-    if not STORE or KEEP_K:
+    else:
         _store_halves(k_ptr, token * stride_kt + k_heads * stride_kh + cols, k1, k2, None, k_mask, HALF, False,
                       FP8_LIMIT)
 
@@ -122,11 +121,10 @@ def apply_rope_(
     norm_weights: tuple[torch.Tensor, torch.Tensor] | None = None,  # (q_norm, k_norm) weights [head_dim]
     eps: float = 1e-6,
     write: KVWrite | None = None,
-    keep_k: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotates q and k in place (and returns them), after per-head RMSNorm where norm_weights are given. With
     `write`, the rotated k and write.v go into the paged cache instead (store_kv in the same launch; k is left as
-    it came, unless keep_k: then rotated in place too); this needs rot_dim == head_dim."""
+    it came); this needs rot_dim == head_dim."""
     tokens, num_heads, head_dim = q.shape
     half = cos_cache.shape[1]
     if 2 * half > head_dim or k.shape[-1] != head_dim or k.shape[0] != tokens:
@@ -157,7 +155,7 @@ def apply_rope_(
             HALF=half, NORM=norm_weights is not None,
             BLOCK_QH=triton.next_power_of_2(num_heads), BLOCK_KH=triton.next_power_of_2(k.shape[1]),
             BLOCK_HALF=triton.next_power_of_2(half), STORE=write is not None, FP8=fp8, FP8_LIMIT=FP8_MAX,
-            KEEP_K=keep_k, PDL=pdl, launch_pdl=pdl,
+            PDL=pdl, launch_pdl=pdl,
         )
     return q, k
 

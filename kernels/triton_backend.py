@@ -37,31 +37,6 @@ if DECODE_ORDER not in ("batch", "longest"):
     raise ValueError(f"SHARDSERVE_DECODE_ORDER: expected longest or batch, got {DECODE_ORDER!r}")
 
 
-# Prompts with nothing cached before this step (whole, or a first chunk) attend to the step's own k and v through
-# torch's flash attention (varlen, causal) where it runs (SHARDSERVE_PREFILL_FLASH): "1" (default) with a cache in
-# the model's dtype, "all" with an FP8 cache too (the prompt then attends to its keys before quantization, not to
-# the cache's e4m3 copy), "0" never. Sequences before them (decodes, chunks after a prefix) take the prefill kernel.
-PREFILL_FLASH = os.environ.get("SHARDSERVE_PREFILL_FLASH", "1")
-if PREFILL_FLASH not in ("0", "1", "all"):
-    raise ValueError(f"SHARDSERVE_PREFILL_FLASH: expected 0, 1 or all, got {PREFILL_FLASH!r}")
-
-
-def flash_ready(q: torch.Tensor) -> bool:
-    """Whether torch's flash attention takes these queries: CUDA, 16-bit, a head size it has, sm_80+."""
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0 and q.shape[-1] <= 256
-            and torch.backends.cuda.is_flash_attention_available()
-            and torch.cuda.get_device_capability(q.device)[0] >= 8)
-
-
-def flash_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
-                 scale: float) -> torch.Tensor:
-    """Causal attention of each sequence's queries to its own keys (packed [T, heads, D], cu_seqlens [B + 1]
-    int32), GQA as the kernel takes it: torch's flash-attention op (the public varlen_attn's signature differs
-    between torch releases; the op's has not)."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True,
-                                                   False, scale=scale)[0]
-
-
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
     store_kv = staticmethod(store_kv)
@@ -87,30 +62,6 @@ class TritonAttentionBackend(AttentionBackend):
         query_start_loc, seq_lens, block_tables = meta.tail(decodes)
         paged_prefill_attention(q[decodes:], k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
                                 out=out[decodes:], k_scale=k_scale, v_scale=v_scale)
-        return out
-
-    def reads_new_kv(self, q: torch.Tensor, meta: AttentionMetadata, fp8_cache: bool) -> bool:
-        """A batch that is not decodes alone and ends in prompts with nothing cached, where flash attention runs
-        (PREFILL_FLASH)."""
-        return (PREFILL_FLASH != "0" and (PREFILL_FLASH == "all" or not fp8_cache) and not meta.is_decode_only
-                and meta.fresh_from() < meta.num_seqs and flash_ready(q))
-
-    def attend_stored(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                      v_scale: torch.Tensor | None = None) -> torch.Tensor:
-        if not self.reads_new_kv(q, meta, k_scale is not None):
-            return self.attend(q, k_cache, v_cache, meta, scale, k_scale, v_scale)
-        first = meta.fresh_from()
-        head = sum(meta.query_lens_cpu[:first])  # the tokens of the sequences before the fresh ones
-        max_len = max(meta.query_lens_cpu[first:])
-        cu_seqlens = meta.query_start_loc if first == 0 else meta.query_start_loc[first:] - head
-        fresh = flash_causal(q[head:], k[head:], v[head:], cu_seqlens, max_len, scale)
-        if first == 0:
-            return fresh
-        out = torch.empty_like(q)
-        out[head:] = fresh
-        paged_prefill_attention(q[:head], k_cache, v_cache, meta.query_start_loc[: first + 1], meta.seq_lens[:first],
-                                meta.block_tables[:first], scale, out=out[:head], k_scale=k_scale, v_scale=v_scale)
         return out
 
     def _decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,

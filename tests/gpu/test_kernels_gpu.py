@@ -78,33 +78,6 @@ def test_backend_bf16_decode_and_mixed_steps_store_then_attend():
         torch.testing.assert_close(out.float(), ref, **BF16)
 
 
-@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3-8b"])
-def test_backend_bf16_fresh_prompts_through_torch_flash_attention(model, monkeypatch):
-    """Prompts with nothing cached at the end of a batch go to torch's flash attention over the step's own k and v
-    (the sequences before them to the prefill kernel): each output as the float32 reference over the cache, and
-    close to the prefill kernel's alone (SHARDSERVE_PREFILL_FLASH=0)."""
-    from shardserve.kernels import triton_backend as tb
-
-    heads, kv_heads, dim = HEADS[model]
-    launches = []
-    flash = tb.flash_causal
-    monkeypatch.setattr(tb, "flash_causal", lambda *a, **kw: launches.append(a[0].shape[0]) or flash(*a, **kw))
-    for query_lens, seq_lens in (([1, 300, 1000, 17, 256], [700, 1500, 1000, 17, 256]), ([900, 64], [900, 64])):
-        q, k, v, kc, vc, meta = make_batch(query_lens, seq_lens, num_heads=heads, num_kv_heads=kv_heads,
-                                           head_dim=dim, block_size=16, dtype=torch.bfloat16, device="cuda", seed=2)
-        assert tb.flash_ready(q) and TritonAttentionBackend().reads_new_kv(q, meta, False)
-        out = TritonAttentionBackend().forward(q, k, v, kc, vc, meta, dim**-0.5)
-        assert launches.pop() == sum(query_lens[meta.fresh_from():])
-        ref = _float_ref(paged_prefill_attention_ref, q, kc, vc, meta.query_start_loc, meta.seq_lens,
-                         meta.block_tables, dim**-0.5)
-        torch.testing.assert_close(out.float(), ref, **BF16)
-        monkeypatch.setattr(tb, "PREFILL_FLASH", "0")
-        kernel_only = TritonAttentionBackend().forward(q, k, v, kc, vc, meta, dim**-0.5)
-        monkeypatch.setattr(tb, "PREFILL_FLASH", "1")
-        assert not launches
-        torch.testing.assert_close(out.float(), kernel_only.float(), **BF16)
-
-
 def test_store_kv_bf16_cache_past_int32_offsets():
     blocks = 140_000  # 140000 * 16 * 8 * 128 elements > 2^31: slot offsets must be computed in int64
     kc = torch.zeros(blocks, 16, 8, 128, dtype=torch.bfloat16, device="cuda")

@@ -55,20 +55,14 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
         stored: bool = False,  # k and v are in the cache already (written through kv_write)
-        k_rotated: bool = False,  # (stored) k holds the keys as stored, rotated (kernels/rope.py: keep_k)
     ) -> torch.Tensor:  # [T, num_heads * head_dim]
         tokens = q.shape[0]
         k_cache, v_cache = kv_cache
         scaled = k_cache.element_size() == 1  # an FP8 cache
         k_scale, v_scale = (self.k_scale, self.v_scale) if scaled else (None, None)
         if stored:
-            heads = q.reshape(tokens, self.num_heads, self.head_dim)
-            if not k_rotated:
-                out = self.backend.attend(heads, k_cache, v_cache, meta, self.scale, k_scale, v_scale)
-                return out.reshape(tokens, self.num_heads * self.head_dim)
-            out = self.backend.attend_stored(heads, k.reshape(tokens, self.num_kv_heads, self.head_dim),
-                                             v.reshape(tokens, self.num_kv_heads, self.head_dim), k_cache, v_cache,
-                                             meta, self.scale, k_scale, v_scale)
+            out = self.backend.attend(q.reshape(tokens, self.num_heads, self.head_dim), k_cache, v_cache, meta,
+                                      self.scale, k_scale, v_scale)
             return out.reshape(tokens, self.num_heads * self.head_dim)
         k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(tokens, self.num_kv_heads, self.head_dim)

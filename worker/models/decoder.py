@@ -71,10 +71,8 @@ class DecoderAttention(nn.Module):
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             whole_head = 2 * self.rotary.cos_cache.shape[1] == self.head_dim  # the store needs every dim rotated
             write = self.attn.kv_write(v, kv_cache, meta) if whole_head else None
-            keep_k = write is not None and self.attn.backend.reads_new_kv(q, meta, write.k_scale is not None)
-            apply_rope_(positions, q, k, self.rotary.cos_cache, self.rotary.sin_cache, norms, eps, write, keep_k)
-            return self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, kv_cache, meta, stored=write is not None,
-                             k_rotated=keep_k)
+            apply_rope_(positions, q, k, self.rotary.cos_cache, self.rotary.sin_cache, norms, eps, write)
+            return self.attn(q.reshape(tokens, -1), k.reshape(tokens, -1), v, kv_cache, meta, stored=write is not None)
         if self.q_norm is None and not qkv.is_cuda:  # q and k heads are side by side in qkv: rotated in place
             heads = q.shape[1] + k.shape[1]
             self.rotary.rotate_(positions, qkv[:, : heads * self.head_dim].view(tokens, heads, self.head_dim))
