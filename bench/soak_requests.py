@@ -23,13 +23,13 @@ LENGTHS = [1, 2, 4, 8, 8, 16, 16, 24, 32, 48]  # max_tokens of the pool's stream
 STOPS = [[" the"], ["."], [",", "!"], ["\n"]]
 
 # kind -> share of the requests (the soak's mix)
-MIX = {"greedy": 20, "seeded": 15, "stop": 10, "unseeded": 10, "cancel": 10, "deadline": 10,
+MIX = {"greedy": 18, "seeded": 15, "stop": 10, "unseeded": 10, "cancel": 10, "deadline": 10,
        "bad-token-id": 3, "empty-prompt": 3, "too-long": 3, "negative-temperature": 3, "n-2": 2, "not-protobuf": 3,
-       "invalid-utf8": 3, "prompt-over-bytes": 2, "over-request-bytes": 1, "unknown-abort": 2}
+       "invalid-utf8": 3, "prompt-over-bytes": 2, "over-request-bytes": 1, "unknown-abort": 2, "bad-logit-bias": 2}
 EXPECTED = {"bad-token-id": "INVALID_ARGUMENT", "empty-prompt": "INVALID_ARGUMENT", "too-long": "INVALID_ARGUMENT",
             "negative-temperature": "INVALID_ARGUMENT", "n-2": "INVALID_ARGUMENT", "not-protobuf": "INVALID_ARGUMENT",
             "invalid-utf8": "INVALID_ARGUMENT", "prompt-over-bytes": "INVALID_ARGUMENT",
-            "over-request-bytes": "RESOURCE_EXHAUSTED", "unknown-abort": "NOT_FOUND"}
+            "over-request-bytes": "RESOURCE_EXHAUSTED", "unknown-abort": "NOT_FOUND", "bad-logit-bias": "INVALID_ARGUMENT"}
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,8 @@ def invalid_bytes(kind: str, limits: Limits) -> bytes:
         "negative-temperature": lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), max_tokens=2,
                                                            temperature=-0.5),
         "n-2": lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), max_tokens=2, n=2),
+        "bad-logit-bias": lambda: pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), max_tokens=2,
+                                                     logit_bias={limits.vocab_size: 1.0, 5: 500.0}),
         "prompt-over-bytes": lambda: pb.GenerateRequest(text="word " * (limits.max_prompt_bytes // 5 + 2),
                                                         max_tokens=2),
     }[kind]()

@@ -11,6 +11,8 @@ from shardserve.proto.plan import SamplingSpec
 
 MAX_LOGPROBS = 20
 MAX_N = 16  # outputs per prompt (SamplingParams.n)
+MAX_LOGIT_BIAS = 1024  # entries in SamplingParams.logit_bias
+LOGIT_BIAS_RANGE = 100.0  # each bias in [-100, 100], as OpenAI's API takes it
 
 
 def output_seed(seed: int | None, i: int) -> int | None:
@@ -60,6 +62,10 @@ class SamplingParams:
     n: int = _param(1, f"outputs per prompt, 1-{MAX_N}: LLM.generate makes them as n requests (output i draws with "
                        "seed + i); a request to the engine (gRPC) makes one", cli=False)
     best_of: int | None = _param(None, "candidates per prompt: not supported (None or 1)", cli=False)
+    logit_bias: dict[int, float] | None = _param(
+        None, f"token id -> a number in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}] added to its logit before "
+              f"penalties and sampling (-100 all but bans it, +100 all but forces it); at most {MAX_LOGIT_BIAS} "
+              "entries", cli=False)
 
     def __post_init__(self) -> None:
         self._check()
@@ -115,6 +121,15 @@ class SamplingParams:
                 raise bad(name, "True or False")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"an integer in [1, {MAX_N}]")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"a dict of at most {MAX_LOGIT_BIAS} token ids -> biases")
+            for token, bias in self.logit_bias.items():
+                if not _is_int(token) or token < 0:
+                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                if not _is_number(bias) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                    raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, "
+                                     f"{LOGIT_BIAS_RANGE:g}], got {bias!r} for token {token}")
         if self.best_of not in (None, 1):
             raise ValueError(f"best_of={self.best_of}: best-of-n candidates are not supported; ask for n outputs "
                              "and pick among them")
@@ -132,11 +147,12 @@ class SamplingParams:
             logprobs=-1 if self.logprobs is None else self.logprobs,
             prompt_logprobs=-1 if self.prompt_logprobs is None else self.prompt_logprobs,
             stop_token_ids=stop_ids,
+            logit_bias={token: float(bias) for token, bias in (self.logit_bias or {}).items()},
         )
 
 
 # SamplingSpec fields that take SamplingParams' value as it is, by name -> the spec's type (float or int).
 _SHARED_WITH_SPEC = {
     name: kind for name, kind in typing.get_type_hints(SamplingSpec).items()
-    if name not in ("seed", "logprobs", "prompt_logprobs", "stop_token_ids")
+    if name not in ("seed", "logprobs", "prompt_logprobs", "stop_token_ids", "logit_bias")
 }

@@ -18,13 +18,17 @@ from shardserve.proto.plan import NewRequest, PromptLogprobs, SamplingSpec, Step
 
 
 def message_fields(msg, names) -> dict:
-    """The fields `names` of a message as keyword arguments for a same-named dataclass: repeated fields as lists;
-    an `optional` field left unset is left out, so that the dataclass default (e.g. None) applies."""
+    """The fields `names` of a message as keyword arguments for a same-named dataclass: repeated fields as lists,
+    maps as dicts; an `optional` field left unset (or an empty map) is left out, so that the dataclass default
+    (e.g. None) applies."""
     fields_by_name = msg.DESCRIPTOR.fields_by_name
     kwargs = {}
     for name in names:
         fd = fields_by_name[name]
-        if fd.is_repeated:
+        if fd.message_type is not None and fd.message_type.GetOptions().map_entry:
+            if getattr(msg, name):  # an empty map is an unset one (proto3 cannot tell them apart)
+                kwargs[name] = dict(getattr(msg, name))
+        elif fd.is_repeated:
             kwargs[name] = list(getattr(msg, name))
         elif not fd.has_presence or msg.HasField(name):
             kwargs[name] = getattr(msg, name)

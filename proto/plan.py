@@ -41,6 +41,7 @@ class SamplingSpec:
     min_tokens: int = 0  # until this many tokens are generated, `stop_token_ids` cannot be sampled
     stop_token_ids: list[int] = field(default_factory=list)  # eos (unless ignore_eos) + the user's stop ids
     prompt_logprobs: int = -1  # -1 = none; N >= 0 = each prompt token's logprob plus the top N (StepResult)
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (empty: none)
 
 
 @dataclass(slots=True)

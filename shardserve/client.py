@@ -81,7 +81,9 @@ def build_request(prompt, request_id: str | None, sampling: dict) -> pb.Generate
     for name, value in sampling.items():
         if value is None:
             continue
-        if _SAMPLING[name].is_repeated:  # stop="x" means ["x"]
+        if _SAMPLING[name].message_type is not None:  # a map (logit_bias): token id -> bias
+            _put(name, lambda: getattr(msg, name).update(value))
+        elif _SAMPLING[name].is_repeated:  # stop="x" means ["x"]
             _put(name, lambda: getattr(msg, name).extend([value] if isinstance(value, str) else value))
         else:
             _put(name, lambda: setattr(msg, name, value))

@@ -1,13 +1,12 @@
 """The OpenAI request bodies the HTTP gateway accepts (shardserve/gateway.py), as pydantic models.
 
 Three kinds of fields:
-- mapped onto the gRPC GenerateRequest (temperature, top_p, seed, stop, max_tokens, logprobs, ...; `n`: as many
-  requests a prompt, the i-th with seed + i), plus vLLM's
+- mapped onto the gRPC GenerateRequest (temperature, top_p, seed, stop, max_tokens, logprobs, logit_bias, ...;
+  `n`: as many requests a prompt, the i-th with seed + i), plus vLLM's
   extensions the engine has (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) and its
   `return_token_ids` (the output's token ids next to its text: a model without a tokenizer has no text);
 - OpenAI fields that change nothing here and are accepted and ignored (`user`, `metadata`, `store`, ...);
-- OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `logit_bias`, `tools`,
-  `echo`, ...): `unsupported()` names them, and the gateway answers 400 with that field as `param`.
+- OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `tools`, `echo`, ...): `unsupported()` names them, and the gateway answers 400 with that field as `param`.
 Any other field is refused by pydantic (extra="forbid"), as OpenAI refuses unrecognized arguments.
 Ranges are the server's to check (its INVALID_ARGUMENT reason comes back in the 400); only shapes are checked here.
 """
@@ -70,8 +69,9 @@ class _Request(BaseModel):
     def unsupported(self) -> UnsupportedField | None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
             return UnsupportedField("n", f"n must be an integer in [1, {MAX_N}], got {self.n}")
-        if self.logit_bias:
-            return UnsupportedField("logit_bias", "logit_bias is not supported")
+        for token in self.logit_bias or ():
+            if not token.isascii() or not token.isdigit():
+                return UnsupportedField("logit_bias", f"logit_bias keys must be token ids (digits), got {token!r}")
         return None
 
     def sampling(self) -> dict[str, Any]:
@@ -79,7 +79,9 @@ class _Request(BaseModel):
         fields = dict(temperature=self.temperature, top_p=self.top_p, presence_penalty=self.presence_penalty,
                       frequency_penalty=self.frequency_penalty, seed=self.seed, stop=self.stop, top_k=self.top_k,
                       min_p=self.min_p, repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
-                      ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids)
+                      ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
+                      logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias
+                      else None)
         return {k: v for k, v in fields.items() if v is not None}
 
     @property

@@ -91,7 +91,9 @@ def test_stream_yields_deltas_that_add_up_to_generate(llm):
 @pytest.mark.parametrize(
     "field, value",
     [("top_k", 2.5), ("top_p", 0.0), ("top_p", 1.5), ("temperature", -0.1), ("max_tokens", 0),
-     ("min_p", 2.0), ("logprobs", 21), ("seed", -1), ("presence_penalty", 3.0), ("repetition_penalty", 0.0)],
+     ("min_p", 2.0), ("logprobs", 21), ("seed", -1), ("presence_penalty", 3.0), ("repetition_penalty", 0.0),
+     ("logit_bias", {5: 100.5}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", [5]),
+     ("logit_bias", {i: 1.0 for i in range(1025)})],
 )
 def test_invalid_sampling_value_names_the_field(field, value):
     with pytest.raises(ValueError, match=field):

@@ -16,9 +16,10 @@ different (equally distributed) tokens on CPU and on GPU. No generator state, so
   with no broadcast of sampled tokens. (This relies on the all-reduce and all-gather leaving bitwise-identical
   tensors on every rank, which ring/tree collectives in gloo and NCCL do: each rank ends with the same copies.)
 
-Order of transforms (vLLM/HF semantics): repetition penalty (prompt + generated tokens), presence/frequency
-penalties (generated tokens), min_tokens (stop ids masked), then greedy rows take the argmax; sampled rows apply
-temperature, top-k, top-p, min-p and the draw. Logprobs come from the raw logits, before any of this.
+Order of transforms (vLLM/HF semantics): logit_bias (added), repetition penalty (prompt + generated tokens),
+presence/frequency penalties (generated tokens), min_tokens (stop ids masked), then greedy rows take the argmax;
+sampled rows apply temperature, top-k, top-p, min-p and the draw. Logprobs come from the raw logits, before any of
+this.
 """
 
 from __future__ import annotations
@@ -92,6 +93,20 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         p = device_tensor(pres, logits.dtype, device).unsqueeze(1)
         idx = device_tensor(cnt_row_ids, torch.int64, device)
         logits[idx] -= f * counts + p * (counts > 0).to(logits.dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Each row's logit_bias added to its logits, in place (one scatter for the batch)."""
+    r, c, bias = [], [], []
+    for i, row in enumerate(rows):
+        if row.spec.logit_bias:
+            r.extend([i] * len(row.spec.logit_bias))
+            c.extend(row.spec.logit_bias)
+            bias.extend(row.spec.logit_bias.values())
+    if r:
+        device = logits.device
+        cells = (device_tensor(r, torch.int64, device), device_tensor(c, torch.int64, device))
+        logits.index_put_(cells, device_tensor(bias, logits.dtype, device), accumulate=True)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -274,8 +289,9 @@ def sample_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor
     the next step there). Leaves `logits` unchanged, so token_logprobs can read them afterwards."""
     if logits.shape[0] != len(rows):
         raise ValueError(f"{logits.shape[0]} logit rows for {len(rows)} sampling rows")
-    if any(_edits_logits(r) for r in rows):  # penalties and min_tokens write in place: on a float32 copy
+    if any(_edits_logits(r) for r in rows):  # bias, penalties and min_tokens write in place: on a float32 copy
         logits = logits.to(torch.float32, copy=True)
+        apply_logit_bias(logits, rows)
         apply_penalties(logits, rows)
         apply_min_tokens(logits, rows)
     sampled = [i for i, r in enumerate(rows) if r.spec.temperature > 0.0]
@@ -310,7 +326,7 @@ def uses_penalties(spec: SamplingSpec) -> bool:
 
 
 def _edits_logits(row: SamplingRow) -> bool:
-    return uses_penalties(row.spec) or (bool(row.spec.stop_token_ids) and row.output_index < row.spec.min_tokens)
+    return bool(row.spec.logit_bias) or uses_penalties(row.spec) or (bool(row.spec.stop_token_ids) and row.output_index < row.spec.min_tokens)
 
 
 # One spec per compiled variant of the GPU sampler's kernels (kernels/sampling.py, sampling_filter.py): no filter,

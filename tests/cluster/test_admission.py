@@ -127,6 +127,7 @@ BAD_REQUESTS = [
     (dict(prompt="hello", top_p=0.0), "top_p"),
     (dict(prompt=[1] * 20, max_tokens=12), "KV blocks"),
     (dict(prompt="hello", stop_token_ids=[VOCAB]), "stop_token_ids"),
+    (dict(prompt="hello", logit_bias={VOCAB: 1.0}), "logit_bias"),
 ]
 
 

@@ -195,7 +195,7 @@ def test_invalid_requests_get_400_naming_the_field(oai):
     with pytest.raises(openai.BadRequestError) as error:
         oai.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "hi"}])
     assert error.value.body["param"] == "messages.0.role"
-    for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]), ("logit_bias", {"1": 5}),
+    for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]), ("logit_bias", {"one": 5}),
                          ("response_format", {"type": "json_object"})):
         with pytest.raises(openai.BadRequestError) as error:
             oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
@@ -222,6 +222,30 @@ def test_a_prompt_too_long_for_the_context_is_400_context_length_exceeded(oai, c
     assert refused.value.code == "context_length_exceeded"
     assert refused.value.param == ("messages" if chat else "prompt")
     assert "exceeds max_model_len" in refused.value.message
+
+def test_logit_bias_forces_and_bans_tokens(oai, grpc_client):
+    """logit_bias (OpenAI's: token id strings -> [-100, 100]) reaches the sampler: +100 on a token makes greedy
+    decoding pick it every step, -100 on greedy's first token makes it pick another, sampled or not; a bias
+    out of range or on a token past the vocabulary is a 400 naming the field."""
+    model = oai.models.list().data[0].id
+    plain = grpc_client.generate(PROMPT, temperature=0, max_tokens=4, ignore_eos=True)
+    forced = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=4, logit_bias={"42": 100},
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert forced.choices[0].token_ids == [42] * 4 != plain.token_ids
+    first = str(plain.token_ids[0])
+    for temperature in (0.0, 0.7):
+        banned = oai.completions.create(model=model, prompt=PROMPT, temperature=temperature, seed=3, max_tokens=1,
+                                        logit_bias={first: -100}, extra_body={"return_token_ids": True})
+        assert banned.choices[0].token_ids != plain.token_ids[:1]
+    streamed = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], temperature=0,
+                                           max_tokens=3, logit_bias={"42": 100}, stream=True,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [t for c in streamed if c.choices for t in (getattr(c.choices[0], "token_ids", None) or [])] == [42] * 3
+    for bias in ({"42": 101}, {"999999999": 1}):
+        with pytest.raises(openai.BadRequestError) as error:
+            oai.completions.create(model=model, prompt=PROMPT, max_tokens=1, logit_bias=bias)
+        assert "logit_bias" in error.value.message
+
 
 def test_n_choices_are_the_seeded_requests_seed_plus_i(oai):
     """n=3 with a seed: choice i is what one choice with seed + i gives (each is a request of its own on the

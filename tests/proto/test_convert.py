@@ -41,6 +41,7 @@ def _random_spec(rng: random.Random) -> SamplingSpec:
         logprobs=rng.choice([-1, 0, 5, 20]),
         min_tokens=rng.randrange(10),
         stop_token_ids=[rng.randrange(1 << 17) for _ in range(rng.randrange(4))],
+        logit_bias={rng.randrange(1 << 17): rng.uniform(-100, 100) for _ in range(rng.randrange(4))},
     )
 
 

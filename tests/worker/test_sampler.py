@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shardserve.proto.plan import SamplingSpec
-from shardserve.worker.sampler import SamplingRow, apply_min_tokens, apply_penalties, sample
+from shardserve.worker.sampler import SamplingRow, apply_logit_bias, apply_min_tokens, apply_penalties, sample
 from shardserve.worker.sampling_keys import row_key, splitmix64, uniform_draw
 
 
@@ -165,6 +165,25 @@ def test_min_tokens_blocks_stop_ids_until_reached():
     apply_min_tokens(blocked, [early, due])
     assert blocked[0, 2].item() == -math.inf and blocked[1, 2].item() == 9.0
     assert sample(logits, [early, due]).token_ids == [3, 2]
+
+
+def test_logit_bias_is_added_per_row_before_the_penalties():
+    """Each row's bias lands on its own tokens (one scatter for the batch); the repetition penalty then divides
+    the biased logit; greedy and sampled rows pick by the biased logits; logprobs stay the raw log-softmax."""
+    logits = torch.tensor([[2.0, 0.0, 1.0, 0.0], [2.0, 0.0, 1.0, 0.0], [2.0, 0.0, 1.0, 0.0]])
+    biased = logits.clone()
+    rows = [_row(logit_bias={1: 3.0, 3: -1.5}), _row(), _row(logit_bias={0: -0.5})]
+    apply_logit_bias(biased, rows)
+    assert biased.tolist() == [[2.0, 3.0, 1.0, -1.5], [2.0, 0.0, 1.0, 0.0], [1.5, 0.0, 1.0, 0.0]]
+    penalized = _row(prompt=(1,), logit_bias={1: 3.0}, repetition_penalty=2.0, temperature=0.0, logprobs=0)
+    out = sample(logits[:1].clone(), [penalized])
+    assert out.token_ids == [0]  # (0 + 3) / 2 = 1.5 < 2: the penalty applies to the biased logit
+    assert abs(out.logprobs[0].logprob - torch.log_softmax(logits[0], 0)[0].item()) < 1e-6
+    forced = [_row(seed=s, temperature=1.0, top_p=0.5, logit_bias={3: 100.0}) for s in range(8)]
+    banned = [_row(seed=s, temperature=1.0, logit_bias={0: -100.0, 2: -100.0}) for s in range(8)]
+    assert sample(logits.repeat(3, 1)[:8], forced).token_ids == [3] * 8
+    assert set(sample(logits.repeat(3, 1)[:8], banned).token_ids) <= {1, 3}
+    assert sample(logits[:2].clone(), [_row(logit_bias={2: 1.5}), _row()]).token_ids == [2, 0]
 
 
 def test_logprobs_are_the_raw_log_softmax():
