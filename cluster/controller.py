@@ -193,11 +193,12 @@ class Controller(ControllerViews):
             raise ServerUnavailable(str(e)) from None
 
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None,
-                          resumed: list[int] | None = None) -> LiveRequest:
+                          resumed: list[int] | None = None, echo: bool = False) -> LiveRequest:
         """Admits a request: its prompt tokenized on the PromptEncoder's pool (off every engine thread), routed to a
         replica, then Engine.add_request on that replica's engine thread. Raises ValueError for bad input,
         ServerUnavailable when not serving, ServerOverloaded beyond max_live_requests. resumed: the tokens a resumed
-        stream already has (Engine.add_request)."""
+        stream already has (Engine.add_request). echo: the live request keeps the prompt as text and its first
+        token's (decoded on the pool)."""
         try:
             if self.state is not State.SERVING:
                 raise self._unavailable()
@@ -214,6 +215,9 @@ class Controller(ControllerViews):
             self._idle.clear()
             try:
                 text, token_ids = await self._prompts.encode(prompt)
+                if echo:
+                    decoded, live.prompt_first_token_text = await self._prompts.decode(token_ids)
+                    live.prompt_text = text if text is not None else decoded
                 if self.state is not State.SERVING:
                     raise self._unavailable()
                 live.replica = replica = self._route(token_ids)

@@ -81,3 +81,5 @@ class LiveRequest:
     replica: Replica | None = None  # where it runs
     cost: int = 0  # what it adds to its replica's outstanding tokens
     final_only: bool = False  # its tokens come in one delta at the end (SamplingParams.final_only)
+    prompt_text: str = ""  # with echo: the prompt as text, and its first token's (GenerateRequest.echo)
+    prompt_first_token_text: str = ""

@@ -118,14 +118,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.controller.note_rejected()
             await context.abort(*status_of(e))
         try:
-            live = await self.controller.add_request(prompt, params, req_id, resumed=list(request.resume_token_ids))
+            live = await self.controller.add_request(prompt, params, req_id, resumed=list(request.resume_token_ids),
+                                                     echo=request.echo)
         except (ValueError, ServerUnavailable, ServerOverloaded) as e:  # counted as rejected by the controller
             await context.abort(*status_of(e))
         finished = False
         try:
             yield pb.GenerateResponse(
                 started=pb.GenerateResponse.Started(request_id=live.req_id,
-                                                    prompt_token_count=live.num_prompt_tokens, seed=live.seed)
+                                                    prompt_token_count=live.num_prompt_tokens, seed=live.seed,
+                                                    prompt_text=live.prompt_text,
+                                                    prompt_first_token_text=live.prompt_first_token_text)
             )
             interval, sent = self.controller.config.stream_interval, 0
             while True:

@@ -40,11 +40,24 @@ class PromptEncoder:
                              f"{self.max_prompt_bytes} bytes (--max-prompt-bytes)")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, prompt)
 
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    async def decode(self, token_ids: list[int]) -> tuple[str, str]:
+        """(the token ids as text, the first one alone), on the pool; ("", "") without a tokenizer."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._decode, token_ids)
+
+    def _thread_tokenizer(self):
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None and self._tokenizer is not None:
             tokenizer = self._local.tokenizer = copy.deepcopy(self._tokenizer)
-        return encode_prompt(prompt, tokenizer)
+        return tokenizer
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        return encode_prompt(prompt, self._thread_tokenizer())
+
+    def _decode(self, token_ids: list[int]) -> tuple[str, str]:
+        tokenizer = self._thread_tokenizer()
+        if tokenizer is None or not token_ids:
+            return "", ""
+        return tokenizer.decode(token_ids), tokenizer.decode(token_ids[:1])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

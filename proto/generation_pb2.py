@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!shardserve/proto/generation.proto\x12\rshardserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.shardserve.v1.ChatMessage\"\x89\x08\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.shardserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.shardserve.v1.ChatMessagesH\x00\x12\x18\n\x0btemperature\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x0c \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x11 \x01(\x04H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x12 \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x13 \x01(\x05H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x14 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x15 \x03(\x05\x12\x12\n\nignore_eos\x18\x16 \x01(\x08\x12\x15\n\x08logprobs\x18\x17 \x01(\x05H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\x05H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x19 \x01(\x08H\x0e\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x1a \x01(\x08\x12\x0e\n\x01n\x18\x1b \x01(\x05H\x0f\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x1c \x01(\x05H\x10\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x1d \x03(\x0b\x32-.shardserve.v1.GenerateRequest.LogitBiasEntry\x12\x18\n\x10resume_token_ids\x18\x1e \x03(\x05\x12\x12\n\nfinal_only\x18\x1f \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_of\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\"~\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.shardserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xbf\x04\n\x10GenerateResponse\x12:\n\x07started\x18\x01 \x01(\x0b\x32\'.shardserve.v1.GenerateResponse.StartedH\x00\x12\x36\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32%.shardserve.v1.GenerateResponse.DeltaH\x00\x12<\n\x08\x66inished\x18\x03 \x01(\x0b\x32(.shardserve.v1.GenerateResponse.FinishedH\x00\x1aU\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12prompt_token_count\x18\x02 \x01(\x05\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x42\x07\n\x05_seed\x1a\x8d\x01\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.shardserve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.shardserve.v1.TokenLogprob\x1a\x89\x01\n\x08\x46inished\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.shardserve.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.shardserve.v1.Usage\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12\x13\n\x0bstop_reason\x18\x04 \x01(\tB\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x12\n\x10ModelInfoRequest\"\x9f\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x11\n\ttokenizer\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x10\n\x08replicas\x18\n \x01(\x05\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x42\x0f\n\r_bos_token_id\"\x14\n\x12ServerStatsRequest\"\xd1\x02\n\x0bServerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x03\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\x03\x12\x19\n\x11requests_finished\x18\x06 \x01(\x03\x12\x18\n\x10requests_aborted\x18\x07 \x01(\x03\x12\x19\n\x11requests_rejected\x18\x08 \x01(\x03\x12\x1b\n\x13prompt_tokens_total\x18\t \x01(\x03\x12\x1f\n\x17generation_tokens_total\x18\n \x01(\x03\x12\x10\n\x08uptime_s\x18\x0b \x01(\x01\x12-\n\x08replicas\x18\x0c \x03(\x0b\x32\x1b.shardserve.v1.ReplicaStats\"\xb4\x02\n\x0cReplicaStats\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x17\n\x0frequests_routed\x18\x03 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\x03\x12\x18\n\x10kv_blocks_cached\x18\x08 \x01(\x03\x12\x19\n\x11requests_finished\x18\t \x01(\x03\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x03\x12\"\n\x1a\x63\x61\x63hed_prompt_tokens_total\x18\x0b \x01(\x03\x12\x1f\n\x17generation_tokens_total\x18\x0c \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbb\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.shardserve.v1.GenerateRequest\x1a\x1f.shardserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.shardserve.v1.AbortRequest\x1a\x1c.shardserve.v1.AbortResponse\x12I\n\x0cGetModelInfo\x12\x1f.shardserve.v1.ModelInfoRequest\x1a\x18.shardserve.v1.ModelInfo\x12O\n\x0eGetServerStats\x12!.shardserve.v1.ServerStatsRequest\x1a\x1a.shardserve.v1.ServerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!shardserve/proto/generation.proto\x12\rshardserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.shardserve.v1.ChatMessage\"\x97\x08\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.shardserve.v1.TokenIdsH\x00\x12+\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x1b.shardserve.v1.ChatMessagesH\x00\x12\x18\n\x0btemperature\x18\n \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05top_p\x18\x0c \x01(\x01H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\r \x01(\x01H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x01H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0f \x01(\x01H\x07\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x10 \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x11 \x01(\x04H\t\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x12 \x01(\x05H\n\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x13 \x01(\x05H\x0b\x88\x01\x01\x12\x0c\n\x04stop\x18\x14 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x15 \x03(\x05\x12\x12\n\nignore_eos\x18\x16 \x01(\x08\x12\x15\n\x08logprobs\x18\x17 \x01(\x05H\x0c\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\x05H\r\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x19 \x01(\x08H\x0e\x88\x01\x01\x12\"\n\x1ainclude_stop_str_in_output\x18\x1a \x01(\x08\x12\x0e\n\x01n\x18\x1b \x01(\x05H\x0f\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x1c \x01(\x05H\x10\x88\x01\x01\x12\x41\n\nlogit_bias\x18\x1d \x03(\x0b\x32-.shardserve.v1.GenerateRequest.LogitBiasEntry\x12\x18\n\x10resume_token_ids\x18\x1e \x03(\x05\x12\x12\n\nfinal_only\x18\x1f \x01(\x08\x12\x0c\n\x04\x65\x63ho\x18  \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_of\"=\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\"~\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x01\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.shardserve.v1.TopLogprob\x12\x0c\n\x04rank\x18\x05 \x01(\x05\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\"\xf6\x04\n\x10GenerateResponse\x12:\n\x07started\x18\x01 \x01(\x0b\x32\'.shardserve.v1.GenerateResponse.StartedH\x00\x12\x36\n\x05\x64\x65lta\x18\x02 \x01(\x0b\x32%.shardserve.v1.GenerateResponse.DeltaH\x00\x12<\n\x08\x66inished\x18\x03 \x01(\x0b\x32(.shardserve.v1.GenerateResponse.FinishedH\x00\x1a\x8b\x01\n\x07Started\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x1a\n\x12prompt_token_count\x18\x02 \x01(\x05\x12\x11\n\x04seed\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x13\n\x0bprompt_text\x18\x04 \x01(\t\x12\x1f\n\x17prompt_first_token_text\x18\x05 \x01(\tB\x07\n\x05_seed\x1a\x8d\x01\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12-\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1b.shardserve.v1.TokenLogprob\x12\x34\n\x0fprompt_logprobs\x18\x04 \x03(\x0b\x32\x1b.shardserve.v1.TokenLogprob\x1a\x89\x01\n\x08\x46inished\x12\x32\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x1b.shardserve.v1.FinishReason\x12#\n\x05usage\x18\x02 \x01(\x0b\x32\x14.shardserve.v1.Usage\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12\x13\n\x0bstop_reason\x18\x04 \x01(\tB\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x0f\n\rAbortResponse\"\x12\n\x10ModelInfoRequest\"\x9f\x02\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nvocab_size\x18\x04 \x01(\x05\x12\x15\n\reos_token_ids\x18\x05 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x06 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x07 \x01(\x08\x12\x11\n\ttokenizer\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\x05\x12\x10\n\x08replicas\x18\n \x01(\x05\x12\r\n\x05\x64type\x18\x0b \x01(\t\x12\x12\n\nblock_size\x18\x0c \x01(\x05\x42\x0f\n\r_bos_token_id\"\x14\n\x12ServerStatsRequest\"\xd1\x02\n\x0bServerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\x05\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x03 \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\x04 \x01(\x03\x12\x18\n\x10kv_blocks_cached\x18\x05 \x01(\x03\x12\x19\n\x11requests_finished\x18\x06 \x01(\x03\x12\x18\n\x10requests_aborted\x18\x07 \x01(\x03\x12\x19\n\x11requests_rejected\x18\x08 \x01(\x03\x12\x1b\n\x13prompt_tokens_total\x18\t \x01(\x03\x12\x1f\n\x17generation_tokens_total\x18\n \x01(\x03\x12\x10\n\x08uptime_s\x18\x0b \x01(\x01\x12-\n\x08replicas\x18\x0c \x03(\x0b\x32\x1b.shardserve.v1.ReplicaStats\"\xb4\x02\n\x0cReplicaStats\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x17\n\x0frequests_routed\x18\x03 \x01(\x03\x12\x13\n\x0bnum_waiting\x18\x04 \x01(\x05\x12\x13\n\x0bnum_running\x18\x05 \x01(\x05\x12\x17\n\x0fkv_blocks_total\x18\x06 \x01(\x03\x12\x16\n\x0ekv_blocks_used\x18\x07 \x01(\x03\x12\x18\n\x10kv_blocks_cached\x18\x08 \x01(\x03\x12\x19\n\x11requests_finished\x18\t \x01(\x03\x12\x1b\n\x13prompt_tokens_total\x18\n \x01(\x03\x12\"\n\x1a\x63\x61\x63hed_prompt_tokens_total\x18\x0b \x01(\x03\x12\x1f\n\x17generation_tokens_total\x18\x0c \x01(\x03*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xbb\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.shardserve.v1.GenerateRequest\x1a\x1f.shardserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.shardserve.v1.AbortRequest\x1a\x1c.shardserve.v1.AbortResponse\x12I\n\x0cGetModelInfo\x12\x1f.shardserve.v1.ModelInfoRequest\x1a\x18.shardserve.v1.ModelInfo\x12O\n\x0eGetServerStats\x12!.shardserve.v1.ServerStatsRequest\x1a\x1a.shardserve.v1.ServerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._loaded_options = None
   _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=3085
-  _globals['_FINISHREASON']._serialized_end=3205
+  _globals['_FINISHREASON']._serialized_start=3154
+  _globals['_FINISHREASON']._serialized_end=3274
   _globals['_TOKENIDS']._serialized_start=52
   _globals['_TOKENIDS']._serialized_end=75
   _globals['_CHATMESSAGE']._serialized_start=77
@@ -42,37 +42,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGES']._serialized_start=123
   _globals['_CHATMESSAGES']._serialized_end=183
   _globals['_GENERATEREQUEST']._serialized_start=186
-  _globals['_GENERATEREQUEST']._serialized_end=1219
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=920
-  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=968
-  _globals['_TOPLOGPROB']._serialized_start=1221
-  _globals['_TOPLOGPROB']._serialized_end=1282
-  _globals['_TOKENLOGPROB']._serialized_start=1284
-  _globals['_TOKENLOGPROB']._serialized_end=1410
-  _globals['_USAGE']._serialized_start=1412
-  _globals['_USAGE']._serialized_end=1469
-  _globals['_GENERATERESPONSE']._serialized_start=1472
-  _globals['_GENERATERESPONSE']._serialized_end=2047
-  _globals['_GENERATERESPONSE_STARTED']._serialized_start=1670
-  _globals['_GENERATERESPONSE_STARTED']._serialized_end=1755
-  _globals['_GENERATERESPONSE_DELTA']._serialized_start=1758
-  _globals['_GENERATERESPONSE_DELTA']._serialized_end=1899
-  _globals['_GENERATERESPONSE_FINISHED']._serialized_start=1902
-  _globals['_GENERATERESPONSE_FINISHED']._serialized_end=2039
-  _globals['_ABORTREQUEST']._serialized_start=2049
-  _globals['_ABORTREQUEST']._serialized_end=2083
-  _globals['_ABORTRESPONSE']._serialized_start=2085
-  _globals['_ABORTRESPONSE']._serialized_end=2100
-  _globals['_MODELINFOREQUEST']._serialized_start=2102
-  _globals['_MODELINFOREQUEST']._serialized_end=2120
-  _globals['_MODELINFO']._serialized_start=2123
-  _globals['_MODELINFO']._serialized_end=2410
-  _globals['_SERVERSTATSREQUEST']._serialized_start=2412
-  _globals['_SERVERSTATSREQUEST']._serialized_end=2432
-  _globals['_SERVERSTATS']._serialized_start=2435
-  _globals['_SERVERSTATS']._serialized_end=2772
-  _globals['_REPLICASTATS']._serialized_start=2775
-  _globals['_REPLICASTATS']._serialized_end=3083
-  _globals['_GENERATION']._serialized_start=3208
-  _globals['_GENERATION']._serialized_end=3523
+  _globals['_GENERATEREQUEST']._serialized_end=1233
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_start=934
+  _globals['_GENERATEREQUEST_LOGITBIASENTRY']._serialized_end=982
+  _globals['_TOPLOGPROB']._serialized_start=1235
+  _globals['_TOPLOGPROB']._serialized_end=1296
+  _globals['_TOKENLOGPROB']._serialized_start=1298
+  _globals['_TOKENLOGPROB']._serialized_end=1424
+  _globals['_USAGE']._serialized_start=1426
+  _globals['_USAGE']._serialized_end=1483
+  _globals['_GENERATERESPONSE']._serialized_start=1486
+  _globals['_GENERATERESPONSE']._serialized_end=2116
+  _globals['_GENERATERESPONSE_STARTED']._serialized_start=1685
+  _globals['_GENERATERESPONSE_STARTED']._serialized_end=1824
+  _globals['_GENERATERESPONSE_DELTA']._serialized_start=1827
+  _globals['_GENERATERESPONSE_DELTA']._serialized_end=1968
+  _globals['_GENERATERESPONSE_FINISHED']._serialized_start=1971
+  _globals['_GENERATERESPONSE_FINISHED']._serialized_end=2108
+  _globals['_ABORTREQUEST']._serialized_start=2118
+  _globals['_ABORTREQUEST']._serialized_end=2152
+  _globals['_ABORTRESPONSE']._serialized_start=2154
+  _globals['_ABORTRESPONSE']._serialized_end=2169
+  _globals['_MODELINFOREQUEST']._serialized_start=2171
+  _globals['_MODELINFOREQUEST']._serialized_end=2189
+  _globals['_MODELINFO']._serialized_start=2192
+  _globals['_MODELINFO']._serialized_end=2479
+  _globals['_SERVERSTATSREQUEST']._serialized_start=2481
+  _globals['_SERVERSTATSREQUEST']._serialized_end=2501
+  _globals['_SERVERSTATS']._serialized_start=2504
+  _globals['_SERVERSTATS']._serialized_end=2841
+  _globals['_REPLICASTATS']._serialized_start=2844
+  _globals['_REPLICASTATS']._serialized_end=3152
+  _globals['_GENERATION']._serialized_start=3277
+  _globals['_GENERATION']._serialized_end=3592
 # @@protoc_insertion_point(module_scope)

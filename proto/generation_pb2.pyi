@@ -39,7 +39,7 @@ class ChatMessages(_message.Message):
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "chat", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens", "include_stop_str_in_output", "n", "best_of", "logit_bias", "resume_token_ids", "final_only")
+    __slots__ = ("request_id", "text", "token_ids", "chat", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "skip_special_tokens", "include_stop_str_in_output", "n", "best_of", "logit_bias", "resume_token_ids", "final_only", "echo")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -73,6 +73,7 @@ class GenerateRequest(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     RESUME_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINAL_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ECHO_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: TokenIds
@@ -99,7 +100,8 @@ class GenerateRequest(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     resume_token_ids: _containers.RepeatedScalarFieldContainer[int]
     final_only: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., final_only: _Optional[bool] = ...) -> None: ...
+    echo: bool
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., chat: _Optional[_Union[ChatMessages, _Mapping]] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[int] = ..., skip_special_tokens: _Optional[bool] = ..., include_stop_str_in_output: _Optional[bool] = ..., n: _Optional[int] = ..., best_of: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., resume_token_ids: _Optional[_Iterable[int]] = ..., final_only: _Optional[bool] = ..., echo: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "text")
@@ -136,14 +138,18 @@ class Usage(_message.Message):
 class GenerateResponse(_message.Message):
     __slots__ = ("started", "delta", "finished")
     class Started(_message.Message):
-        __slots__ = ("request_id", "prompt_token_count", "seed")
+        __slots__ = ("request_id", "prompt_token_count", "seed", "prompt_text", "prompt_first_token_text")
         REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
         PROMPT_TOKEN_COUNT_FIELD_NUMBER: _ClassVar[int]
         SEED_FIELD_NUMBER: _ClassVar[int]
+        PROMPT_TEXT_FIELD_NUMBER: _ClassVar[int]
+        PROMPT_FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
         request_id: str
         prompt_token_count: int
         seed: int
-        def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+        prompt_text: str
+        prompt_first_token_text: str
+        def __init__(self, request_id: _Optional[str] = ..., prompt_token_count: _Optional[int] = ..., seed: _Optional[int] = ..., prompt_text: _Optional[str] = ..., prompt_first_token_text: _Optional[str] = ...) -> None: ...
     class Delta(_message.Message):
         __slots__ = ("text", "token_ids", "logprobs", "prompt_logprobs")
         TEXT_FIELD_NUMBER: _ClassVar[int]

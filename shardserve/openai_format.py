@@ -38,7 +38,8 @@ class Choice:
     """One choice of a completion or chat completion: accumulates it (non-streaming) or encodes its chunks."""
 
     def __init__(self, chat: bool, request_id: str, model: str, index: int, created: int | None = None,
-                 top_logprobs: int | None = None, usage_field: bool = False, token_ids: bool = False) -> None:
+                 top_logprobs: int | None = None, usage_field: bool = False, token_ids: bool = False,
+                 echo: bool = False, echo_only: bool = False) -> None:
         self.chat = chat
         self.index = index
         self.logprobs = top_logprobs is not None
@@ -51,6 +52,12 @@ class Choice:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.prompt_shared = False  # another choice of the same prompt counts its tokens in the usage (n > 1)
+        self.echo = echo  # completions: the prompt (and its logprobs) before the output
+        self.echo_only = echo_only  # ... and nothing after it (max_tokens 0: the one token made is left out)
+        self.echo_pending = echo  # streaming: the first chunk carries the prompt
+        self.prompt_text = ""
+        self.first_token_text = ""  # the prompt's first token, which has no logprob
+        self.prompt_lp_entries: list = []  # pb.TokenLogprob of the prompt's second token on
         self.started = False
         created = int(time.time()) if created is None else created
         kind = "chat.completion.chunk" if chat else "text_completion"
@@ -61,14 +68,21 @@ class Choice:
     # ---- from the gRPC stream -----------------------------------------------------------------------------
     def started_msg(self, msg: pb.GenerateResponse.Started) -> None:
         self.prompt_tokens = msg.prompt_token_count
+        self.prompt_text, self.first_token_text = msg.prompt_text, msg.prompt_first_token_text
+        if self.echo:  # the output's text_offset counts from the start of the echoed prompt
+            self.offset = len(self.prompt_text)
 
     def finished_msg(self, msg: pb.GenerateResponse.Finished) -> None:
         self.finish_reason = FINISH.get(msg.finish_reason, "stop")
         self.prompt_tokens = msg.usage.prompt_tokens
-        self.completion_tokens = msg.usage.completion_tokens
+        self.completion_tokens = 0 if self.echo_only else msg.usage.completion_tokens
 
     def add(self, delta: pb.GenerateResponse.Delta) -> None:
         """Non-streaming: keeps the delta for body()."""
+        if self.echo and delta.prompt_logprobs:
+            self.prompt_lp_entries.extend(delta.prompt_logprobs)
+        if self.echo_only:
+            return
         self.text.append(delta.text)
         if self.with_ids:
             self.ids.extend(delta.token_ids)
@@ -84,6 +98,10 @@ class Choice:
 
     def delta_chunk(self, delta: pb.GenerateResponse.Delta) -> bytes | None:
         """The SSE event of one delta; None when it carries nothing to show (an incomplete character)."""
+        if self.echo_pending:
+            return self._echo_chunk(delta)
+        if self.echo_only:
+            return None
         if not delta.text and not (self.logprobs and delta.logprobs) and not (self.with_ids and delta.token_ids):
             return None
         text = _dumps(delta.text).encode()
@@ -91,6 +109,17 @@ class Choice:
         ids = b',"token_ids":' + _dumps(list(delta.token_ids)).encode() if self.with_ids else b""
         if self.chat:
             return self._chunk(b',"delta":{"content":' + text + b'},"logprobs":' + lps + ids + b',"finish_reason":null')
+        return self._chunk(b',"text":' + text + b',"logprobs":' + lps + ids + b',"finish_reason":null')
+
+    def _echo_chunk(self, delta: pb.GenerateResponse.Delta) -> bytes:
+        """A completion's first chunk under echo: the prompt, then the delta (unless echo_only)."""
+        self.echo_pending = False
+        own = not self.echo_only
+        text = _dumps(self.prompt_text + (delta.text if own else "")).encode()
+        lps = b"null"
+        if self.logprobs:
+            lps = _dumps(self._with_prompt(self._logprobs(delta.logprobs if own else []), delta.prompt_logprobs)).encode()
+        ids = b',"token_ids":' + _dumps(list(delta.token_ids) if own else []).encode() if self.with_ids else b""
         return self._chunk(b',"text":' + text + b',"logprobs":' + lps + ids + b',"finish_reason":null')
 
     def last_chunk(self) -> bytes:
@@ -103,8 +132,11 @@ class Choice:
 
     # ---- non-streaming ------------------------------------------------------------------------------------
     def body(self) -> dict:
-        text = "".join(self.text)
-        logprobs = self._logprobs(self.lp_entries) if self.logprobs else None
+        text = (self.prompt_text if self.echo else "") + "".join(self.text)
+        logprobs = None
+        if self.logprobs:
+            completion = self._logprobs(self.lp_entries)
+            logprobs = self._with_prompt(completion, self.prompt_lp_entries) if self.echo else completion
         if self.chat:
             body = {"index": self.index, "message": {"role": "assistant", "content": text, "refusal": None},
                     "logprobs": logprobs, "finish_reason": self.finish_reason}
@@ -115,6 +147,20 @@ class Choice:
         return body
 
     # ---- logprobs -----------------------------------------------------------------------------------------
+    def _with_prompt(self, completion: dict, prompt_entries) -> dict:
+        """Completions' logprobs with the prompt's tokens first: its first token (no logprob: None) and the rest
+        (entries for the second on), their offsets from 0; the completion's then start after the prompt's text."""
+        tokens = [self.first_token_text] + [e.text for e in prompt_entries]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {"tokens": tokens + completion["tokens"],
+                "token_logprobs": [None] + [e.logprob for e in prompt_entries] + completion["token_logprobs"],
+                "top_logprobs": [None] + [{t.text: t.logprob for t in e.top_logprobs} for e in prompt_entries]
+                                + completion["top_logprobs"],
+                "text_offset": offsets + completion["text_offset"]}
+
     def _logprobs(self, entries) -> dict:
         if self.chat:
             return {"content": [{"token": e.text, "logprob": e.logprob, "bytes": list(e.text.encode()),

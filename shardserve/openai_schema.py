@@ -6,7 +6,7 @@ Three kinds of fields:
   extensions the engine has (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) and its
   `return_token_ids` (the output's token ids next to its text: a model without a tokenizer has no text);
 - OpenAI fields that change nothing here and are accepted and ignored (`user`, `metadata`, `store`, ...);
-- OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `tools`, `echo`, ...): `unsupported()` names them, and the gateway answers 400 with that field as `param`.
+- OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `suffix`, `tools`, ...): `unsupported()` names them, and the gateway answers 400 with that field as `param`.
 Any other field is refused by pydantic (extra="forbid"), as OpenAI refuses unrecognized arguments.
 Ranges are the server's to check (its INVALID_ARGUMENT reason comes back in the 400); only shapes are checked here.
 """
@@ -98,8 +98,6 @@ class CompletionRequest(_Request):
     suffix: str | None = None
 
     def unsupported(self) -> UnsupportedField | None:
-        if self.echo:
-            return UnsupportedField("echo", "echo is not supported")
         if self.best_of is not None and self.best_of != 1:
             return UnsupportedField("best_of", f"best_of must be 1, got {self.best_of}")
         if self.suffix:
@@ -120,7 +118,18 @@ class CompletionRequest(_Request):
         fields["max_tokens"] = 16 if self.max_tokens is None else self.max_tokens
         if self.logprobs is not None:
             fields["logprobs"] = self.logprobs
+        if self.echo:  # the prompt (and with logprobs its tokens' logprobs) comes before the completion
+            fields["echo"] = True
+            if self.logprobs is not None:
+                fields["prompt_logprobs"] = self.logprobs
+            if self.echo_only:
+                fields["max_tokens"] = 1  # one token is made and left out of the answer
         return fields
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the prompt (and its logprobs) alone, as evaluation harnesses ask for it."""
+        return self.echo and self.max_tokens == 0
 
 
 class TextPart(BaseModel):

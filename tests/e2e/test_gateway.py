@@ -247,6 +247,45 @@ def test_logit_bias_forces_and_bans_tokens(oai, grpc_client):
         assert "logit_bias" in error.value.message
 
 
+def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(oai, grpc_client):
+    """echo (completions): the text is the prompt then the output; with logprobs the prompt's tokens come first
+    (the first with logprob None), their logprobs the server's prompt_logprobs, the output's text_offset counting
+    from the prompt's start; max_tokens 0 gives the prompt alone (what evaluation harnesses ask for), no
+    completion tokens; streamed, the first chunk carries the prompt."""
+    model = oai.models.list().data[0].id
+    ref = grpc_client.generate(PROMPT, temperature=0, max_tokens=3, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    prompt_lps = [next(iter(p.values())) for p in ref.prompt_logprobs[1:]]
+    echoed = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=3, echo=True, logprobs=1,
+                                    extra_body={"ignore_eos": True})
+    choice = echoed.choices[0]
+    assert choice.text == PROMPT + ref.text
+    lp = choice.logprobs
+    n = len(ref.prompt_logprobs)
+    assert "".join(lp.tokens[:n]) == PROMPT and len(lp.tokens) == n + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n] == pytest.approx([p.logprob for p in prompt_lps], abs=1e-6)
+    assert lp.text_offset[:n] == [len("".join(lp.tokens[:i])) for i in range(n)]
+    assert lp.text_offset[n] == len(PROMPT) and echoed.usage.completion_tokens == 3
+    only = oai.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0)
+    assert only.choices[0].text == PROMPT and only.usage.completion_tokens == 0
+    assert only.choices[0].logprobs.tokens == lp.tokens[:n] and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:n], abs=1e-6)
+    plain = oai.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True)
+    assert plain.choices[0].text == PROMPT and plain.choices[0].logprobs is None
+    chunks = list(oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=3, echo=True,
+                                         stream=True, extra_body={"ignore_eos": True}))
+    assert chunks[0].choices[0].text.startswith(PROMPT)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT + ref.text
+    streamed_only = list(oai.completions.create(model=model, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0,
+                                                stream=True))
+    assert "".join(c.choices[0].text for c in streamed_only if c.choices) == PROMPT
+    tokens = [t for c in streamed_only if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert tokens == lp.tokens[:n]
+    with pytest.raises(openai.BadRequestError) as error:  # max_tokens 0 without echo: nothing to answer
+        oai.completions.create(model=model, prompt=PROMPT, max_tokens=0)
+    assert "max_tokens" in error.value.message
+
+
 def test_n_choices_are_the_seeded_requests_seed_plus_i(oai):
     """n=3 with a seed: choice i is what one choice with seed + i gives (each is a request of its own on the
     server); the prompt counts once in the usage; greedy choices are all the same."""
