@@ -123,3 +123,21 @@ def test_top_p_draws_follow_the_renormalised_distribution():
     expected = torch.tensor([0.4, 0.3, 0.2], dtype=torch.float64) / 0.9 * n
     chi2 = float(((counts - expected) ** 2 / expected).sum())
     assert chi2 < 13.8, (chi2, counts.tolist())  # 2 degrees of freedom, p = 0.001
+
+
+def test_logit_bias_forces_and_bans_tokens_at_the_qwen3_vocabulary():
+    """logit_bias on CUDA (a scatter into a float32 copy, then the Gumbel kernel): +100 on a token makes every draw
+    take it, even under top-p; -100 on a row's peaks makes no draw take them; greedy rows follow the bias too."""
+    logits = _logits(64, seed=5)
+    logits[63] = 0.0
+    logits[63, 10], logits[63, 20] = 5.0, 4.0
+    peaks = logits.float().topk(8, dim=1).indices.tolist()
+    forced = [SamplingRow(SamplingSpec(temperature=1.0, top_p=0.9, seed=s, logit_bias={777: 100.0}), [1, 2], 1)
+              for s in range(32)]
+    banned = [SamplingRow(SamplingSpec(temperature=1.0, seed=s, logit_bias={t: -100.0 for t in peaks[32 + s]}),
+                          [1, 2], 1) for s in range(31)]
+    greedy = [SamplingRow(SamplingSpec(temperature=0.0, logit_bias={10: -100.0}), [1, 2], 1)]
+    tokens = sample_tokens(logits, forced + banned + greedy).tolist()
+    assert tokens[:32] == [777] * 32
+    assert all(t not in peaks[32 + s] for s, t in enumerate(tokens[32:63]))
+    assert tokens[63] == 20
