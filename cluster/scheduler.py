@@ -8,7 +8,10 @@ Policy (continuous batching, FCFS):
    recomputed from prompt + generated tokens.
 2. Then waiting requests, in order, while max_num_seqs, the token budget and free blocks allow; a prompt longer
    than the remaining budget gets a chunk of it, so prefills share a step with decodes. Nothing is admitted in a
-   step that preempted.
+   step that preempted. A waiting request whose next uncached block is one a running request is computing now
+   (the same prompt prefix, arrived together: n outputs of a prompt, a burst sharing a system prompt) waits at
+   the front of the queue, while the requests behind it go ahead, until that block is in the prefix cache; it
+   then computes only what the cache does not hold instead of the same prefix a second time.
 
 Planning ahead: `num_computed_tokens` advances when a plan is made, and a plan that reaches the end of a
 request's token list counts one pending sampled token. So step N+1 can be planned before step N's result is
@@ -49,6 +52,7 @@ class Scheduler:
         self.step_id = 0
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0  # prefix-cache hits at first admission
+        self.num_prefix_waits = 0  # steps a waiting request waited for a running one to compute its prefix
         self._finished_ids: list[str] = []  # to tell the workers in the next plan
         self._preempted_ids: list[str] = []
         # step id -> (seq, its epoch when planned, num_computed_tokens after that step): what update() confirms
@@ -173,12 +177,21 @@ class Scheduler:
             budget -= n
             i += 1
 
+        computing: set[int] | None = None  # hashes of the full blocks running requests are computing (built once)
+        waits: list[Request] = []  # waiting requests whose next block is among them: they keep their place
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # a token from a plan made before its preemption is still to land
                 break
             # Prompt logprobs need every prompt position computed: no prefix-cache hits for such requests.
-            hits = self.block_manager.find_cached_prefix(seq) if seq.spec.prompt_logprobs < 0 else []
+            uses_cache = seq.spec.prompt_logprobs < 0 and self.block_manager.enable_prefix_caching
+            hits = self.block_manager.find_cached_prefix(seq) if uses_cache else []
+            if uses_cache and len(hits) < len(seq.block_hashes):
+                if computing is None:
+                    computing = {h for s in self.running for h in s.block_hashes[s.num_registered_blocks:]}
+                if seq.block_hashes[len(hits)] in computing:
+                    waits.append(self.waiting.popleft())
+                    continue
             num_cached = len(hits) * self.block_manager.block_size
             n = min(len(seq.token_ids) - num_cached, budget)
             if not self.block_manager.allocate(seq, hits, num_cached + n):
@@ -205,6 +218,10 @@ class Scheduler:
             num_tokens.append(n)
             scheduled.append(seq)
             budget -= n
+            if computing is not None:  # its blocks are now being computed too
+                computing.update(seq.block_hashes[len(hits):])
+        self.waiting.extendleft(reversed(waits))
+        self.num_prefix_waits += len(waits)
 
         if not req_ids:
             return None

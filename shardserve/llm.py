@@ -167,9 +167,9 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
         # Nothing here reads the deltas: each request's tokens come back in one at its end (final_only), which
         # spares the engine a delta per request per step (bench host: 0.45 -> 0.32 ms of host work a step at 256).
-        # n outputs of a prompt are n requests (admitted together, each prefills the prompt unless the prefix
-        # cache holds it by then), output i of a seeded one drawing with seed + i: what a request of its own with
-        # that seed gives.
+        # n outputs of a prompt are n requests (admitted together: the first computes the prompt, the others wait
+        # for its blocks in the prefix cache, cluster/scheduler.py), output i of a seeded one drawing with
+        # seed + i: what a request of its own with that seed gives.
         work = []  # (prompt index, prompt, params of one output)
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             p = p or SamplingParams()

@@ -211,8 +211,63 @@ def test_blocks_become_findable_only_once_their_kv_is_computed():
     h.add("a", list(range(11)), max_tokens=2)
     h.step()  # a's first chunk: positions 0-6, so block 1 (positions 4-7) is not complete yet
     h.add("b", list(range(8)) + [90, 91], max_tokens=2)
+    plan = h.step()  # b's first block is cached, its second is still a's to compute: b waits for it
+    assert plan.req_ids == ["a"] and h.sched.waiting[0] is h.seqs["b"]
     plan = h.step()
-    assert plan.req_ids == ["a", "b"] and plan.new_requests[0].num_computed_tokens == 4
+    assert plan.req_ids == ["a", "b"] and plan.new_requests[0].num_computed_tokens == 8
     h.run()
     h.assert_outputs_exact()
     assert h.bm.all_free()
+
+
+def test_a_request_waits_for_the_prefix_a_running_request_is_computing():
+    """Three requests arrive together: b shares a's 12-token prompt prefix, c shares nothing. b waits (c goes
+    ahead of it) while a computes the shared blocks, then is admitted with them from the prefix cache instead of
+    computing them again; every output is still exact."""
+    h = Harness()
+    h.add("a", list(range(13)), max_tokens=3)
+    h.add("b", list(range(12)) + [70, 71, 72], max_tokens=3)
+    h.add("c", [500 + i for i in range(9)], max_tokens=3)
+    first = h.step()
+    assert first.req_ids == ["a", "c"] and h.sched.waiting[0] is h.seqs["b"]
+    assert h.sched.num_prefix_waits == 1
+    second = h.step()
+    b = next(r for r in second.new_requests if r.req_id == "b")
+    assert b.num_computed_tokens == 12 and second.num_tokens[second.req_ids.index("b")] == 3
+    assert h.seqs["b"].num_cached_tokens == 12
+    h.run()
+    h.assert_outputs_exact()
+    assert h.bm.all_free()
+
+
+def test_identical_prompts_compute_their_prefix_once_even_when_chunked():
+    """n copies of one prompt (what n outputs of a prompt send), the prompt longer than a step's budget: the
+    copies wait while the first computes it chunk by chunk, then each computes only its last partial block."""
+    h = Harness(max_num_batched_tokens=8)
+    prompt = list(range(30))
+    for i in range(3):
+        h.add(f"n{i}", prompt, max_tokens=2)
+    plans = h.run()
+    computed = {r: sum(n for p in plans for rid, n in zip(p.req_ids, p.num_tokens) if rid == r) for r in h.seqs}
+    assert computed["n0"] == 30 + 1  # the prompt, then one decode step
+    assert computed["n1"] == computed["n2"] == 30 - 28 + 1  # 7 full blocks of 4 came from the cache
+    h.assert_outputs_exact()
+
+
+def test_a_waiting_request_is_not_held_back_when_the_cache_is_off_or_the_owner_leaves():
+    off = Harness(prefix_caching=False)
+    off.add("a", list(range(13)), max_tokens=2)
+    off.add("b", list(range(13)), max_tokens=2)
+    assert off.step().req_ids == ["a", "b"]
+    h = Harness()
+    h.add("a", list(range(13)), max_tokens=2)
+    h.add("b", list(range(13)), max_tokens=2)
+    first = h.sched.schedule()
+    assert first.req_ids == ["a"]
+    h.sched.finish(h.seqs["a"], "abort")  # the request computing the prefix goes away before its result
+    second = h.sched.schedule()
+    assert second.req_ids == ["b"] and second.new_requests[0].num_computed_tokens == 0
+    for plan in (first, second):
+        h.sched.update(plan, h.ex.execute(plan))
+    h.run()
+    assert h.seqs["b"].output_token_ids == expected_output(list(range(13)), 2, VOCAB)
