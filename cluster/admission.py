@@ -115,7 +115,7 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: RequestL
             raise ValueError(f"stop_token_ids must be token ids below the vocabulary size {vocab}, got {t}")
     for t in params.logit_bias or ():
         if t >= vocab:
-            raise ValueError(f"logit_bias keys must be token ids below the vocabulary size {vocab}, got {t}")
+            raise ValueError(f"logit_bias must be keyed by token ids below the vocabulary size {vocab}, got {t}")
     num_prompt, max_tokens = len(token_ids), params.max_tokens
     if max_tokens is None:
         room = min(limits.max_model_len, limits.num_kv_blocks * limits.block_size + 1) - num_prompt

@@ -126,10 +126,10 @@ class SamplingParams:
                 raise bad("logit_bias", f"a dict of at most {MAX_LOGIT_BIAS} token ids -> biases")
             for token, bias in self.logit_bias.items():
                 if not _is_int(token) or token < 0:
-                    raise ValueError(f"logit_bias keys must be token ids >= 0, got {token!r}")
+                    raise ValueError(f"logit_bias must be keyed by token ids >= 0, got the key {token!r}")
                 if not _is_number(bias) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
-                    raise ValueError(f"logit_bias values must be numbers in [-{LOGIT_BIAS_RANGE:g}, "
-                                     f"{LOGIT_BIAS_RANGE:g}], got {bias!r} for token {token}")
+                    raise ValueError(f"logit_bias must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
+                                     f"got {bias!r} for token {token}")
         if self.best_of not in (None, 1):
             raise ValueError(f"best_of={self.best_of}: best-of-n candidates are not supported; ask for n outputs "
                              "and pick among them")

@@ -244,7 +244,7 @@ def test_logit_bias_forces_and_bans_tokens(oai, grpc_client):
     for bias in ({"42": 101}, {"999999999": 1}):
         with pytest.raises(openai.BadRequestError) as error:
             oai.completions.create(model=model, prompt=PROMPT, max_tokens=1, logit_bias=bias)
-        assert "logit_bias" in error.value.message
+        assert "logit_bias" in error.value.message and error.value.body["param"] == "logit_bias"
 
 
 def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(oai, grpc_client):
