@@ -41,6 +41,7 @@ class GenerationResult:
     replica: str  # the engine replica that served it
     stop_reason: str | None = None  # with "stop": the stop string or user stop token id that matched (None: EOS)
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # one per prompt token (None first) when asked for
+    prompt_text: str | None = None  # with echo=True: the prompt as text (token ids decoded by the server)
 
 
 def _logprobs(entries) -> list[PositionLogprobs]:
@@ -61,6 +62,7 @@ class _Collector:
         self.request_id = ""
         self.prompt_tokens = 0
         self.seed: int | None = None  # the seed the server told (its own draw for an unseeded request)
+        self.prompt_text: str | None = None  # echo: the server's Started.prompt_text
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.logprobs: list[PositionLogprobs] | None = None
@@ -85,6 +87,8 @@ class _Collector:
             self.request_id, self.prompt_tokens = msg.started.request_id, msg.started.prompt_token_count
             if msg.started.HasField("seed"):
                 self.seed = msg.started.seed
+            if msg.started.prompt_text:
+                self.prompt_text = msg.started.prompt_text
         elif kind == "delta":
             lps = _logprobs(msg.delta.logprobs) if msg.delta.logprobs else None
             if lps is not None:
@@ -108,6 +112,7 @@ class _Collector:
                 replica=f.replica,
                 stop_reason=f.stop_reason or None,
                 prompt_logprobs=self.prompt_logprobs,
+                prompt_text=self.prompt_text,
             )
         return None
 

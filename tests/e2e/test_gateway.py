@@ -254,6 +254,7 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(oai, grpc_c
     completion tokens; streamed, the first chunk carries the prompt."""
     model = oai.models.list().data[0].id
     ref = grpc_client.generate(PROMPT, temperature=0, max_tokens=3, ignore_eos=True, logprobs=1, prompt_logprobs=1)
+    assert ref.prompt_text is None and grpc_client.generate(PROMPT, max_tokens=1, echo=True).prompt_text == PROMPT
     prompt_lps = [next(iter(p.values())) for p in ref.prompt_logprobs[1:]]
     echoed = oai.completions.create(model=model, prompt=PROMPT, temperature=0, max_tokens=3, echo=True, logprobs=1,
                                     extra_body={"ignore_eos": True})
