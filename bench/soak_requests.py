@@ -29,7 +29,8 @@ MIX = {"greedy": 18, "seeded": 15, "stop": 10, "unseeded": 10, "cancel": 10, "de
 EXPECTED = {"bad-token-id": "INVALID_ARGUMENT", "empty-prompt": "INVALID_ARGUMENT", "too-long": "INVALID_ARGUMENT",
             "negative-temperature": "INVALID_ARGUMENT", "n-2": "INVALID_ARGUMENT", "not-protobuf": "INVALID_ARGUMENT",
             "invalid-utf8": "INVALID_ARGUMENT", "prompt-over-bytes": "INVALID_ARGUMENT",
-            "over-request-bytes": "RESOURCE_EXHAUSTED", "unknown-abort": "NOT_FOUND", "bad-logit-bias": "INVALID_ARGUMENT"}
+            "over-request-bytes": "RESOURCE_EXHAUSTED", "unknown-abort": "NOT_FOUND",
+            "bad-logit-bias": "INVALID_ARGUMENT"}
 
 
 @dataclass(frozen=True)

@@ -118,7 +118,8 @@ class Choice:
         text = _dumps(self.prompt_text + (delta.text if own else "")).encode()
         lps = b"null"
         if self.logprobs:
-            lps = _dumps(self._with_prompt(self._logprobs(delta.logprobs if own else []), delta.prompt_logprobs)).encode()
+            output = self._logprobs(delta.logprobs if own else [])
+            lps = _dumps(self._with_prompt(output, delta.prompt_logprobs)).encode()
         ids = b',"token_ids":' + _dumps(list(delta.token_ids) if own else []).encode() if self.with_ids else b""
         return self._chunk(b',"text":' + text + b',"logprobs":' + lps + ids + b',"finish_reason":null')
 

@@ -6,7 +6,8 @@ Three kinds of fields:
   extensions the engine has (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) and its
   `return_token_ids` (the output's token ids next to its text: a model without a tokenizer has no text);
 - OpenAI fields that change nothing here and are accepted and ignored (`user`, `metadata`, `store`, ...);
-- OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `suffix`, `tools`, ...): `unsupported()` names them, and the gateway answers 400 with that field as `param`.
+- OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `suffix`, `tools`, ...):
+  `unsupported()` names them, and the gateway answers 400 with that field as `param`.
 Any other field is refused by pydantic (extra="forbid"), as OpenAI refuses unrecognized arguments.
 Ranges are the server's to check (its INVALID_ARGUMENT reason comes back in the 400); only shapes are checked here.
 """

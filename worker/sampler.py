@@ -326,7 +326,9 @@ def uses_penalties(spec: SamplingSpec) -> bool:
 
 
 def _edits_logits(row: SamplingRow) -> bool:
-    return bool(row.spec.logit_bias) or uses_penalties(row.spec) or (bool(row.spec.stop_token_ids) and row.output_index < row.spec.min_tokens)
+    spec = row.spec
+    return (bool(spec.logit_bias) or uses_penalties(spec)
+            or (bool(spec.stop_token_ids) and row.output_index < spec.min_tokens))
 
 
 # One spec per compiled variant of the GPU sampler's kernels (kernels/sampling.py, sampling_filter.py): no filter,
