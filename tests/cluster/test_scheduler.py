@@ -271,3 +271,40 @@ def test_a_waiting_request_is_not_held_back_when_the_cache_is_off_or_the_owner_l
         h.sched.update(plan, h.ex.execute(plan))
     h.run()
     assert h.seqs["b"].output_token_ids == expected_output(list(range(13)), 2, VOCAB)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_arrivals_sharing_prefixes_finish_exact_through_waits_preemption_and_aborts(seed):
+    """Requests from three shared prompt stems (cut anywhere, a few own tokens after) arrive at random steps, into a
+    small cache (preemption) and a small budget (chunked prefills), some aborted midway: every step makes progress,
+    every request that was not aborted gets exactly its tokens (the fake workers check each position's KV, so a
+    prefix taken from the cache before it was computed fails), and every block is free at the end. The run opens
+    with three copies of one 9-token prompt, which the first step's budget holds with room to spare, so waits for a
+    prefix being computed happen in every run."""
+    import random
+
+    rng = random.Random(seed)
+    h = Harness(num_blocks=24, max_num_batched_tokens=rng.choice([10, 16, 24]), max_num_seqs=rng.choice([3, 5, 8]))
+    stems = [[rng.randrange(VOCAB) for _ in range(rng.randrange(8, 28))] for _ in range(3)]
+    arrivals = [stems[0][:9]] * 3 + [rng.choice(stems)[: rng.randrange(2, 29)] + [rng.randrange(VOCAB)
+                                                                            for _ in range(rng.randrange(4))]
+                                 for _ in range(37)]
+    aborted = set()
+    for step in range(3000):
+        for _ in range(3 if step == 0 else rng.choice([0, 0, 1, 2])):
+            if arrivals:
+                h.add(f"r{40 - len(arrivals)}", arrivals.pop(0), max_tokens=rng.randrange(1, 7))
+        live = [s for s in h.seqs.values() if not s.is_finished]
+        if live and rng.random() < 0.04:
+            victim = rng.choice(live)
+            h.sched.finish(victim, "abort")
+            aborted.add(victim.req_id)
+        if not arrivals and not h.sched.has_unfinished():
+            break
+        assert h.step() is not None or not h.sched.has_unfinished(), "no progress"
+    else:
+        raise AssertionError("did not finish")
+    for req_id, seq in h.seqs.items():
+        if req_id not in aborted:
+            assert seq.output_token_ids == expected_output(seq.prompt_token_ids, seq.params.max_tokens, VOCAB), req_id
+    assert h.bm.all_free() and h.sched.num_prefix_waits > 0
