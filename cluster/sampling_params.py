@@ -65,7 +65,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = _param(
         None, f"token id -> a number in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}] added to its logit before "
               f"penalties and sampling (-100 all but bans it, +100 all but forces it); at most {MAX_LOGIT_BIAS} "
-              "entries", cli=False)
+              "entries; the flag: TOKEN_ID=BIAS, repeatable")
 
     def __post_init__(self) -> None:
         self._check()

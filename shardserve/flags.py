@@ -58,11 +58,35 @@ def _add_flag(parser: argparse.ArgumentParser, f: Field, hint, default, flags=No
             kwargs["help"] = "turns off " + help if default else help
     elif typing.get_origin(base) is list:
         kwargs.update(action="append", type=typing.get_args(base)[0])
+    elif typing.get_origin(base) is dict:  # --logit-bias 50256=-100 (repeatable): one entry a flag
+        kwargs.update(action=_DictEntry, metavar="KEY=VALUE", type=_entry_parser(*typing.get_args(base)))
     else:
         kwargs.update(type=base, choices=f.metadata.get("choices"))
     parser.add_argument(*flags, **kwargs)
     for off in f.metadata.get("off_flags") or ():
         parser.add_argument(off, dest=kwargs["dest"], action="store_false", help=argparse.SUPPRESS)
+
+
+def _entry_parser(key_type: type, value_type: type):
+    def parse(text: str) -> tuple:
+        key, sep, value = text.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            return key_type(key.strip()), value_type(value.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected KEY=VALUE ({key_type.__name__}={value_type.__name__}), "
+                                             f"got {text!r}") from None
+    return parse
+
+
+class _DictEntry(argparse.Action):
+    """Each use adds one KEY=VALUE entry to the flag's dict (None until the flag is given)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        entries = dict(getattr(namespace, self.dest) or {})
+        entries[values[0]] = values[1]
+        setattr(namespace, self.dest, entries)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -20,7 +20,7 @@ GIVEN = dict(temperature=0.5, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty
              frequency_penalty=-0.5, seed=42, max_tokens=30, min_tokens=3, stop=["END", "\n\n"],
              stop_token_ids=[5, 9], ignore_eos=True, logprobs=4, prompt_logprobs=2, skip_special_tokens=False,
              include_stop_str_in_output=True, final_only=True, n=1, best_of=1, logit_bias={3: -100.0, 9: 2.5})
-API_ONLY = {f.name for f in fields(SamplingParams) if not f.metadata["cli"]}  # no flag: n, best_of, logit_bias
+API_ONLY = {f.name for f in fields(SamplingParams) if not f.metadata["cli"]}  # no flag: n, best_of
 
 
 def parse(*argv: str, exclude=()) -> argparse.Namespace:
@@ -38,7 +38,7 @@ def test_every_field_is_a_flag_with_its_default_and_help():
     unset = sampling_kwargs(parse())
     assert unset == {f.name: CLI_SAMPLING_DEFAULTS.get(f.name, f.default) for f in fields(SamplingParams)
                      if f.name not in API_ONLY}
-    assert API_ONLY == {"n", "best_of", "logit_bias"}
+    assert API_ONLY == {"n", "best_of"}
     assert (unset["max_tokens"], unset["temperature"]) == (128, 0.0)  # the command line's own defaults
     assert SamplingParams(**unset) == SamplingParams(max_tokens=128, temperature=0.0)
     assert "logprobs" not in sampling_kwargs(parse(exclude=("logprobs",)))
@@ -50,8 +50,11 @@ def test_flags_parse_to_the_values_they_name():
                  "--seed", "42", "--max-tokens", "30", "--min-tokens", "3", "--stop", "END", "--stop", "\n\n",
                  "--stop-token-ids", "5", "--stop-token-ids", "9", "--ignore-eos", "--logprobs", "4",
                  "--prompt-logprobs", "2", "--no-skip-special-tokens", "--include-stop-str-in-output",
-                 "--final-only")
+                 "--final-only", "--logit-bias", "3=-100", "--logit-bias", " 9 = 2.5")
     assert sampling_kwargs(args) == {k: v for k, v in GIVEN.items() if k not in API_ONLY}
+    for bad in ("3", "x=1", "3=y"):
+        with pytest.raises(SystemExit):
+            parse("--logit-bias", bad)
 
 
 def test_client_keywords_reach_the_server_as_the_same_sampling_params():
