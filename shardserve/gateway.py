@@ -90,17 +90,30 @@ def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tl
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await gateway.generate(request, body, chat=True)
 
+    def model_card(info) -> dict:
+        return {"id": info.model, "object": "model", "created": 0, "owned_by": "shardserve", "root": info.model,
+                "max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "architecture": info.architecture,
+                "tensor_parallel_size": info.tensor_parallel_size, "has_tokenizer": bool(info.tokenizer),
+                "has_chat_template": info.has_chat_template}
+
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
         try:
             info = await gateway.model_info(metadata_of(request))
         except GatewayError as e:
             return e.response()
-        return JSONResponse({"object": "list", "data": [{
-            "id": info.model, "object": "model", "created": 0, "owned_by": "shardserve", "root": info.model,
-            "max_model_len": info.max_model_len, "vocab_size": info.vocab_size, "architecture": info.architecture,
-            "tensor_parallel_size": info.tensor_parallel_size, "has_tokenizer": bool(info.tokenizer),
-            "has_chat_template": info.has_chat_template}]})
+        return JSONResponse({"object": "list", "data": [model_card(info)]})
+
+    @app.get("/v1/models/{model_id:path}")  # (a name may hold slashes: "Qwen/Qwen3-0.6B")
+    async def model(model_id: str, request: Request) -> Response:
+        try:
+            info = await gateway.model_info(metadata_of(request))
+        except GatewayError as e:
+            return e.response()
+        if model_id != info.model:
+            return GatewayError(404, f"The model '{model_id}' does not exist (this server serves '{info.model}')",
+                                "invalid_request_error", "model", "model_not_found").response()
+        return JSONResponse(model_card(info))
 
     @app.get("/health")
     async def health(request: Request) -> Response:

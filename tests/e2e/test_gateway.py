@@ -77,6 +77,12 @@ def _wait_idle(client: Client, timeout_s: float = 30) -> pb.ServerStats:
 def test_models_lists_the_name_get_model_info_reports(oai, grpc_client):
     models = oai.models.list().data
     assert [m.id for m in models] == [grpc_client.model_info().model]
+    card = oai.models.retrieve(models[0].id)  # GET /v1/models/{id}
+    assert card.id == models[0].id and card.model_dump()["max_model_len"] == grpc_client.model_info().max_model_len
+    for unknown in ("gpt-4", "org/some-model"):
+        with pytest.raises(openai.NotFoundError) as error:
+            oai.models.retrieve(unknown)
+        assert error.value.body["code"] == "model_not_found" and unknown in error.value.message
 
 
 def test_greedy_completion_equals_the_grpc_clients_output_streamed_or_not(oai, grpc_client):
