@@ -156,7 +156,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     d = item.delta
                     yield pb.GenerateResponse(finished=pb.GenerateResponse.Finished(
                         finish_reason=FINISH_REASONS.get(d.finish_reason, pb.FINISH_REASON_UNSPECIFIED),
-                        usage=pb.Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated),
+                        usage=pb.Usage(prompt_tokens=d.num_prompt_tokens, completion_tokens=d.num_generated,
+                                       cached_prompt_tokens=d.num_cached_tokens),
                         replica=live.replica.id,
                         stop_reason="" if d.stop_reason is None else str(d.stop_reason),
                     ))

@@ -90,6 +90,7 @@ class RequestDelta:
     stop_reason: int | str | None = None  # on the final delta, as CompletionOutput.stop_reason
     num_prompt_tokens: int = 0
     num_generated: int = 0  # generated tokens so far, this delta included
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (at its first admission)
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # on the request's first delta, when asked for
     queue_time_s: float | None = None  # on the request's first delta: from admission to its first plan
     error: str | None = None  # on a final delta: why the request could not go on (the server: RESOURCE_EXHAUSTED)

@@ -116,6 +116,7 @@ class Request:
             stop_reason=self.stop_reason if final else None,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generated=len(self.output_token_ids),
+            num_cached_tokens=self.num_cached_tokens,
         )
 
     def output(self) -> RequestOutput:

@@ -20,6 +20,7 @@ _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.
 class Usage:
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those the server's prefix cache held
 
 
 @dataclass
@@ -107,7 +108,7 @@ class _Collector:
                 text="".join(self.text),
                 token_ids=self.token_ids,
                 finish_reason=_FINISH.get(f.finish_reason),
-                usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens),
+                usage=Usage(f.usage.prompt_tokens, f.usage.completion_tokens, f.usage.cached_prompt_tokens),
                 logprobs=self.logprobs,
                 replica=f.replica,
                 stop_reason=f.stop_reason or None,

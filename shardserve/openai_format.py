@@ -29,9 +29,13 @@ def prompt_tokens(choices: list["Choice"]) -> int:
     return sum(c.prompt_tokens for c in choices if not c.prompt_shared)
 
 
-def usage_dict(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage_of(choices: list["Choice"]) -> dict:
+    """OpenAI's usage object: each prompt counted once, and of its tokens those the prefix cache served."""
+    prompt = prompt_tokens(choices)
+    completion = sum(c.completion_tokens for c in choices)
+    cached = sum(c.cached_tokens for c in choices if not c.prompt_shared)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 class Choice:
@@ -51,6 +55,7 @@ class Choice:
         self.finish_reason: str | None = None
         self.prompt_tokens = 0
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of the prompt's tokens, those the server's prefix cache held
         self.prompt_shared = False  # another choice of the same prompt counts its tokens in the usage (n > 1)
         self.echo = echo  # completions: the prompt (and its logprobs) before the output
         self.echo_only = echo_only  # ... and nothing after it (max_tokens 0: the one token made is left out)
@@ -76,6 +81,7 @@ class Choice:
         self.finish_reason = FINISH.get(msg.finish_reason, "stop")
         self.prompt_tokens = msg.usage.prompt_tokens
         self.completion_tokens = 0 if self.echo_only else msg.usage.completion_tokens
+        self.cached_tokens = msg.usage.cached_prompt_tokens
 
     def add(self, delta: pb.GenerateResponse.Delta) -> None:
         """Non-streaming: keeps the delta for body()."""
@@ -179,8 +185,7 @@ class Choice:
 
 def response_body(chat: bool, request_id: str, model: str, choices: list[Choice], replica: str = "") -> dict:
     body = {"id": request_id, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [c.body() for c in choices],
-            "usage": usage_dict(prompt_tokens(choices), sum(c.completion_tokens for c in choices))}
+            "model": model, "choices": [c.body() for c in choices], "usage": usage_of(choices)}
     if replica:
         body["system_fingerprint"] = replica
     return body
@@ -189,5 +194,4 @@ def response_body(chat: bool, request_id: str, model: str, choices: list[Choice]
 def usage_chunk(chat: bool, request_id: str, model: str, choices: list[Choice]) -> bytes:
     """stream_options.include_usage: the last chunk before [DONE], with no choices."""
     return sse({"id": request_id, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": int(time.time()), "model": model, "choices": [],
-                "usage": usage_dict(prompt_tokens(choices), sum(c.completion_tokens for c in choices))})
+                "created": int(time.time()), "model": model, "choices": [], "usage": usage_of(choices)})

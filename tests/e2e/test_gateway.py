@@ -293,6 +293,24 @@ def test_echo_puts_the_prompt_and_its_logprobs_before_the_completion(oai, grpc_c
     assert "max_tokens" in error.value.message
 
 
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_served(oai, grpc_client):
+    """usage.prompt_tokens_details.cached_tokens (OpenAI's): none for a prompt the server has not seen, whole
+    blocks of it when the same prompt comes again, streamed (include_usage) or not; the gRPC client's
+    usage.cached_prompt_tokens says the same."""
+    model = oai.models.list().data[0].id
+    prompt = "A prompt seen once before: " + " ".join(f"word{i}" for i in range(120))
+    first = oai.completions.create(model=model, prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = oai.completions.create(model=model, prompt=prompt, max_tokens=2)
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    block = grpc_client.model_info().block_size
+    assert 0 < cached < again.usage.prompt_tokens and cached % block == 0
+    chunks = list(oai.completions.create(model=model, prompt=prompt, max_tokens=2, stream=True,
+                                         stream_options={"include_usage": True}))
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
+    assert grpc_client.generate(prompt, max_tokens=2).usage.cached_prompt_tokens == cached
+
+
 def test_n_choices_are_the_seeded_requests_seed_plus_i(oai):
     """n=3 with a seed: choice i is what one choice with seed + i gives (each is a request of its own on the
     server); the prompt counts once in the usage; greedy choices are all the same."""

@@ -179,7 +179,8 @@ def test_n_choices_a_prompt_are_requests_of_their_own_with_seeds_apart(fake, str
         assert [c["index"] for c in result["choices"]] == list(range(6))
         assert [c["text"] for c in result["choices"]] == ["ok"] * 6
         usage = result["usage"]
-    assert usage == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12}  # 3 a prompt, once each
+    assert usage == {"prompt_tokens": 6, "completion_tokens": 6, "total_tokens": 12,  # 3 a prompt, once each
+                     "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 @pytest.mark.parametrize("n", [0, 17, -1])
