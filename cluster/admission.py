@@ -110,12 +110,9 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: RequestL
     for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
-    for t in params.stop_token_ids:
-        if t >= vocab:
-            raise ValueError(f"stop_token_ids must be token ids below the vocabulary size {vocab}, got {t}")
-    for t in params.logit_bias or ():
-        if t >= vocab:
-            raise ValueError(f"logit_bias must be keyed by token ids below the vocabulary size {vocab}, got {t}")
+    for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+        if (past := next((t for t in ids if t >= vocab), None)) is not None:  # (SamplingParams checked >= 0)
+            raise ValueError(f"{name} must be token ids below the vocabulary size {vocab}, got {past}")
     num_prompt, max_tokens = len(token_ids), params.max_tokens
     if max_tokens is None:
         room = min(limits.max_model_len, limits.num_kv_blocks * limits.block_size + 1) - num_prompt

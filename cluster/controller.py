@@ -216,8 +216,7 @@ class Controller(ControllerViews):
             try:
                 text, token_ids = await self._prompts.encode(prompt)
                 if echo:
-                    decoded, live.prompt_first_token_text = await self._prompts.decode(token_ids)
-                    live.prompt_text = text if text is not None else decoded
+                    live.prompt_text, live.prompt_first_token_text = await self._prompts.echo_texts(text, token_ids)
                 if self.state is not State.SERVING:
                     raise self._unavailable()
                 live.replica = replica = self._route(token_ids)

@@ -40,9 +40,10 @@ class PromptEncoder:
                              f"{self.max_prompt_bytes} bytes (--max-prompt-bytes)")
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._encode, prompt)
 
-    async def decode(self, token_ids: list[int]) -> tuple[str, str]:
-        """(the token ids as text, the first one alone), on the pool; ("", "") without a tokenizer."""
-        return await asyncio.get_running_loop().run_in_executor(self._pool, self._decode, token_ids)
+    async def echo_texts(self, text: str | None, token_ids: list[int]) -> tuple[str, str]:
+        """(the prompt as text: `text` where the prompt came as text, else its token ids decoded; its first token
+        alone, decoded), on the pool; "" for what no tokenizer can decode."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._echo_texts, text, token_ids)
 
     def _thread_tokenizer(self):
         tokenizer = getattr(self._local, "tokenizer", None)
@@ -53,11 +54,11 @@ class PromptEncoder:
     def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         return encode_prompt(prompt, self._thread_tokenizer())
 
-    def _decode(self, token_ids: list[int]) -> tuple[str, str]:
+    def _echo_texts(self, text: str | None, token_ids: list[int]) -> tuple[str, str]:
         tokenizer = self._thread_tokenizer()
         if tokenizer is None or not token_ids:
-            return "", ""
-        return tokenizer.decode(token_ids), tokenizer.decode(token_ids[:1])
+            return text or "", ""
+        return text if text is not None else tokenizer.decode(token_ids), tokenizer.decode(token_ids[:1])
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

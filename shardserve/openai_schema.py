@@ -67,6 +67,11 @@ class _Request(BaseModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
+    @property
+    def echo_only(self) -> bool:
+        """The prompt alone, no output: completions' echo with max_tokens 0 (chat has no echo)."""
+        return False
+
     def unsupported(self) -> UnsupportedField | None:
         if self.n is not None and not 1 <= self.n <= MAX_N:
             return UnsupportedField("n", f"n must be an integer in [1, {MAX_N}], got {self.n}")
