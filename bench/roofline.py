@@ -23,6 +23,10 @@ import torch
 
 from shardserve.proto.plan import cdiv
 
+# FP8 tensor-core products against bf16's (quantization="fp8"): the H100/H200 datasheets' dense rates, 1,979 against
+# 989 TFLOP/s (an assumption, not measured here: the measured matmul is bf16).
+FP8_MATMUL_SPEEDUP = 2.0
+
 
 @dataclass
 class DeviceRates:
@@ -100,6 +104,7 @@ class ModelShape:
     dtype_bytes: int
     tp: int
     kv_dtype_bytes: int | None = None  # bytes per cached K/V element (1 for an FP8 cache); None: dtype_bytes
+    fp8_linear: bool = False  # quantization="fp8": linear weights 1 byte each, their products at FP8_MATMUL_SPEEDUP
 
     @classmethod
     def from_hf_config(cls, cfg: Any, tp: int = 1, dtype_bytes: int = 2, kv_dtype_bytes: int | None = None) -> "ModelShape":
@@ -115,8 +120,10 @@ class ModelShape:
 
         sizes = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
         kv = config.kv_cache_dtype if config.kv_cache_dtype != "auto" else config.dtype
-        return cls.from_hf_config(AutoConfig.from_pretrained(config.model), config.tensor_parallel_size,
-                                  sizes[config.dtype], sizes[kv])
+        shape = cls.from_hf_config(AutoConfig.from_pretrained(config.model), config.tensor_parallel_size,
+                                   sizes[config.dtype], sizes[kv])
+        shape.fp8_linear = getattr(config, "quantization", "none") == "fp8" and config.device == "cuda"
+        return shape
 
     @property
     def linear_params_per_layer(self) -> int:
@@ -134,7 +141,14 @@ class ModelShape:
         """Bytes of weights one decode step reads on one rank: every linear layer, norms and the LM head (the
         embedding reads only the batch's rows)."""
         norms = self.num_layers * (2 * self.hidden + 2 * self.head_dim) + self.hidden
-        return (self.num_layers * self.linear_params_per_layer + self.lm_head_params + norms) * self.dtype_bytes
+        linear_bytes = 1 if self.fp8_linear else self.dtype_bytes
+        return (self.num_layers * self.linear_params_per_layer * linear_bytes
+                + (self.lm_head_params + norms) * self.dtype_bytes)
+
+    @property
+    def linear_rate_factor(self) -> float:
+        """The linear layers' products' rate over the measured (bf16) matmul rate."""
+        return FP8_MATMUL_SPEEDUP if self.fp8_linear else 1.0
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -157,14 +171,17 @@ def workload_ceiling(shape: ModelShape, rates: DeviceRates, input_lens: list[int
     bw, rate = rates.copy_bytes_per_s, rates.matmul_flops_per_s
     # Prefill: every prompt token through the linear layers, causal attention (sum of L(L+1)/2 keys), and one
     # LM-head row per prompt (its first output token).
-    prefill_flops = (2.0 * shape.num_layers * shape.linear_params_per_layer * inputs.sum()
-                     + 2.0 * shape.lm_head_params * len(inputs)
-                     + shape.attention_flops(inputs.sum(), (inputs * (inputs + 1) / 2).sum()))
-    prefill_s = prefill_flops / rate
+    linear_prefill_flops = 2.0 * shape.num_layers * shape.linear_params_per_layer * inputs.sum()
+    other_prefill_flops = (2.0 * shape.lm_head_params * len(inputs)
+                           + shape.attention_flops(inputs.sum(), (inputs * (inputs + 1) / 2).sum()))
+    prefill_flops = linear_prefill_flops + other_prefill_flops
+    prefill_s = (linear_prefill_flops / shape.linear_rate_factor + other_prefill_flops) / rate
     decode_memory_s = decode_compute_s = decode_s = 0.0
     steps = int(outputs.max()) - 1 if len(outputs) else 0
     weight_s = shape.decode_weight_bytes / bw
-    flops_per_token = 2.0 * (shape.num_layers * shape.linear_params_per_layer + shape.lm_head_params)
+    # a token's linear FLOPs, counted at the matmul rate (FP8 products at linear_rate_factor times it)
+    flops_per_token = 2.0 * (shape.num_layers * shape.linear_params_per_layer / shape.linear_rate_factor
+                             + shape.lm_head_params)
     for k in range(1, steps + 1):
         active = outputs > k
         batch = int(active.sum())
@@ -183,7 +200,8 @@ def workload_ceiling(shape: ModelShape, rates: DeviceRates, input_lens: list[int
         rates.describe(),
         f"per rank (tp={shape.tp}): weights read per decode step {shape.decode_weight_bytes / 1e9:.3f} GB "
         f"-> {weight_s * 1e3:.3f} ms; KV per token {shape.kv_bytes_per_token / 1024:.1f} KiB "
-        f"({shape.kv_dtype_bytes or shape.dtype_bytes} bytes per element)",
+        f"({shape.kv_dtype_bytes or shape.dtype_bytes} bytes per element)"
+        + (f"; linear weights FP8, their products at {shape.linear_rate_factor:g}x the matmul rate" if shape.fp8_linear else ""),
         f"prefill: {inputs.sum():.0f} prompt tokens, {prefill_flops / 1e12:.1f} TFLOP -> {prefill_s:.3f} s",
         f"decode: {steps} steps (batch {len(outputs)} -> 1), memory {decode_memory_s:.3f} s, compute "
         f"{decode_compute_s:.3f} s, sum of per-step max {decode_s:.3f} s",

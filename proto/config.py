@@ -20,6 +20,7 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")  # "auto": safetensors from the model folder; "dummy": random weights
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash-attn")
 KV_CACHE_DTYPES = ("auto", "fp8")  # auto: the model's dtype; fp8: float8 e4m3 with a scale per layer and KV head
+QUANTIZATIONS = ("none", "fp8")  # none: weights as loaded; fp8: the linear layers W8A8 (kernels/fp8_linear.py)
 
 
 def _setting(default: Any = MISSING, *, help: str, user: bool = True, flags: tuple[str, ...] = (),
@@ -61,6 +62,10 @@ class EngineConfig:
         "auto", choices=KV_CACHE_DTYPES,
         help="auto: K/V cached in the model's dtype; fp8: float8 e4m3 with a scale per layer and KV head (the "
         "checkpoint's where it has them, else calibrated at start-up): twice the blocks, half the bytes read")
+    quantization: str = _setting(
+        "none", choices=QUANTIZATIONS,
+        help="none: weights in the model's dtype; fp8: the decoder's linear layers in float8 e4m3 with a scale per "
+        "output channel, activations quantized per token (W8A8): half the weights' bytes, FP8 tensor cores on CUDA")
     num_kv_blocks: int | None = _setting(None, help="fixes the KV cache's size in blocks (else measured)")
     kv_cache_memory_gb: float | None = _setting(
         None, help="sizes the KV cache in GiB (CPU default: 1 GiB; CUDA: from --gpu-memory-utilization)")

@@ -151,3 +151,58 @@ def test_pairs_widening_in_ptx_gives_every_e4m3_value_exactly():
     want = x.view(torch.uint8).view(FP8_DTYPE).to(torch.float16).view(-1, 2)
     assert torch.equal(even.cpu()[ok].view(torch.int16), want[ok, 0].view(torch.int16))
     assert torch.equal(odd.cpu()[ok].view(torch.int16), want[ok, 1].view(torch.int16))
+
+
+# ---- FP8 weights (quantization="fp8", kernels/fp8_linear.py) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 7, 256, 4096])
+def test_fp8_weights_quantize_rows_compiled_equals_the_torch_reference(rows):
+    from shardserve.kernels.fp8_linear import quantize_rows, quantize_rows_ref
+
+    x = torch.randn(rows, 14336 if rows == 7 else 4096, device="cuda", dtype=torch.bfloat16) * 3
+    q, scale = quantize_rows(x)
+    q_ref, scale_ref = quantize_rows_ref(x)
+    assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3-8b"])
+@pytest.mark.parametrize("rows", [1, 64, 256, 2048])
+def test_fp8_weights_tensor_core_product_equals_the_float32_reference(model, rows):
+    """torch._scaled_mm (FP8 tensor cores, fast accumulation, bf16 out) against the same quantized operands
+    multiplied in float32: only the accumulation order and the output's rounding differ."""
+    from shardserve.kernels.fp8_linear import fp8_linear, fp8_linear_ref, quantize_weight
+
+    k, n = {"qwen3-0.6b": (1024, 6144), "llama-3-8b": (4096, 6144)}[model]
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    wq, w_scale = quantize_weight(w)
+    got = fp8_linear(x, wq, w_scale)
+    ref = fp8_linear_ref(x, wq, w_scale)
+    assert got.dtype == torch.bfloat16
+    assert ((got.float() - ref).norm() / ref.norm()) < 1e-2
+    exact = x.float() @ w.float().t()
+    assert ((got.float() - exact).norm() / exact.norm()) < 0.06  # the format's own error (~4% rms)
+
+
+def test_fp8_weights_engine_graphs_equal_eager_and_stay_near_bf16(tmp_path):
+    """An engine with FP8 weights serves its decode steps from CUDA graphs with the eager path's greedy tokens, and
+    its teacher-forced next-token distributions stay near the bf16 weights' (random weights, random prompts)."""
+    from test_engine_gpu import assert_greedy_equal_or_near_tie, generate
+
+    from shardserve.bench.kv_quality import compare, run_cache
+    from tests.hf_reference import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "qwen3", "qwen3", num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=128,
+                             intermediate_size=256, vocab_size=512)
+    eager, _ = generate(folder, dtype="bfloat16", enforce_eager=True, quantization="fp8")
+    graphs, info = generate(folder, dtype="bfloat16", quantization="fp8")
+    assert info["graphs"] is not None and info["served"] and all(info["served"])
+    assert_greedy_equal_or_near_tie(eager, graphs)
+    engine = dict(model="qwen3-0.6b", load_format="dummy", device="cuda", dtype="bfloat16", max_num_seqs=8,
+                  max_model_len=512, num_kv_blocks=256)
+    prompts, ref_tokens, ref_lp, _ = run_cache(engine, "auto", None, 16, num_prompts=8)
+    _, q_tokens, q_lp, _ = run_cache(dict(engine, quantization="fp8"), "auto", prompts, 16, reference=ref_tokens)
+    result = compare(ref_tokens, q_tokens, ref_lp, q_lp)
+    assert result["kl_mean"] < 0.1, result  # measured in docs/performance.md ("FP8 weights")

@@ -28,7 +28,8 @@ _PACK_HINT_ROWS = 32  # the batch size oneDNN tunes the layout for; measured the
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """The packed copy of a [out, in] CPU weight, or None where oneDNN cannot run it (checked on a probe)."""
-    if not (ENABLED and weight.device.type == "cpu" and weight.dim() == 2 and torch.backends.mkldnn.is_available()):
+    if not (ENABLED and weight.device.type == "cpu" and weight.dim() == 2 and weight.is_floating_point()
+            and weight.element_size() >= 2 and torch.backends.mkldnn.is_available()):  # (not an FP8 weight)
         return None
     try:
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), _PACK_HINT_ROWS)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.kernels.kv_fp8 import FP8_DTYPE
 from shardserve.worker.distributed import all_reduce, tp_rank, tp_size
 from shardserve.worker.layers import cpu_packed
 from shardserve.worker.layers._sharding import attach_loader, copy_into, narrow_loaded
@@ -27,9 +28,14 @@ GEMV = os.environ.get("SHARDSERVE_GEMV", "1") != "0"
 GEMV_MAX_K = 8192
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x W^T + b: oneDNN on a packed CPU weight (layers/cpu_packed.py), the GEMV for one row of a half-precision x
-    on CUDA, else F.linear."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x W^T + b: the FP8 product for an e4m3 weight with its per-channel scales (kernels/fp8_linear.py), oneDNN on a
+    packed CPU weight (layers/cpu_packed.py), the GEMV for one row of a half-precision x on CUDA, else F.linear."""
+    if weight.dtype == FP8_DTYPE:
+        from shardserve.kernels.fp8_linear import fp8_linear  # (Triton: imported where it is used)
+
+        return fp8_linear(x, weight, weight_scale, bias)
     if weight.is_mkldnn:
         return cpu_packed.linear(x, weight, bias)
     if (GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= GEMV_MAX_K
@@ -39,6 +45,25 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         y = gemv(x, weight, block_n=8, block_k=1024, warps=4)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def quantize_module_weight(module: nn.Module) -> None:
+    """module.weight [out, in] becomes float8 e4m3 with a float32 scale per output channel in module.weight_scale
+    [1, out] (kernels/fp8_linear.py); matmul then takes the FP8 product. After loading, before any graph capture."""
+    from shardserve.kernels.fp8_linear import quantize_weight
+
+    weight, scale = quantize_weight(module.weight.data)
+    module.weight = nn.Parameter(weight, requires_grad=False)
+    module.weight_scale = scale
+
+
+def quantize_linear_weights(model: nn.Module) -> int:
+    """Every column- and row-parallel layer's weight to FP8 (`quantization="fp8"`); the LM head and the embedding
+    keep the model's dtype. Returns how many layers."""
+    layers = [m for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    for layer in layers:
+        quantize_module_weight(layer)
+    return len(layers)
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -57,6 +82,7 @@ class ColumnParallelLinear(nn.Module):
         self.out_per_rank = _divide(out_features, self.tp_size, "output features")
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         attach_loader(self.weight, self.weight_loader, {None: (out_features, in_features)})
+        self.register_buffer("weight_scale", None)  # [1, out] float32 once the weight is FP8 (quantize_module_weight)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
@@ -71,7 +97,7 @@ class ColumnParallelLinear(nn.Module):
         return cpu_packed.replace_with_packed(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias, self.weight_scale)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -163,6 +189,7 @@ class RowParallelLinear(nn.Module):
         self.in_per_rank = _divide(in_features, self.tp_size, "input features")
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         attach_loader(self.weight, self.weight_loader, {None: (out_features, in_features)})
+        self.register_buffer("weight_scale", None)  # [1, out] float32 once the weight is FP8 (quantize_module_weight)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -179,5 +206,5 @@ class RowParallelLinear(nn.Module):
         return cpu_packed.replace_with_packed(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(matmul(x, self.weight))
+        y = all_reduce(matmul(x, self.weight, None, self.weight_scale))
         return y + self.bias if self.bias is not None else y

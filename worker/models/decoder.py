@@ -109,7 +109,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x, residual) -> (x, residual) of the next layer; residual None: x is the whole residual stream."""
-        if residual is None and self.one_row_ok and _fused.one_row(x):
+        # (the one-row GEMVs read half-precision weights: not where they are FP8)
+        if residual is None and self.one_row_ok and _fused.one_row(x) and self.mlp.down_proj.weight_scale is None:
             return self.forward_one_row(positions, x, kv_cache, meta), None
         if residual is None:
             residual, x = x, self.input_layernorm(x)

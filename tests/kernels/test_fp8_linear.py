@@ -1,0 +1,64 @@
+"""FP8 weights (kernels/fp8_linear.py): the per-token quantization kernel against its torch reference, byte for
+byte, and the quantized product against float32. In the interpreter on CPU; compiled, with the FP8 GEMM, in the GPU
+suite (tests/gpu/test_fp8_gpu.py)."""
+
+import pytest
+import torch
+
+from shardserve.kernels.fp8_linear import (fp8_linear, fp8_linear_ref, quantize_rows, quantize_rows_ref,
+                                           quantize_weight)
+from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX
+from shardserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear, quantize_linear_weights
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [64, 576, 3000])  # one block, the default model's hidden size, several blocks + a tail
+def test_quantize_rows_matches_the_torch_reference_byte_for_byte(dtype, k):
+    g = torch.Generator().manual_seed(k)
+    x = (torch.randn(5, k, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 1.0])[:, None]).to(dtype)
+    x[4] = 0.0  # a row of zeros
+    x[1, 7] = -5.0  # a row whose largest magnitude is negative
+    q, scale = quantize_rows(x)
+    q_ref, scale_ref = quantize_rows_ref(x)
+    assert q.dtype == FP8_DTYPE and scale.shape == (5, 1)
+    assert torch.equal(scale, scale_ref)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    # each row's largest magnitude lands on +-448, and the zero row stays zero with a finite scale
+    assert torch.equal(q[:4].float().abs().amax(-1), torch.full((4,), FP8_MAX))
+    assert q[1, 7].float() == -FP8_MAX and q[4].float().abs().max() == 0 and scale[4] > 0
+
+
+def test_quantized_product_is_within_the_formats_error_and_scales_per_channel():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=g)
+    w = torch.randn(96, 256, generator=g) * torch.logspace(-3, 1, 96)[:, None]  # channels 4 decades apart
+    wq, w_scale = quantize_weight(w)
+    assert wq.dtype == FP8_DTYPE and w_scale.shape == (1, 96)
+    exact = x @ w.t()
+    got = fp8_linear(x, wq, w_scale)
+    # e4m3 keeps 3 mantissa bits (~4% rms error over a product of two quantized operands): every output channel
+    # within 8% rms of its exact value (64 rows), however small its weights' scale; a scale for the whole tensor
+    # would flush the smallest channels (1e-4 of the largest's weights) to e4m3's zero
+    err = ((got - exact).norm(dim=0) / exact.norm(dim=0))
+    assert err.max() < 0.08, err.max()
+    assert ((got - exact).norm() / exact.norm()) < 0.05
+    assert torch.equal(got, fp8_linear_ref(x, wq, w_scale))  # off CUDA, the path is the reference itself
+    # the bias is added after the scaled product; leading dims are kept
+    bias = torch.randn(96, generator=g)
+    assert torch.equal(fp8_linear(x.view(8, 8, 256), wq, w_scale, bias), (got + bias).view(8, 8, 96))
+
+
+def test_quantize_linear_weights_turns_the_projections_fp8_and_keeps_their_outputs():
+    torch.manual_seed(0)
+    column, row = ColumnParallelLinear(128, 64), RowParallelLinear(64, 32)
+    for layer in (column, row):
+        layer.weight.data.normal_(0, 0.02)
+    model = torch.nn.Sequential(column, row)
+    x = torch.randn(4, 128)
+    exact = model(x)
+    assert quantize_linear_weights(model) == 2
+    assert column.weight.dtype == FP8_DTYPE and column.weight_scale.shape == (1, 64)
+    assert row.weight.dtype == FP8_DTYPE and row.weight_scale.shape == (1, 32)
+    got = model(x)
+    assert ((got - exact).norm() / exact.norm()) < 0.08  # two quantized products in a row (~6% rms measured)
+    assert not torch.equal(got, exact)
