@@ -205,4 +205,5 @@ def test_fp8_weights_engine_graphs_equal_eager_and_stay_near_bf16(tmp_path):
     prompts, ref_tokens, ref_lp, _ = run_cache(engine, "auto", None, 16, num_prompts=8)
     _, q_tokens, q_lp, _ = run_cache(dict(engine, quantization="fp8"), "auto", prompts, 16, reference=ref_tokens)
     result = compare(ref_tokens, q_tokens, ref_lp, q_lp)
+    print("fp8 weights against bf16, Qwen3-0.6B random weights, 8 prompts x 16 tokens:", result)
     assert result["kl_mean"] < 0.1, result  # measured in docs/performance.md ("FP8 weights")
