@@ -15,6 +15,8 @@ same numbers slower, so the format's effect on a model's outputs can be measured
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,33 @@ from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX
 from shardserve.kernels.store_kv import _round_to_e4m3
 
 MIN_AMAX = 1e-12  # a row of zeros gets this largest magnitude (its scale stays finite and non-zero)
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per token (quantize_rows' output), from a kernel that produced them that way
+    (kernels/rmsnorm.py, kernels/activation.py with fp8_out): what an FP8 linear layer takes as it is."""
+    q: torch.Tensor  # [M, K] e4m3
+    scale: torch.Tensor  # [M, 1] float32
+    dtype: torch.dtype  # the model's dtype: the product's output
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self) -> torch.Tensor:
+        return (self.q.float() * self.scale).to(self.dtype)
+
+
+@triton.jit
+def row_scale(amax, FP8_LIMIT: tl.constexpr, MIN: tl.constexpr):
+    """A row's scale from its largest magnitude (as quantize_rows_ref: max(amax, MIN) / 448, IEEE division)."""
+    return tl.math.div_rn(tl.maximum(amax, MIN), FP8_LIMIT)
+
+
+@triton.jit
+def to_e4m3(x, scale, FP8_LIMIT: tl.constexpr):
+    """x (float32) / scale rounded to e4m3, still float32 (its conversion to fp8 is then exact)."""
+    return _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_LIMIT, FP8_LIMIT))
 
 
 @triton.jit
@@ -36,12 +65,12 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_o,
     for start in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.math.div_rn(tl.maximum(tl.max(amax, 0), MIN), FP8_LIMIT)
+    scale = row_scale(tl.max(amax, 0), FP8_LIMIT, MIN)
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK):
         mask = start + cols < K
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=mask, other=0.0).to(tl.float32)
-        q = _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_LIMIT, FP8_LIMIT))
+        q = to_e4m3(x, scale, FP8_LIMIT)
         tl.store(out_ptr + row * stride_o + start + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -78,26 +107,36 @@ def _tensor_cores(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] (the model's dtype) @ W^T for W given as (e4m3 [N, K], scales [1, N]), + bias -> [..., N] in x's
-    dtype; x is quantized per token first."""
-    rows = x.reshape(-1, x.shape[-1])
-    if _tensor_cores(rows, weight):
-        xq, x_scale = quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous())
+    """x [..., K] (the model's dtype, or Fp8Rows [M, K]) @ W^T for W given as (e4m3 [N, K], scales [1, N]), + bias
+    -> [..., N] in the model's dtype; a plain x is quantized per token first."""
+    if isinstance(x, Fp8Rows):
+        (xq, x_scale), dtype, lead = (x.q, x.scale), x.dtype, x.q.shape[:-1]
+    else:
+        rows, dtype, lead = x.reshape(-1, x.shape[-1]), x.dtype, x.shape[:-1]
+        if _tensor_cores(rows, weight):
+            xq, x_scale = quantize_rows(rows if rows.stride(-1) == 1 else rows.contiguous())
+        else:
+            xq, x_scale = quantize_rows_ref(rows)
+    if _tensor_cores(xq, weight):
         # fast accumulation: the products' partial sums promoted to float32 every few steps rather than at each
-        # one; 12% faster at prefill sizes on an H200, and within the format's own error (tests/kernels)
-        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=x.dtype,
+        # one; 12% faster at prefill sizes on an H200, and within the format's own error (tests/gpu)
+        y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=dtype,
                              use_fast_accum=True)
     else:
-        y = fp8_linear_ref(rows, weight, weight_scale).to(x.dtype)
+        y = _dequantized_product(xq, x_scale, weight, weight_scale).to(dtype)
     if bias is not None:
         y = y + bias
-    return y.reshape(*x.shape[:-1], weight.shape[0])
+    return y.reshape(*lead, weight.shape[0])
+
+
+def _dequantized_product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                         weight_scale: torch.Tensor) -> torch.Tensor:
+    return (xq.float() * x_scale) @ (weight.float() * weight_scale.t()).t()
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:
     """The quantized product in float32 (the CPU path and the tests' reference): x [M, K] quantized per row by
     quantize_rows_ref, both operands widened exactly and scaled, one float32 matmul."""
-    xq, x_scale = quantize_rows_ref(x)
-    return (xq.float() * x_scale) @ (weight.float() * weight_scale.t()).t()
+    return _dequantized_product(*quantize_rows_ref(x), weight, weight_scale)

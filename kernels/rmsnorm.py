@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from shardserve.kernels.fp8_linear import MIN_AMAX, Fp8Rows, row_scale, to_e4m3
+from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX
 from shardserve.kernels.pdl import chained, start_as_dependent
 
 
@@ -17,12 +19,14 @@ from shardserve.kernels.pdl import chained, start_as_dependent
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
-    hidden, eps,
-    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+    hidden, eps, scale_ptr,
+    HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False, FP8_OUT: tl.constexpr = False,
+    FP8_LIMIT: tl.constexpr = 448.0, MIN_AMAX: tl.constexpr = 1e-12,
 ):
     """Grid (rows,). Program r normalises row r (adding its residual first when HAS_RESIDUAL). Every load comes
     before the residual's store (a load after a store that may alias it waits for it). PDL: launched as a
-    programmatic dependent (kernels/pdl.py)."""
+    programmatic dependent (kernels/pdl.py). FP8_OUT: the output row (rounded to x's dtype, as without it) is
+    quantized to e4m3 over its own scale, stored at scale_ptr[r] (kernels/fp8_linear.py: quantize_rows' numbers)."""
     if PDL:
         start_as_dependent()
     row = tl.program_id(0).to(tl.int64)
@@ -37,15 +41,25 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / hidden + eps)
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8_OUT:
+        y = (normed * weight).to(x_ptr.dtype.element_ty).to(tl.float32)
+        scale = row_scale(tl.max(tl.abs(y), 0), FP8_LIMIT, MIN_AMAX)
+        tl.store(scale_ptr + row, scale)
+        tl.store(out_ptr + row * stride_o + cols, to_e4m3(y, scale, FP8_LIMIT).to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8_out: bool = False):
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden}")
+    if fp8_out and weight.dtype != x.dtype:
+        raise ValueError(f"rms_norm with an FP8 output needs the weight in x's dtype ({x.dtype}), got {weight.dtype}")
     rows = x.reshape(-1, hidden)  # a view when x is contiguous in its last dim's rows (the usual case)
-    out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    out_dtype = FP8_DTYPE if fp8_out else torch.promote_types(x.dtype, weight.dtype)
+    out = torch.empty(rows.shape, dtype=out_dtype, device=x.device)
+    scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=x.device) if fp8_out else out
     res_rows = residual.reshape(-1, hidden) if residual is not None else rows
     res_out = torch.empty_like(rows) if residual is not None else rows
     if rows.shape[0]:
@@ -53,22 +67,26 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res_rows, weight, out, res_out,
             rows.stride(0), res_rows.stride(0), out.stride(0), res_out.stride(0),
-            hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), PDL=pdl, launch_pdl=pdl,
+            hidden, eps, scale,
+            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), PDL=pdl,
+            FP8_OUT=fp8_out, FP8_LIMIT=FP8_MAX, MIN_AMAX=MIN_AMAX, launch_pdl=pdl,
         )
+    if fp8_out:
+        return Fp8Rows(out, scale, x.dtype), res_out.view(x.shape)
     return out.view(x.shape), res_out.view(x.shape)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x [..., hidden]; works for per-head norms ([T, heads, head_dim]) too."""
-    return _launch(x, None, weight, eps)[0]
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False) -> torch.Tensor | Fp8Rows:
+    """RMSNorm over the last dim of x [..., hidden]; works for per-head norms ([T, heads, head_dim]) too. fp8_out:
+    the rows quantized for an FP8 linear layer (Fp8Rows [rows, hidden]), as quantize_rows would."""
+    return _launch(x, None, weight, eps, fp8_out)[0]
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, fp8_out: bool = False
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): the new hidden state and the new residual, in one pass."""
-    return _launch(x, residual, weight, eps)
+    return _launch(x, residual, weight, eps, fp8_out)
 
 
 def rms_norm_ref(

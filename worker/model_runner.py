@@ -23,7 +23,6 @@ from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult
 from shardserve.worker import cuda_graphs, graph_memory, kv_cache, kv_scales
 from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.layers import cpu_packed
-from shardserve.worker.layers.linear import quantize_linear_weights
 from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from shardserve.worker.sampler import SamplingRow, plain_greedy, sample, sample_tokens
 from shardserve.worker.sampler import warm_up as sampler_warm_up
@@ -79,7 +78,7 @@ class ModelRunner:
             else:
                 load_weights(self.model, config.model)
         if config.quantization == "fp8":  # before the KV scales' calibration, which runs the model as it will run
-            quantize_linear_weights(self.model)
+            self.model.quantize_weights_fp8()
         if self.kv_dtype == FP8_DTYPE:  # the scales, before any graph captures where they live
             if config.load_format != "dummy":
                 kv_scales.load_checkpoint_scales(self.model, config.model)

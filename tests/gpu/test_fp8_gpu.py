@@ -166,6 +166,25 @@ def test_fp8_weights_quantize_rows_compiled_equals_the_torch_reference(rows):
     assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("rows", [1, 256, 3000])
+def test_fp8_weights_norm_and_silu_kernels_hand_over_what_quantize_rows_makes(rows):
+    """Compiled: RMSNorm (with its residual add) and SiLU-and-mul with fp8_out give, byte for byte, their plain
+    outputs quantized by the torch reference (Llama-3-8B's widths)."""
+    from shardserve.kernels.activation import silu_and_mul
+    from shardserve.kernels.fp8_linear import quantize_rows_ref
+    from shardserve.kernels.rmsnorm import add_rms_norm
+
+    x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) * 2
+    r = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
+    (normed, summed), (plain, summed_plain) = add_rms_norm(x, r, w, 1e-5, fp8_out=True), add_rms_norm(x, r, w, 1e-5)
+    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
+    for got, plain_out in ((normed, plain), (silu_and_mul(gate_up, fp8_out=True), silu_and_mul(gate_up))):
+        q_ref, scale_ref = quantize_rows_ref(plain_out)
+        assert torch.equal(got.scale, scale_ref) and torch.equal(got.q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(summed, summed_plain)
+
+
 @pytest.mark.parametrize("model", ["qwen3-0.6b", "llama-3-8b"])
 @pytest.mark.parametrize("rows", [1, 64, 256, 2048])
 def test_fp8_weights_tensor_core_product_equals_the_float32_reference(model, rows):

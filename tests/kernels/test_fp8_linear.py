@@ -62,3 +62,41 @@ def test_quantize_linear_weights_turns_the_projections_fp8_and_keeps_their_outpu
     got = model(x)
     assert ((got - exact).norm() / exact.norm()) < 0.08  # two quantized products in a row (~6% rms measured)
     assert not torch.equal(got, exact)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_with_fp8_out_hands_over_the_rows_quantize_rows_would_make(residual):
+    from shardserve.kernels.rmsnorm import add_rms_norm, rms_norm
+
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(6, 576, generator=g) * 3).to(torch.bfloat16)
+    r = torch.randn(6, 576, generator=g).to(torch.bfloat16)
+    w = (torch.rand(576, generator=g) + 0.5).to(torch.bfloat16)
+    if residual:
+        (rows, summed), (plain, summed_plain) = add_rms_norm(x, r, w, 1e-6, fp8_out=True), add_rms_norm(x, r, w, 1e-6)
+        assert torch.equal(summed, summed_plain)
+    else:
+        rows, plain = rms_norm(x, w, 1e-6, fp8_out=True), rms_norm(x, w, 1e-6)
+    q_ref, scale_ref = quantize_rows_ref(plain)
+    assert rows.dtype == torch.bfloat16 and torch.equal(rows.scale, scale_ref)
+    assert torch.equal(rows.q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("d", [96, 1536, 2500])  # one block, the default model's width, blocks + a tail
+def test_silu_and_mul_with_fp8_out_hands_over_the_rows_quantize_rows_would_make(d):
+    from shardserve.kernels.activation import silu_and_mul
+
+    x = (torch.randn(5, 2 * d, generator=torch.Generator().manual_seed(d)) * 4).to(torch.bfloat16)
+    rows = silu_and_mul(x, fp8_out=True)
+    q_ref, scale_ref = quantize_rows_ref(silu_and_mul(x))
+    assert torch.equal(rows.scale, scale_ref) and torch.equal(rows.q.view(torch.uint8), q_ref.view(torch.uint8))
+
+
+def test_fp8_linear_takes_quantized_rows_as_the_plain_input_would_be_quantized():
+    from shardserve.kernels.fp8_linear import Fp8Rows
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    wq, w_scale = quantize_weight(torch.randn(32, 64, generator=g) * 0.1)
+    assert torch.equal(fp8_linear(Fp8Rows(*quantize_rows_ref(x), torch.bfloat16), wq, w_scale),
+                       fp8_linear(x, wq, w_scale))

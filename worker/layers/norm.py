@@ -15,6 +15,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         attach_loader(self.weight, default_weight_loader, {None: (hidden_size,)})
+        # True where the output feeds only FP8 linear layers (quantization="fp8"): on CUDA the kernel then hands
+        # them its rows quantized (kernels/fp8_linear.py: Fp8Rows), one launch instead of two
+        self.fp8_out = False
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -30,8 +33,8 @@ class RMSNorm(nn.Module):
             from shardserve.kernels.rmsnorm import add_rms_norm, rms_norm
 
             if residual is None:
-                return rms_norm(x, self.weight, self.eps)
-            return add_rms_norm(x, residual, self.weight, self.eps)
+                return rms_norm(x, self.weight, self.eps, self.fp8_out)
+            return add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out)
         if residual is None:
             return self._norm(x)
         summed = x + residual

@@ -19,7 +19,8 @@ from shardserve.worker.layers import _fused
 from shardserve.worker.layers.activation import SiluAndMul
 from shardserve.worker.layers.attention import Attention
 from shardserve.worker.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from shardserve.worker.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from shardserve.worker.layers.linear import (MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear,
+                                             quantize_linear_weights)
 from shardserve.worker.layers.norm import RMSNorm
 from shardserve.worker.layers.rotary import RotaryEmbedding, rope_settings
 
@@ -190,6 +191,13 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         return self.model(input_ids, positions, kv_caches, meta)
+
+    def quantize_weights_fp8(self) -> None:
+        """quantization="fp8": every decoder linear layer's weight to e4m3 with per-channel scales
+        (worker/layers/linear.py), and the norms and SiLU-and-mul that feed them hand over quantized rows."""
+        quantize_linear_weights(self)
+        for layer in self.model.layers:
+            layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = layer.mlp.act.fp8_out = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] in the model dtype, the full vocabulary on every rank."""
