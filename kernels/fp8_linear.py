@@ -25,6 +25,9 @@ from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX
 from shardserve.kernels.store_kv import _round_to_e4m3
 
 MIN_AMAX = 1e-12  # a row of zeros gets this largest magnitude (its scale stays finite and non-zero)
+# A scale is amax times the float32 nearest 1/448, not amax / 448: torch divides a CUDA tensor by a Python number
+# that way (and a CPU tensor exactly), so the product is the one form every device and the kernels compute alike.
+INV_FP8_MAX = 1.0 / FP8_MAX
 
 
 class Fp8Rows(NamedTuple):
@@ -43,9 +46,9 @@ class Fp8Rows(NamedTuple):
 
 
 @triton.jit
-def row_scale(amax, FP8_LIMIT: tl.constexpr, MIN: tl.constexpr):
-    """A row's scale from its largest magnitude (as quantize_rows_ref: max(amax, MIN) / 448, IEEE division)."""
-    return tl.math.div_rn(tl.maximum(amax, MIN), FP8_LIMIT)
+def row_scale(amax, INV_LIMIT: tl.constexpr, MIN: tl.constexpr):
+    """A row's scale from its largest magnitude, as quantize_rows_ref takes it: max(amax, MIN) * INV_FP8_MAX."""
+    return tl.maximum(amax, MIN) * INV_LIMIT
 
 
 @triton.jit
@@ -56,7 +59,7 @@ def to_e4m3(x, scale, FP8_LIMIT: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_o,
-                          FP8_LIMIT: tl.constexpr, MIN: tl.constexpr, BLOCK: tl.constexpr):
+                          FP8_LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, MIN: tl.constexpr, BLOCK: tl.constexpr):
     """Grid (M,). Program m: the row's largest magnitude, its scale amax / 448, then the row divided by it and
     rounded to e4m3 (in two passes over the row; a row of a projection's input is at most a few tens of KB)."""
     row = tl.program_id(0).to(tl.int64)
@@ -65,7 +68,7 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_o,
     for start in range(0, K, BLOCK):
         x = tl.load(x_ptr + row * stride_x + start + cols, mask=start + cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = row_scale(tl.max(amax, 0), FP8_LIMIT, MIN)
+    scale = row_scale(tl.max(amax, 0), INV_LIMIT, MIN)
     tl.store(scale_ptr + row, scale)
     for start in range(0, K, BLOCK):
         mask = start + cols < K
@@ -84,14 +87,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows:
         block = min(2048, triton.next_power_of_2(k))
         _quantize_rows_kernel[(rows,)](x, out, scale, k, x.stride(0), out.stride(0),
-                                       FP8_LIMIT=FP8_MAX, MIN=MIN_AMAX, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+                                       FP8_LIMIT=FP8_MAX, INV_LIMIT=INV_FP8_MAX, MIN=MIN_AMAX, BLOCK=block, num_warps=4 if block <= 1024 else 8)
     return out, scale
 
 
 def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch reference of quantize_rows (any float dtype; the scales over dim -1)."""
     x = x.float()
-    scale = x.abs().amax(-1, keepdim=True).clamp_(min=MIN_AMAX) / FP8_MAX
+    scale = x.abs().amax(-1, keepdim=True).clamp_(min=MIN_AMAX) * INV_FP8_MAX
     return (x / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.fp8_linear import MIN_AMAX, Fp8Rows, row_scale, to_e4m3
+from shardserve.kernels.fp8_linear import INV_FP8_MAX, MIN_AMAX, Fp8Rows, row_scale, to_e4m3
 from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX
 from shardserve.kernels.pdl import chained, start_as_dependent
 
@@ -21,7 +21,7 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     hidden, eps, scale_ptr,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False, FP8_OUT: tl.constexpr = False,
-    FP8_LIMIT: tl.constexpr = 448.0, MIN_AMAX: tl.constexpr = 1e-12,
+    FP8_LIMIT: tl.constexpr = 448.0, INV_LIMIT: tl.constexpr = 1.0 / 448, MIN_AMAX: tl.constexpr = 1e-12,
 ):
     """Grid (rows,). Program r normalises row r (adding its residual first when HAS_RESIDUAL). Every load comes
     before the residual's store (a load after a store that may alias it waits for it). PDL: launched as a
@@ -43,7 +43,7 @@ def _rms_norm_kernel(
     normed = (xf * rstd).to(x_ptr.dtype.element_ty).to(tl.float32)
     if FP8_OUT:
         y = (normed * weight).to(x_ptr.dtype.element_ty).to(tl.float32)
-        scale = row_scale(tl.max(tl.abs(y), 0), FP8_LIMIT, MIN_AMAX)
+        scale = row_scale(tl.max(tl.abs(y), 0), INV_LIMIT, MIN_AMAX)
         tl.store(scale_ptr + row, scale)
         tl.store(out_ptr + row * stride_o + cols, to_e4m3(y, scale, FP8_LIMIT).to(out_ptr.dtype.element_ty), mask=mask)
     else:
@@ -69,7 +69,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
             rows.stride(0), res_rows.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps, scale,
             HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden), PDL=pdl,
-            FP8_OUT=fp8_out, FP8_LIMIT=FP8_MAX, MIN_AMAX=MIN_AMAX, launch_pdl=pdl,
+            FP8_OUT=fp8_out, FP8_LIMIT=FP8_MAX, INV_LIMIT=INV_FP8_MAX, MIN_AMAX=MIN_AMAX, launch_pdl=pdl,
         )
     if fp8_out:
         return Fp8Rows(out, scale, x.dtype), res_out.view(x.shape)

@@ -167,10 +167,9 @@ def test_fp8_weights_quantize_rows_compiled_equals_the_torch_reference(rows):
 
 
 @pytest.mark.parametrize("rows", [1, 256, 3000])
-def test_fp8_weights_norm_and_silu_kernels_hand_over_what_quantize_rows_makes(rows):
-    """Compiled: RMSNorm (with its residual add) and SiLU-and-mul with fp8_out give, byte for byte, their plain
-    outputs quantized by the torch reference (Llama-3-8B's widths)."""
-    from shardserve.kernels.activation import silu_and_mul
+def test_fp8_weights_norm_kernel_hands_over_what_quantize_rows_makes(rows):
+    """Compiled: RMSNorm (with its residual add) with fp8_out gives, byte for byte, its plain output quantized by the
+    torch reference (Llama-3-8B's width)."""
     from shardserve.kernels.fp8_linear import quantize_rows_ref
     from shardserve.kernels.rmsnorm import add_rms_norm
 
@@ -178,10 +177,8 @@ def test_fp8_weights_norm_and_silu_kernels_hand_over_what_quantize_rows_makes(ro
     r = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
     (normed, summed), (plain, summed_plain) = add_rms_norm(x, r, w, 1e-5, fp8_out=True), add_rms_norm(x, r, w, 1e-5)
-    gate_up = torch.randn(rows, 2 * 14336, device="cuda", dtype=torch.bfloat16) * 3
-    for got, plain_out in ((normed, plain), (silu_and_mul(gate_up, fp8_out=True), silu_and_mul(gate_up))):
-        q_ref, scale_ref = quantize_rows_ref(plain_out)
-        assert torch.equal(got.scale, scale_ref) and torch.equal(got.q.view(torch.uint8), q_ref.view(torch.uint8))
+    q_ref, scale_ref = quantize_rows_ref(plain)
+    assert torch.equal(normed.scale, scale_ref) and torch.equal(normed.q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(summed, summed_plain)
 
 

@@ -82,16 +82,6 @@ def test_rms_norm_with_fp8_out_hands_over_the_rows_quantize_rows_would_make(resi
     assert torch.equal(rows.q.view(torch.uint8), q_ref.view(torch.uint8))
 
 
-@pytest.mark.parametrize("d", [96, 1536, 2500])  # one block, the default model's width, blocks + a tail
-def test_silu_and_mul_with_fp8_out_hands_over_the_rows_quantize_rows_would_make(d):
-    from shardserve.kernels.activation import silu_and_mul
-
-    x = (torch.randn(5, 2 * d, generator=torch.Generator().manual_seed(d)) * 4).to(torch.bfloat16)
-    rows = silu_and_mul(x, fp8_out=True)
-    q_ref, scale_ref = quantize_rows_ref(silu_and_mul(x))
-    assert torch.equal(rows.scale, scale_ref) and torch.equal(rows.q.view(torch.uint8), q_ref.view(torch.uint8))
-
-
 def test_fp8_linear_takes_quantized_rows_as_the_plain_input_would_be_quantized():
     from shardserve.kernels.fp8_linear import Fp8Rows
 

@@ -10,15 +10,11 @@ from shardserve.worker.layers import _fused
 
 
 class SiluAndMul(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fp8_out = False  # as RMSNorm.fp8_out: the output feeds an FP8 linear layer (quantized rows on CUDA)
-
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[..., 2 * d] (gate, then up) -> silu(gate) * up, [..., d]."""
         if _fused.use_fused(gate_up):
             from shardserve.kernels.activation import silu_and_mul
 
-            return silu_and_mul(gate_up, self.fp8_out)
+            return silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)
