@@ -69,8 +69,12 @@ def add_bench_parser(sub) -> None:
     probe.add_argument("--json-out", default=None, help="append the result as a JSON record to this file")
     probe.set_defaults(func=_run("shardserve.bench.probe"))
 
-    quality = kinds.add_parser("kv-quality", help="the FP8 KV cache against the model-dtype cache: greedy agreement, KL")
+    quality = kinds.add_parser("kv-quality", help="the FP8 KV cache (or FP8 weights) against the model's dtype: "
+                               "greedy agreement, KL")
     add_engine_args(quality)
+    quality.add_argument("--fp8", choices=("kv", "weights", "both"), default="kv",
+                         help="what the compared run holds in FP8: the KV cache (kv_cache_dtype=fp8), the linear "
+                         "layers' weights (quantization=fp8) or both; the reference holds neither")
     quality.add_argument("--num-prompts", type=int, default=16, help="prompts of the fixed prompt set")
     quality.add_argument("--max-tokens", type=int, default=64, help="tokens generated (and compared) per prompt")
     quality.add_argument("--json-out", default=None, help="append the result as a JSON record to this file")

@@ -1,5 +1,5 @@
-"""`shardserve bench kv-quality`: what the FP8 KV cache does to a model's outputs, against the cache in the model's
-dtype, on a fixed prompt set.
+"""`shardserve bench kv-quality`: what the FP8 KV cache (`--fp8 kv`, the default), FP8 weights (`--fp8 weights`:
+quantization="fp8") or both do to a model's outputs, against the model's dtype, on a fixed prompt set.
 
 - Greedy agreement, free-running: each prompt generates --max-tokens greedy tokens with each cache; reported are
   the share of prompts whose tokens are all equal and the mean share of tokens before the first difference.
@@ -130,21 +130,26 @@ def compare(ref_tokens, fp8_tokens, ref_logprobs, fp8_logprobs) -> dict:
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.config import build_engine_config
 
-    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k != "kv_cache_dtype"}
+    engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("kv_cache_dtype", "quantization")}
     engine_kwargs.setdefault("max_num_seqs", args.num_prompts)
+    fp8 = getattr(args, "fp8", "kv")
+    compared_kv = "fp8" if fp8 in ("kv", "both") else "auto"
+    compared = dict(engine_kwargs, quantization="fp8" if fp8 in ("weights", "both") else "none")
     prompts, ref_tokens, ref_lp, ref_name = run_cache(engine_kwargs, "auto", None, args.max_tokens,
                                                       num_prompts=args.num_prompts)
-    _, fp8_tokens, fp8_lp, _ = run_cache(engine_kwargs, "fp8", prompts, args.max_tokens, reference=ref_tokens)
+    _, fp8_tokens, fp8_lp, _ = run_cache(compared, compared_kv, prompts, args.max_tokens, reference=ref_tokens)
     result = compare(ref_tokens, fp8_tokens, ref_lp, fp8_lp)
-    print(f"fp8 vs {ref_name} cache over {result['prompts']} prompts x {args.max_tokens} greedy tokens: "
+    what = {"kv": "fp8 cache", "weights": "fp8 weights", "both": "fp8 weights and cache"}[fp8]
+    print(f"{what} vs {ref_name} over {result['prompts']} prompts x {args.max_tokens} greedy tokens: "
           f"all tokens equal on {result['greedy_all_equal']:.0%} of prompts, mean share before the first difference "
           f"{result['greedy_mean_prefix_share']:.1%}; teacher-forced over {result['positions']} positions: mean KL "
           f"{result['kl_mean']:.2e} nats (p99 {result['kl_p99']:.2e}, max {result['kl_max']:.2e}), top-1 agreement "
           f"{result['teacher_forced_top1_agreement']:.2%}", flush=True)
-    config = build_engine_config(**engine_kwargs, kv_cache_dtype="fp8")
+    config = build_engine_config(**compared, kv_cache_dtype=compared_kv)
     record = BenchRecord.for_engine("kv_quality", args.model, config,
                                     workload=dict(num_prompts=args.num_prompts, output_len=args.max_tokens,
-                                                  temperature=0.0, reference_kv_cache_dtype=ref_name))
+                                                  temperature=0.0, reference_kv_cache_dtype=ref_name,
+                                                  reference_quantization="none"))
     record.notes.update(result)
     record.write(args.json_out)
     return 0

@@ -101,6 +101,38 @@ def test_ceiling_arithmetic_reproduces_the_h200_numbers():
         assert result["ceiling_output_tokens_per_s"] == pytest.approx(expected, rel=0.05)
 
 
+def test_ceiling_with_fp8_weights_reads_a_byte_a_weight_and_multiplies_at_twice_the_rate():
+    from transformers import AutoConfig
+
+    from shardserve.bench.roofline import DeviceRates, ModelShape, weight_read_bound_ms, workload_ceiling
+    from shardserve.bench.workload import random_workload
+    from shardserve.models import builtin_config_dir
+
+    h200 = DeviceRates("H200 (environment notes)", 4.25e12, 785e12, 2 << 30, 8192)
+    llama = AutoConfig.from_pretrained(builtin_config_dir("llama-3-8b"))
+    plain, fp8 = ModelShape.from_hf_config(llama), ModelShape.from_hf_config(llama)
+    fp8.fp8_linear = True
+    # the LM head (1.05 GB in bf16) keeps its dtype: 3.53 ms -> (6.98 GB / 2 + 1.05 GB) / 4.25 TB/s = 1.07 + 0.25
+    assert weight_read_bound_ms(fp8, h200) == pytest.approx(1.89, abs=0.02)
+    assert weight_read_bound_ms(plain, h200) == pytest.approx(3.53, abs=0.01)
+    work = random_workload(256, (100, 1024), (100, 1024), llama.vocab_size, seed=0)
+    lens = [len(p) for p in work.prompts]
+    a, b = (workload_ceiling(shape, h200, lens, work.output_lens) for shape in (plain, fp8))
+    assert b["prefill_s"] < 0.55 * a["prefill_s"]  # the linear FLOPs (nearly all of prefill's) at twice the rate
+    assert b["ceiling_output_tokens_per_s"] > a["ceiling_output_tokens_per_s"]
+    assert any("linear weights FP8" in line for line in b["arithmetic"])
+
+
+def test_kv_quality_compares_fp8_weights_against_the_models_dtype(model_dir, tmp_path):
+    out = tmp_path / "q.json"
+    assert cli(["bench", "kv-quality", "--model", model_dir, *SMALL, "--fp8", "weights", "--num-prompts", "2",
+                "--max-tokens", "4", "--json-out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["quantization"] == "fp8" and record["kv_cache_dtype"] == "float32"
+    assert record["workload"]["reference_quantization"] == "none" and record["notes"]["positions"] == 2 * 4
+    assert record["notes"]["kl_mean"] > 0  # the weights were quantized: the distributions moved
+
+
 def test_timed_executor_offers_submit_and_collect_only_when_the_executor_has_them():
     from shardserve.bench.harness import TimedExecutor
     from shardserve.proto.plan import StepPlan, StepResult
