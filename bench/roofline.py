@@ -201,7 +201,8 @@ def workload_ceiling(shape: ModelShape, rates: DeviceRates, input_lens: list[int
         f"per rank (tp={shape.tp}): weights read per decode step {shape.decode_weight_bytes / 1e9:.3f} GB "
         f"-> {weight_s * 1e3:.3f} ms; KV per token {shape.kv_bytes_per_token / 1024:.1f} KiB "
         f"({shape.kv_dtype_bytes or shape.dtype_bytes} bytes per element)"
-        + (f"; linear weights FP8, their products at {shape.linear_rate_factor:g}x the matmul rate" if shape.fp8_linear else ""),
+        + (f"; linear weights FP8, their products at {shape.linear_rate_factor:g}x the matmul rate"
+           if shape.fp8_linear else ""),
         f"prefill: {inputs.sum():.0f} prompt tokens, {prefill_flops / 1e12:.1f} TFLOP -> {prefill_s:.3f} s",
         f"decode: {steps} steps (batch {len(outputs)} -> 1), memory {decode_memory_s:.3f} s, compute "
         f"{decode_compute_s:.3f} s, sum of per-step max {decode_s:.3f} s",

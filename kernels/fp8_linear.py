@@ -15,6 +15,7 @@ same numbers slower, so the format's effect on a model's outputs can be measured
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
@@ -31,18 +32,11 @@ INV_FP8_MAX = 1.0 / FP8_MAX
 
 
 class Fp8Rows(NamedTuple):
-    """Activations already quantized per token (quantize_rows' output), from a kernel that produced them that way
-    (kernels/rmsnorm.py, kernels/activation.py with fp8_out): what an FP8 linear layer takes as it is."""
+    """Activations already quantized per token, as quantize_rows makes them, by the kernel that computed them
+    (kernels/rmsnorm.py with fp8_out): what an FP8 linear layer takes as it is."""
     q: torch.Tensor  # [M, K] e4m3
     scale: torch.Tensor  # [M, 1] float32
     dtype: torch.dtype  # the model's dtype: the product's output
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.q.shape
-
-    def dequantize(self) -> torch.Tensor:
-        return (self.q.float() * self.scale).to(self.dtype)
 
 
 @triton.jit
@@ -60,7 +54,7 @@ def to_e4m3(x, scale, FP8_LIMIT: tl.constexpr):
 @triton.jit
 def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_o,
                           FP8_LIMIT: tl.constexpr, INV_LIMIT: tl.constexpr, MIN: tl.constexpr, BLOCK: tl.constexpr):
-    """Grid (M,). Program m: the row's largest magnitude, its scale amax / 448, then the row divided by it and
+    """Grid (M,). Program m: the row's largest magnitude, its scale (row_scale), then the row divided by it and
     rounded to e4m3 (in two passes over the row; a row of a projection's input is at most a few tens of KB)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -86,8 +80,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(rows, 1, dtype=torch.float32, device=x.device)
     if rows:
         block = min(2048, triton.next_power_of_2(k))
-        _quantize_rows_kernel[(rows,)](x, out, scale, k, x.stride(0), out.stride(0),
-                                       FP8_LIMIT=FP8_MAX, INV_LIMIT=INV_FP8_MAX, MIN=MIN_AMAX, BLOCK=block, num_warps=4 if block <= 1024 else 8)
+        _quantize_rows_kernel[(rows,)](x, out, scale, k, x.stride(0), out.stride(0), FP8_LIMIT=FP8_MAX,
+                                       INV_LIMIT=INV_FP8_MAX, MIN=MIN_AMAX, BLOCK=block,
+                                       num_warps=4 if block <= 1024 else 8)
     return out, scale
 
 
@@ -104,10 +99,14 @@ def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale.t().contiguous()
 
 
+@functools.cache
+def _fp8_capable(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _tensor_cores(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether torch._scaled_mm takes this product: CUDA (compute capability >= 8.9) and K, N multiples of 16."""
-    return (x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
-            and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0)
+    return x.is_cuda and weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0 and _fp8_capable(x.device)
 
 
 def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: torch.Tensor,

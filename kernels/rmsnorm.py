@@ -45,12 +45,14 @@ def _rms_norm_kernel(
         y = (normed * weight).to(x_ptr.dtype.element_ty).to(tl.float32)
         scale = row_scale(tl.max(tl.abs(y), 0), INV_LIMIT, MIN_AMAX)
         tl.store(scale_ptr + row, scale)
-        tl.store(out_ptr + row * stride_o + cols, to_e4m3(y, scale, FP8_LIMIT).to(out_ptr.dtype.element_ty), mask=mask)
+        q = to_e4m3(y, scale, FP8_LIMIT)
+        tl.store(out_ptr + row * stride_o + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.store(out_ptr + row * stride_o + cols, (normed * weight).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8_out: bool = False):
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            fp8_out: bool = False):
     hidden = x.shape[-1]
     if weight.shape != (hidden,):
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match hidden size {hidden}")
