@@ -156,11 +156,12 @@ def test_pairs_widening_in_ptx_gives_every_e4m3_value_exactly():
 # ---- FP8 weights (quantization="fp8", kernels/fp8_linear.py) ----------------------------------------------------
 
 
-@pytest.mark.parametrize("rows", [1, 7, 256, 4096])
-def test_fp8_weights_quantize_rows_compiled_equals_the_torch_reference(rows):
+@pytest.mark.parametrize("rows, k", [(1, 4096), (7, 14336), (256, 4096), (4096, 4096), (64, 20480)])
+def test_fp8_weights_quantize_rows_compiled_equals_the_torch_reference(rows, k):
+    """Byte for byte (20,480: the two-pass form, past WHOLE_ROW_MAX)."""
     from shardserve.kernels.fp8_linear import quantize_rows, quantize_rows_ref
 
-    x = torch.randn(rows, 14336 if rows == 7 else 4096, device="cuda", dtype=torch.bfloat16) * 3
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16) * 3
     q, scale = quantize_rows(x)
     q_ref, scale_ref = quantize_rows_ref(x)
     assert torch.equal(scale, scale_ref) and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
