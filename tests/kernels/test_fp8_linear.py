@@ -12,7 +12,7 @@ from shardserve.worker.layers.linear import ColumnParallelLinear, RowParallelLin
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [64, 576, 3000, 20000])  # a short row, the default model's hidden size, a tail, two passes
+@pytest.mark.parametrize("k", [64, 576, 3000, 20000])  # short, the default model's hidden size, a tail, two passes
 def test_quantize_rows_matches_the_torch_reference_byte_for_byte(dtype, k):
     g = torch.Generator().manual_seed(k)
     x = (torch.randn(5, k, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 1.0])[:, None]).to(dtype)
