@@ -59,6 +59,14 @@ def read_model_facts(model_dir: str) -> ModelFacts:
             f"{os.path.join(model_dir, 'config.json')}: architecture {architecture!r} is not supported; "
             f"shardserve runs {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    quantized = getattr(config, "quantization_config", None)
+    if quantized:  # its weights come with their own scales and layouts, which the loader does not read
+        method = quantized.get("quant_method", "?") if isinstance(quantized, dict) else "?"
+        raise ValueError(
+            f"{os.path.join(model_dir, 'config.json')}: a quantized checkpoint (quantization_config, method "
+            f"{method!r}) is not supported; load the unquantized checkpoint (float32, bfloat16 or float16), with "
+            "quantization='fp8' (--quantization fp8) for FP8 weights"
+        )
     return ModelFacts(
         architecture=architecture,
         vocab_size=config.vocab_size,

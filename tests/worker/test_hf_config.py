@@ -108,6 +108,14 @@ def test_the_controllers_facts_take_the_same_defaults_as_the_workers_model(tmp_p
     assert (facts.num_key_value_heads, facts.max_position_embeddings, facts.sliding_window) == (32, 32768, None)
 
 
+def test_a_quantized_checkpoint_is_refused_naming_its_method_and_the_way_to_fp8_weights(tmp_path):
+    config = dict(SMALL, model_type="llama", architectures=["LlamaForCausalLM"],
+                  quantization_config={"quant_method": "fp8", "activation_scheme": "dynamic"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized checkpoint .*'fp8'.*--quantization fp8"):
+        read_model_facts(str(tmp_path))
+
+
 def test_a_folder_without_config_json_is_refused(tmp_path):
     with pytest.raises(ValueError, match="has no config.json"):
         read_hf_config(str(tmp_path))
