@@ -224,6 +224,15 @@ start_step compare_hf_qwen3 120 45 1 $(bench compare_hf_qwen3 offline --model $S
   --input-len $LENS --output-len $HF_OUT --max-model-len $MML_OFF --compare hf --hf-prompts $N_HF --no-roofline)
 finish_step offline_llama8b; finish_step compare_hf_qwen3
 
+# (e2) offline Llama-3-8B with FP8 weights (quantization=fp8: a quantized model, beside the bf16 figures) [GPU 0]
+# ||  the same with the FP8 KV cache too [GPU 1]
+start_step offline_llama8b_fp8w 120 45 0 $(bench offline_llama8b_fp8w offline --model $BIG $DEV --quantization fp8 \
+  --num-prompts $N_BIG --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF)
+start_step offline_llama8b_fp8w_fp8 120 45 1 $(bench offline_llama8b_fp8w_fp8 offline --model $BIG $DEV \
+  --quantization fp8 --kv-cache-dtype fp8 --num-prompts $N_BIG --input-len $LENS --output-len $OLENS \
+  --max-model-len $MML_OFF)
+finish_step offline_llama8b_fp8w; finish_step offline_llama8b_fp8w_fp8
+
 # (g) control plane at TP=2, steady-state decode at batch 64: the Ray + gRPC cluster, then local processes
 start_step control_plane_tp2 150 60 all $(bench control_plane_tp2 control-plane --model $BIG $DEV --tp 2 \
   --num-prompts $N_CP --input-len $CP_IN --output-len $CP_OUT --max-model-len $MML_LAT --max-num-seqs $N_CP \
