@@ -132,7 +132,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
 
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("kv_cache_dtype", "quantization")}
     engine_kwargs.setdefault("max_num_seqs", args.num_prompts)
-    fp8 = getattr(args, "fp8", "kv")
+    fp8 = args.fp8
     compared_kv = "fp8" if fp8 in ("kv", "both") else "auto"
     compared = dict(engine_kwargs, quantization="fp8" if fp8 in ("weights", "both") else "none")
     prompts, ref_tokens, ref_lp, ref_name = run_cache(engine_kwargs, "auto", None, args.max_tokens,

@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.fp8_linear import INV_FP8_MAX, MIN_AMAX, Fp8Rows, row_scale, to_e4m3
+from shardserve.kernels.fp8_linear import INV_FP8_MAX, MIN_AMAX, Fp8Rows, row_scale
 from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX
+from shardserve.kernels.store_kv import to_e4m3
 from shardserve.kernels.pdl import chained, start_as_dependent
 
 
@@ -21,7 +22,7 @@ def _rms_norm_kernel(
     stride_x, stride_r, stride_o, stride_ro,
     hidden, eps, scale_ptr,
     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False, FP8_OUT: tl.constexpr = False,
-    FP8_LIMIT: tl.constexpr = 448.0, INV_LIMIT: tl.constexpr = 1.0 / 448, MIN_AMAX: tl.constexpr = 1e-12,
+    FP8_LIMIT: tl.constexpr = None, INV_LIMIT: tl.constexpr = None, MIN_AMAX: tl.constexpr = None,
 ):
     """Grid (rows,). Program r normalises row r (adding its residual first when HAS_RESIDUAL). Every load comes
     before the residual's store (a load after a store that may alias it waits for it). PDL: launched as a

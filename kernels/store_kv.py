@@ -31,11 +31,17 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
-def quantize_e4m3(x, scale, FP8_LIMIT: tl.constexpr):
-    """x [heads, dims] -> x / scale (scale [heads] float32) rounded to e4m3, still float32 (the store into an FP8
-    cache then converts it exactly)."""
+def to_e4m3(x, scale, FP8_LIMIT: tl.constexpr):
+    """x / scale (x float32, scale broadcastable to it) rounded to e4m3, still float32 (its store into an FP8 tensor
+    then converts it exactly)."""
     # div_rn: IEEE division, as torch divides (Triton's "/" on float32 may be an approximate division)
-    return _round_to_e4m3(tl.clamp(tl.math.div_rn(x.to(tl.float32), scale[:, None]), -FP8_LIMIT, FP8_LIMIT))
+    return _round_to_e4m3(tl.clamp(tl.math.div_rn(x, scale), -FP8_LIMIT, FP8_LIMIT))
+
+
+@triton.jit
+def quantize_e4m3(x, scale, FP8_LIMIT: tl.constexpr):
+    """x [heads, dims] over its heads' scales ([heads] float32): to_e4m3 a head at a time."""
+    return to_e4m3(x.to(tl.float32), scale[:, None], FP8_LIMIT)
 
 
 class KVWrite(NamedTuple):

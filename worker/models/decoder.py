@@ -110,8 +110,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions, x, residual, kv_cache, meta) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(x, residual) -> (x, residual) of the next layer; residual None: x is the whole residual stream."""
-        # (the one-row GEMVs read half-precision weights: not where they are FP8)
-        if residual is None and self.one_row_ok and _fused.one_row(x) and self.mlp.down_proj.weight_scale is None:
+        if residual is None and self.one_row_ok and _fused.one_row(x):
             return self.forward_one_row(positions, x, kv_cache, meta), None
         if residual is None:
             residual, x = x, self.input_layernorm(x)
@@ -200,6 +199,7 @@ class DecoderForCausalLM(nn.Module):
         quantize_linear_weights(self)
         for layer in self.model.layers:
             layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = True
+            layer.one_row_ok = False  # the one-row GEMVs read half-precision weights
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] in the model dtype, the full vocabulary on every rank."""
