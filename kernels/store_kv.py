@@ -21,13 +21,15 @@ def _round_to_e4m3(x):
     """x (float32) clamped to +-448 -> the nearest e4m3 value (ties to even), still float32. The conversion to fp8
     is then exact: Triton's interpreter rounds fp32 -> fp8 wrongly when the mantissa carries (7.8 -> 4.0), and on
     the GPU an exact value converts the same. Adding 2^(e+20) to |x| in [2^e, 2^(e+1)) leaves float32 a step of
-    2^(e-3), e4m3's step at that exponent (2^-9 below 2^-6, e4m3's subnormals)."""
+    2^(e-3), e4m3's step at that exponent (2^-9 below 2^-6, e4m3's subnormals). x's sign bit is put back as a bit:
+    a negative x that rounds to zero gives -0 as torch's conversion does (Triton compiles -r as 0 - r, which is +0)."""
     a = tl.abs(x)
     bits = a.to(tl.int32, bitcast=True) & 0x7F800000
     bits = tl.maximum(bits, (127 - 6) << 23)
     big = (bits + (20 << 23)).to(tl.float32, bitcast=True)
     r = (a + big) - big
-    return tl.where(x < 0, -r, r)
+    sign = x.to(tl.int32, bitcast=True) & (-0x7FFFFFFF - 1)
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit

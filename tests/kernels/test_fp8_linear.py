@@ -18,6 +18,7 @@ def test_quantize_rows_matches_the_torch_reference_byte_for_byte(dtype, k):
     x = (torch.randn(5, k, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 1.0])[:, None]).to(dtype)
     x[4] = 0.0  # a row of zeros
     x[1, 7] = -5.0  # a row whose largest magnitude is negative
+    x[2, 5] = -1e-9  # rounds to zero: -0 (0x80), as torch converts it
     q, scale = quantize_rows(x)
     q_ref, scale_ref = quantize_rows_ref(x)
     assert q.dtype == FP8_DTYPE and scale.shape == (5, 1)
@@ -26,6 +27,7 @@ def test_quantize_rows_matches_the_torch_reference_byte_for_byte(dtype, k):
     # each row's largest magnitude lands on +-448, and the zero row stays zero with a finite scale
     assert torch.equal(q[:4].float().abs().amax(-1), torch.full((4,), FP8_MAX))
     assert q[1, 7].float() == -FP8_MAX and q[4].float().abs().max() == 0 and scale[4] > 0
+    assert q.view(torch.uint8)[2, 5] == 0x80
 
 
 def test_quantized_product_is_within_the_formats_error_and_scales_per_channel():
