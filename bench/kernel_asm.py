@@ -74,18 +74,23 @@ def compile_one_row(arch: int = 90) -> dict[str, object]:
     from shardserve.kernels.gemv import GEMV_KERNEL
     from shardserve.kernels.rope import ROPE_KERNEL
 
-    gemv_types = dict.fromkeys(("x_ptr", "w_ptr", "out_ptr", "norm_ptr", "res_ptr"), "*bf16") | {"eps": "fp32"}
+    gemv_types = dict.fromkeys(("x_ptr", "w_ptr", "out_ptr", "norm_ptr", "res_ptr"), "*bf16") | {
+        "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "eps": "fp32"}
     gemv_aligned = set(gemv_types) - {"eps"} | {"N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm"}
     base = dict(BLOCK_N=8, BLOCK_K=1024, ROWS=1, SPLIT_K=1, NORM=False, NORM_BLOCK=1, SILU=False, RESIDUAL=False,
                 PDL=True, FLAT=False)  # FLAT named: left out, it would compile as an argument, both branches in
+    fp8 = dict(W_SCALED=True)  # e4m3 weights (quantization="fp8")
     kernels = {
-        "gemv_norm": (base | dict(NORM=True, NORM_BLOCK=4096)),
-        "gemv_silu_residual": (base | dict(SILU=True, RESIDUAL=True)),
-        "gemv_norm_flat": (base | dict(NORM=True, NORM_BLOCK=4096, FLAT=True)),
-        "gemv_silu_residual_flat": (base | dict(SILU=True, RESIDUAL=True, FLAT=True)),
+        "gemv_norm": (base | dict(NORM=True, NORM_BLOCK=4096), {}),
+        "gemv_silu_residual": (base | dict(SILU=True, RESIDUAL=True), {}),
+        "gemv_norm_flat": (base | dict(NORM=True, NORM_BLOCK=4096, FLAT=True), {}),
+        "gemv_silu_residual_flat": (base | dict(SILU=True, RESIDUAL=True, FLAT=True), {}),
+        "gemv_fp8_norm_flat": (base | dict(NORM=True, NORM_BLOCK=4096, FLAT=True) | fp8, {"w_ptr": "*fp8e4nv"}),
+        "gemv_fp8_silu_residual_flat": (base | dict(SILU=True, RESIDUAL=True, FLAT=True) | fp8,
+                                        {"w_ptr": "*fp8e4nv"}),
     }
-    out = {name: compile_kernel(GEMV_KERNEL, gemv_types, c, gemv_aligned, arch, num_warps=4, launch_pdl=True)
-           for name, c in kernels.items()}
+    out = {name: compile_kernel(GEMV_KERNEL, gemv_types | types, c, gemv_aligned, arch, num_warps=4, launch_pdl=True)
+           for name, (c, types) in kernels.items()}
     rope_types = dict.fromkeys(("q_ptr", "k_ptr", "q_norm_ptr", "k_norm_ptr", "v_ptr"), "*bf16") | {
         "positions_ptr": "*i64", "slot_ptr": "*i64", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "k_scale_ptr": "*fp32",
         "v_scale_ptr": "*fp32", "eps": "fp32"}

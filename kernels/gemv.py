@@ -14,6 +14,12 @@ The layer's small kernels can ride along (gemv_fused), so a one-row decoder laye
 Each is rounded exactly as the separate kernels round (kernels/rmsnorm.py, activation.py), so the fused layer
 computes what the unfused one does.
 
+FP8 weights (`quantization="fp8"`, kernels/fp8_linear.py): W is e4m3 [N, K] with a float32 scale per output
+channel; each weight tile is widened in registers (exactly) and the sum over K multiplied by the column's scale.
+x stays in the model's dtype (W8A16): at one row the product is a pass over the weight, so quantizing x would buy
+no speed and only add its rounding. An already quantized x (Fp8Rows, where RMSNorm hands one over: TP > 1) is read
+as it is, its row scale applied with the weight's. A one-row step then reads about half the bytes of bf16 weights.
+
 On Hopper a one-pass GEMV is launched as a programmatic dependent of the kernel before it (PDL): its programs may
 start while that kernel finishes and load their first weight tile, then wait (griddepcontrol.wait) before reading x.
 Everything it writes comes after the wait, and every program waits, so the kernel after it sees all before it.
@@ -28,6 +34,7 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from shardserve.kernels.kv_fp8 import FP8_DTYPE
 from shardserve.kernels.pdl import supported as pdl_supported
 
 MAX_ROWS = 4
@@ -80,17 +87,18 @@ def _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd,
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, stride_wn, stride_om, stride_rm, eps,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, SPLIT_K: tl.constexpr,
-                 NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr, RESIDUAL: tl.constexpr,
-                 PDL: tl.constexpr, FLAT: tl.constexpr = False):
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, w_scale_ptr, x_scale_ptr, M, N, K, stride_xm, stride_wn,
+                 stride_om, stride_rm, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                 SPLIT_K: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr,
+                 RESIDUAL: tl.constexpr, PDL: tl.constexpr, FLAT: tl.constexpr = False,
+                 W_SCALED: tl.constexpr = False, X_SCALED: tl.constexpr = False):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K). out[m, n] = sum_k in(x)[m, k] * w[n, k] (+ res[m, n]) for m < M <= ROWS,
     in(x) = x, RMSNorm(x) * norm (NORM) or silu(x[:, :K]) * x[:, K:] (SILU). PDL: launched as a programmatic
     dependent of the kernel before it, the program loads its first weight tile (which no kernel writes) before
     waiting for that kernel's output. FLAT (ROWS == 1): the weight tile stays in the layout it was loaded in (the
     [ROWS, BLOCK_N, BLOCK_K] product has Triton pass every weight tile through shared memory, with barriers, to
-    reduce it; kernel_asm --one-row shows it)."""
-    dt = x_ptr.dtype.element_ty
+    reduce it; kernel_asm --one-row shows it). W_SCALED: w is e4m3, the sums times w_scale[n]; X_SCALED: x is
+    e4m3 too, the sums times x_scale[m]."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,12 +145,16 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, M, N, K, stride_xm, s
             w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K)
             x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
             acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    if W_SCALED:
+        acc = acc * tl.load(w_scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
+    if X_SCALED:
+        acc = acc * tl.load(x_scale_ptr + rows, mask=row_ok, other=0.0)[:, None]
     ptrs = out_ptr + rows[:, None] * stride_om + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
         if RESIDUAL:  # the matmul's output rounded, then the add rounded: the unfused order
             res = tl.load(res_ptr + rows[:, None] * stride_rm + cols[None, :], mask=mask, other=0.0)
-            acc = acc.to(dt).to(tl.float32) + res.to(tl.float32)
+            acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) + res.to(tl.float32)
         tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(ptrs, acc, mask=mask)
@@ -152,16 +164,20 @@ GEMV_KERNEL = _gemv_kernel  # the jitted kernel itself, which bench/kernel_asm.p
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, block_n: int = 16, block_k: int = 512, warps: int = 4,
-         split_k: int = 1) -> torch.Tensor:
-    """x [M, K] (M <= MAX_ROWS), weight [N, K] with K contiguous -> [M, N] in x's dtype."""
-    return _launch(x, weight, x.shape[-1], block_n, block_k, warps, split_k)
+         split_k: int = 1, weight_scale: torch.Tensor | None = None, x_scale: torch.Tensor | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (M <= MAX_ROWS), weight [N, K] with K contiguous -> [M, N] in x's dtype (out_dtype for an e4m3 x).
+    An e4m3 weight comes with weight_scale ([N] or [1, N] float32), an e4m3 x with x_scale ([M] or [M, 1])."""
+    return _launch(x, weight, x.shape[-1], block_n, block_k, warps, split_k, weight_scale=weight_scale,
+                   x_scale=x_scale, out_dtype=out_dtype)
 
 
 def gemv_fused(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None,
                silu: bool = False, residual: torch.Tensor | None = None, block_n: int = 8, block_k: int = 1024,
-               warps: int = 4) -> torch.Tensor:
+               warps: int = 4, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The one-pass GEMV with a layer's small kernels in it (the module docstring): norm = (weight [K], eps) reads
-    x through RMSNorm; silu reads x [M, 2K] as silu(gate) * up; residual [M, N] is added to the output."""
+    x through RMSNorm; silu reads x [M, 2K] as silu(gate) * up; residual [M, N] is added to the output. An e4m3
+    weight comes with its weight_scale."""
     if norm is not None and silu:
         raise ValueError("gemv_fused: norm and silu are two readings of x; pick one")
     k = x.shape[-1] // 2 if silu else x.shape[-1]
@@ -169,28 +185,44 @@ def gemv_fused(x: torch.Tensor, weight: torch.Tensor, norm: tuple[torch.Tensor, 
         raise ValueError(f"gemv_fused: norm weight {tuple(norm[0].shape)} for K = {k}")
     if residual is not None and (residual.shape != (x.shape[0], weight.shape[0]) or residual.stride(-1) != 1):
         raise ValueError(f"gemv_fused: residual {tuple(residual.shape)} for {x.shape[0]} x {weight.shape[0]} out")
-    return _launch(x, weight, k, block_n, block_k, warps, 1, norm, silu, residual)
+    return _launch(x, weight, k, block_n, block_k, warps, 1, norm, silu, residual, weight_scale)
+
+
+def _scales(scale: torch.Tensor | None, length: int, what: str) -> torch.Tensor | None:
+    if scale is None:
+        return None
+    if scale.dtype != torch.float32 or scale.numel() != length:
+        raise ValueError(f"gemv: {what} {tuple(scale.shape)} {scale.dtype} for {length} (float32 wanted)")
+    return scale.reshape(length).contiguous()
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k: int, warps: int, split_k: int,
             norm: tuple[torch.Tensor, float] | None = None, silu: bool = False,
-            residual: torch.Tensor | None = None) -> torch.Tensor:
+            residual: torch.Tensor | None = None, weight_scale: torch.Tensor | None = None,
+            x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     m = x.shape[0]
     n = weight.shape[0]
     if x.dim() != 2 or m > MAX_ROWS or weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"gemv: x {tuple(x.shape)} and weight {tuple(weight.shape)} (stride {weight.stride()})")
+    if (weight.dtype == FP8_DTYPE) != (weight_scale is not None) or (x.dtype == FP8_DTYPE) != (x_scale is not None):
+        raise ValueError("gemv: an e4m3 operand comes with its scales, and only an e4m3 one")
+    if x.dtype == FP8_DTYPE and (norm is not None or silu or out_dtype is None):
+        raise ValueError("gemv: an e4m3 x is read as it is (no norm or SiLU) and needs out_dtype")
+    w_scale, x_scales = _scales(weight_scale, n, "weight_scale"), _scales(x_scale, m, "x_scale")
     x = x.contiguous()
     if split_k == 1:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     else:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), split_k)
     pdl = PDL and split_k == 1 and pdl_supported(x)  # split-K: its output is zero-filled before
     _gemv_kernel[grid](x, weight, out, norm[0] if norm is not None else x, residual if residual is not None else x,
+                       w_scale if w_scale is not None else x, x_scales if x_scales is not None else x,
                        m, n, k, x.stride(0), weight.stride(0), out.stride(0),
                        residual.stride(0) if residual is not None else 0, norm[1] if norm is not None else 0.0,
                        BLOCK_N=block_n, BLOCK_K=block_k, ROWS=triton.next_power_of_2(m), SPLIT_K=split_k,
                        NORM=norm is not None, NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
                        SILU=silu, RESIDUAL=residual is not None, PDL=pdl,
-                       FLAT=_flat(m, norm is not None, silu, residual is not None), num_warps=warps, launch_pdl=pdl)
-    return out if split_k == 1 else out.to(x.dtype)
+                       FLAT=_flat(m, norm is not None, silu, residual is not None),
+                       W_SCALED=w_scale is not None, X_SCALED=x_scales is not None, num_warps=warps, launch_pdl=pdl)
+    return out if split_k == 1 else out.to(out_dtype or x.dtype)

@@ -227,3 +227,43 @@ def test_fp8_weights_engine_graphs_equal_eager_and_stay_near_bf16(tmp_path):
     result = compare(ref_tokens, q_tokens, ref_lp, q_lp)
     print("fp8 weights against bf16, Qwen3-0.6B random weights, 8 prompts x 16 tokens:", result)
     assert result["kl_mean"] < 0.1, result  # measured in docs/performance.md ("FP8 weights")
+
+
+def test_fp8_weights_at_batch_1_take_the_one_row_layers_in_graphs_and_eagerly(tmp_path, monkeypatch):
+    """One prompt at a time with FP8 weights: the decoder layers take the one-row path (GEMVs reading the e4m3
+    weights, gemv.py), eagerly and inside the batch-1 graph, with the same greedy tokens both ways. (That those
+    GEMVs compute the widened weights' product is tests/kernels/test_one_row_layer.py, compiled when run here.)"""
+    from test_engine_gpu import PROMPTS, assert_greedy_equal_or_near_tie, generate
+
+    from shardserve.worker.models.decoder import DecoderLayer
+    from tests.hf_reference import make_tiny_model
+
+    calls = []
+    original = DecoderLayer.forward_one_row
+    monkeypatch.setattr(DecoderLayer, "forward_one_row", lambda self, *a: calls.append(1) or original(self, *a))
+    folder = make_tiny_model(tmp_path / "llama", "llama", num_heads=4, num_kv_heads=2, head_dim=64, hidden_size=256,
+                             intermediate_size=512, vocab_size=512)
+    prompts = PROMPTS[1:2]
+    eager, _ = generate(folder, prompts, "bfloat16", enforce_eager=True, quantization="fp8")
+    assert calls
+    calls.clear()
+    graphs, info = generate(folder, prompts, "bfloat16", quantization="fp8")
+    assert calls and info["graphs"] is not None and all(info["served"])
+    assert_greedy_equal_or_near_tie(eager, graphs)
+
+
+def test_fp8_weights_one_row_matmul_takes_the_gemv_for_plain_and_quantized_rows():
+    """layers/linear.py: matmul at one row with an e4m3 weight runs the GEMV (no tensor cores), for a plain row
+    (W8A16) and for one RMSNorm handed over quantized (Fp8Rows; TP > 1): the widened operands' product."""
+    from shardserve.kernels.fp8_linear import Fp8Rows, fp8_linear_ref, quantize_rows, quantize_weight
+    from shardserve.worker.layers.linear import matmul
+
+    x = torch.randn(1, 14336, device="cuda").to(torch.bfloat16)
+    wq, w_scale = quantize_weight((torch.randn(4096, 14336, device="cuda") * 0.02).to(torch.bfloat16))
+    widened = wq.float() * w_scale.t()
+    plain = matmul(x, wq, None, w_scale)
+    ref = x.float() @ widened.t()
+    assert plain.dtype == torch.bfloat16 and ((plain.float() - ref).norm() / ref.norm()) < 1e-2
+    quantized = matmul(Fp8Rows(*quantize_rows(x), torch.bfloat16), wq, None, w_scale)
+    ref = fp8_linear_ref(x, wq, w_scale)
+    assert quantized.dtype == torch.bfloat16 and ((quantized.float() - ref).norm() / ref.norm()) < 1e-2

@@ -36,6 +36,7 @@ def test_the_one_row_kernels_compile_for_sm90_with_their_launch_settings():
     assert done.returncode == 0, done.stderr[-2000:]
     kernels = json.loads(done.stdout.strip().splitlines()[-1])
     assert set(kernels) == {"gemv_norm", "gemv_silu_residual", "gemv_norm_flat", "gemv_silu_residual_flat",
+                            "gemv_fp8_norm_flat", "gemv_fp8_silu_residual_flat",
                             "rope_store_bf16", "rope_store_fp8", "rope_store_fp8_pdl", "decode_bf16_pdl"}
     for name, ptx in kernels.items():  # launch_dependents and wait where launched as a dependent, none elsewhere
         assert ptx["griddepcontrol"] == (2 if name.startswith("gemv") or name.endswith("_pdl") else 0), name
@@ -43,3 +44,7 @@ def test_the_one_row_kernels_compile_for_sm90_with_their_launch_settings():
     for reading in ("gemv_norm", "gemv_silu_residual"):
         assert kernels[reading]["st.shared.v4.b32"] >= 16  # the weight tiles through shared memory
         assert kernels[reading + "_flat"].get("st.shared.v4.b32", 0) <= 4  # only the final cross-lane sum
+        # e4m3 weights: widened in registers; only x's tile goes through shared memory, into the e4m3 tile's layout
+        # (16 elements a thread against bf16's 8): 4 stores a tile, 12 in the unrolled code
+        fp8 = kernels[reading.replace("gemv", "gemv_fp8") + "_flat"]
+        assert fp8.get("cvt.rn.f16x2.e4m3x2", 0) > 0 and fp8.get("st.shared.v4.b32", 0) <= 12, fp8

@@ -88,35 +88,91 @@ def test_rope_writing_the_cache_equals_rope_then_store_kv(cache):
     assert int((k_fused.float().abs().sum((2, 3)) > 0).sum()) == 4  # four tokens stored, slot -1 nowhere
 
 
+@pytest.mark.parametrize("x_e4m3", [False, True])
+def test_gemv_reads_e4m3_weights_with_their_scales(x_e4m3):
+    """quantization="fp8": the GEMV widens e4m3 weights and applies each output channel's scale (and an e4m3 x's
+    row scales): the float32 product of the widened operands."""
+    from shardserve.kernels.fp8_linear import quantize_rows_ref, quantize_weight
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 200, generator=gen).to(DEVICE)
+    wq, w_scale = quantize_weight((torch.randn(37, 200, generator=gen) * 0.1).to(DEVICE))
+    w = wq.float() * w_scale.t()
+    if x_e4m3:
+        xq, x_scale = quantize_rows_ref(x)
+        out = gemv(xq, wq, block_n=16, block_k=64, weight_scale=w_scale, x_scale=x_scale, out_dtype=torch.float32)
+        ref = (xq.float() * x_scale) @ w.t()
+    else:
+        out = gemv(x, wq, block_n=16, block_k=64, weight_scale=w_scale)
+        ref = x @ w.t()
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="scales"):
+        gemv(x, wq)  # an e4m3 weight without its scales
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("backend_name", ["torch", "triton"])
 def test_one_row_decode_equals_the_layer_by_layer_path(arch, backend_name, tmp_path, monkeypatch):
-    from transformers import AutoConfig
-
     from shardserve.kernels.torch_backend import TorchAttentionBackend
     from shardserve.kernels.triton_backend import TritonAttentionBackend
-    from shardserve.worker.layers import _fused
+
+    backend = TorchAttentionBackend() if backend_name == "torch" else TritonAttentionBackend()
+    config, model = _tiny_model(tmp_path, arch, backend)
+    _one_row_against_plain(config, model, model, monkeypatch)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_one_row_decode_with_fp8_weights_reads_them_unquantized_activations(arch, tmp_path, monkeypatch):
+    """quantization="fp8" at one row: the layer's GEMVs read the e4m3 weights with their scales and the activations
+    as they are (W8A16; gemv.py), i.e. the layer-by-layer path of a model whose weights are the widened e4m3 ones."""
+    from shardserve.kernels.fp8_linear import quantize_weight
+    from shardserve.kernels.triton_backend import TritonAttentionBackend
+    from shardserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    config, fp8 = _tiny_model(tmp_path, arch, TritonAttentionBackend())
+    _, widened = _tiny_model(tmp_path, arch, TritonAttentionBackend())
+    fp8.quantize_weights_fp8()
+    for layer in widened.modules():
+        if isinstance(layer, (ColumnParallelLinear, RowParallelLinear)):
+            wq, scale = quantize_weight(layer.weight.data)
+            layer.weight.data = wq.float() * scale.t()
+    assert fp8.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE
+    _one_row_against_plain(config, widened, fp8, monkeypatch)
+
+
+def _tiny_model(tmp_path, arch, backend):
+    from transformers import AutoConfig
+
     from shardserve.worker.loader import load_weights
     from shardserve.worker.models.registry import build_model
     from tests.hf_reference import make_tiny_model
-    from tests.kernels._paged_batch import make_batch
 
     folder = make_tiny_model(tmp_path / arch, arch, num_heads=4, num_kv_heads=2, head_dim=16, hidden_size=64)
     config = AutoConfig.from_pretrained(folder)
-    backend = TorchAttentionBackend() if backend_name == "torch" else TritonAttentionBackend()
     model = build_model(config, torch.float32, torch.device(DEVICE), backend)
     load_weights(model, folder)
+    return config, model
+
+
+def _one_row_against_plain(config, plain_model, one_row_model, monkeypatch):
+    """A one-token decode through plain_model's torch layers and through one_row_model's one-row layers (forced
+    on): the same logits and caches."""
+    from shardserve.worker.layers import _fused
+    from tests.kernels._paged_batch import make_batch
+
     _, _, _, k_cache, v_cache, meta = make_batch([1], [9], num_heads=4, num_kv_heads=2, head_dim=16, block_size=4,
                                                  dtype=torch.float32, device=DEVICE)
     input_ids, positions = torch.tensor([42], device=DEVICE), torch.tensor([8], device=DEVICE)
     one_row_layers = []
-    original = type(model.model.layers[0]).forward_one_row
+    original = type(one_row_model.model.layers[0]).forward_one_row
 
     def counted(self, *args):
         one_row_layers.append(self)
         return original(self, *args)
 
     def forward(one_row: bool):  # the plain path: torch layers, the backend storing K/V itself
+        model = one_row_model if one_row else plain_model
         monkeypatch.setattr(_fused, "use_fused", lambda x: one_row)
         monkeypatch.setattr(_fused, "one_row", lambda x: one_row and x.shape[0] == 1)
         monkeypatch.setattr(type(model.model.layers[0]), "forward_one_row", counted)

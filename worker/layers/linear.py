@@ -22,7 +22,8 @@ from shardserve.worker.layers._sharding import attach_loader, copy_into, narrow_
 
 # Decode at batch 1 on CUDA: the Triton GEMV (kernels/gemv.py) instead of cuBLAS, which reads narrow weights at
 # M = 1 below the copy rate (docs/performance.md: Qwen3-0.6B's o_proj 12.7 -> 3.1 us, Llama-3-8B's qkv and o_proj
-# 6-13% faster). Not where K > GEMV_MAX_K (Llama-3-8B's down projection, K = 14,336, measured 2% slower).
+# 6-13% faster). Not where K > GEMV_MAX_K (Llama-3-8B's down projection, K = 14,336, measured 2% slower), except
+# for e4m3 weights (cuBLAS's FP8 product at M = 1 read Llama-3-8B's down no faster than bf16's: 36.6 against 35.2 us).
 # SHARDSERVE_GEMV=0 turns it off (A/B runs).
 GEMV = os.environ.get("SHARDSERVE_GEMV", "1") != "0"
 GEMV_MAX_K = 8192
@@ -33,18 +34,32 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """x W^T + b: the FP8 product for an e4m3 weight with its per-channel scales (kernels/fp8_linear.py), oneDNN on a
     packed CPU weight (layers/cpu_packed.py), the GEMV for one row of a half-precision x on CUDA, else F.linear."""
     if weight.dtype == FP8_DTYPE:
-        from shardserve.kernels.fp8_linear import fp8_linear  # (Triton: imported where it is used)
+        from shardserve.kernels.fp8_linear import Fp8Rows, fp8_linear  # (Triton: imported where it is used)
 
+        rows = x.q if isinstance(x, Fp8Rows) else x
+        if _one_row(rows, x.dtype):  # e4m3 weights at one row: a pass over them, no tensor cores wanted (gemv.py)
+            from shardserve.kernels.gemv import gemv
+
+            if isinstance(x, Fp8Rows):
+                y = gemv(x.q, weight, 8, 1024, 4, weight_scale=weight_scale, x_scale=x.scale, out_dtype=x.dtype)
+            else:
+                y = gemv(x, weight, 8, 1024, 4, weight_scale=weight_scale)
+            return y if bias is None else y + bias
         return fp8_linear(x, weight, weight_scale, bias)
     if weight.is_mkldnn:
         return cpu_packed.linear(x, weight, bias)
-    if (GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and weight.shape[1] <= GEMV_MAX_K
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.stride(1) == 1):
+    if (_one_row(x, x.dtype) and weight.shape[1] <= GEMV_MAX_K and weight.dtype == x.dtype
+            and weight.stride(1) == 1):
         from shardserve.kernels.gemv import gemv
 
         y = gemv(x, weight, block_n=8, block_k=1024, warps=4)
         return y if bias is None else y + bias
     return F.linear(x, weight, bias)
+
+
+def _one_row(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """One row on CUDA of a model in half precision: what the Triton GEMV is for."""
+    return GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and dtype in (torch.bfloat16, torch.float16)
 
 
 def quantize_module_weight(module: nn.Module) -> None:

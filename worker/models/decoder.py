@@ -128,13 +128,16 @@ class DecoderLayer(nn.Module):
 
         attn, mlp = self.self_attn, self.mlp
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
-        qkv = gemv_fused(h, attn.qkv_proj.weight, norm=(norm_in.weight, norm_in.eps))
+        qkv = gemv_fused(h, attn.qkv_proj.weight, norm=(norm_in.weight, norm_in.eps),
+                         weight_scale=attn.qkv_proj.weight_scale)
         if attn.qkv_proj.bias is not None:
             qkv = qkv + attn.qkv_proj.bias
         h = gemv_fused(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight, residual=h,
-                       block_n=4, block_k=2048)  # the fastest tiles for o_proj on an H200 (kernels/gemv.py: FLAT)
-        gate_up = gemv_fused(h, mlp.gate_up_proj.weight, norm=(norm_post.weight, norm_post.eps))
-        return gemv_fused(gate_up, mlp.down_proj.weight, silu=True, residual=h)
+                       block_n=4, block_k=2048,  # the fastest tiles for o_proj on an H200 (kernels/gemv.py: FLAT)
+                       weight_scale=attn.o_proj.weight_scale)
+        gate_up = gemv_fused(h, mlp.gate_up_proj.weight, norm=(norm_post.weight, norm_post.eps),
+                             weight_scale=mlp.gate_up_proj.weight_scale)
+        return gemv_fused(gate_up, mlp.down_proj.weight, silu=True, residual=h, weight_scale=mlp.down_proj.weight_scale)
 
 
 class DecoderModel(nn.Module):
@@ -197,9 +200,8 @@ class DecoderForCausalLM(nn.Module):
         does not: its kernel spreads a row over many programs; one program a row, to find the row's scale in the
         same pass, took 20 us at 256 rows of Llama-3-8B against 5.7 + 3.6 us for the two launches, 2026-12-03.)"""
         quantize_linear_weights(self)
-        for layer in self.model.layers:
+        for layer in self.model.layers:  # (the one-row layer's GEMVs read the e4m3 weights themselves: gemv.py)
             layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = True
-            layer.one_row_ok = False  # the one-row GEMVs read half-precision weights
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] in the model dtype, the full vocabulary on every rank."""
