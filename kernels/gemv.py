@@ -57,6 +57,9 @@ if FLAT not in ("auto", "0", "1"):
 # e4m3 weights: the FLAT GEMV loads each weight tile one step ahead through the norm and SiLU as well (its raw tile
 # is half a bf16 one's registers). SHARDSERVE_GEMV_FP8_AHEAD=0: only where bf16 does (A/B runs).
 FP8_AHEAD = os.environ.get("SHARDSERVE_GEMV_FP8_AHEAD", "1") != "0"
+# e4m3 weights read this many elements at a time (_weight_tile's VEC; 0: Triton's choice, 16 = 16 bytes), x being in
+# the model's dtype. SHARDSERVE_GEMV_FP8_VEC (A/B runs).
+FP8_VEC = int(os.environ.get("SHARDSERVE_GEMV_FP8_VEC", "8"))
 
 
 def _flat(m: int, norm: bool, silu: bool, residual: bool) -> bool:
@@ -65,8 +68,14 @@ def _flat(m: int, norm: bool, silu: bool, residual: bool) -> bool:
 
 
 @triton.jit
-def _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K: tl.constexpr):
+def _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K: tl.constexpr, VEC: tl.constexpr = 0):
+    """w[cols, k0:k0 + BLOCK_K]. VEC > 0: the offsets say only VEC consecutive elements are contiguous, so Triton
+    loads VEC at a time: an e4m3 tile read 8 at a time is laid out as a bf16 x tile is (8 a thread, 16 bytes), and
+    the products need no re-layout of x through shared memory (read 16 at a time, 4 shared-memory stores a tile)."""
     ks = k0 + tl.arange(0, BLOCK_K)
+    if VEC > 0:
+        j = tl.arange(0, BLOCK_K)
+        ks = k0 + (j // VEC) * VEC + j % VEC
     return tl.load(w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :],
                    mask=col_ok[:, None] & (ks < K)[None, :], other=0.0, eviction_policy="evict_first")
 
@@ -94,7 +103,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, w_scale_ptr, x_scale_
                  stride_om, stride_rm, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                  SPLIT_K: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, PDL: tl.constexpr, FLAT: tl.constexpr = False,
-                 W_SCALED: tl.constexpr = False, X_SCALED: tl.constexpr = False, FP8_AHEAD: tl.constexpr = True):
+                 W_SCALED: tl.constexpr = False, X_SCALED: tl.constexpr = False, FP8_AHEAD: tl.constexpr = True,
+                 W_VEC: tl.constexpr = 0):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K). out[m, n] = sum_k in(x)[m, k] * w[n, k] (+ res[m, n]) for m < M <= ROWS,
     in(x) = x, RMSNorm(x) * norm (NORM) or silu(x[:, :K]) * x[:, K:] (SILU). PDL: launched as a programmatic
     dependent of the kernel before it, the program loads its first weight tile (which no kernel writes) before
@@ -112,7 +122,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, w_scale_ptr, x_scale_
     k_start = pid_k * k_per_split
     if PDL:
         gdc_launch_dependents()  # the next kernel may start its own weight loads once every program is running
-    w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start, K, BLOCK_K)
+    w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start, K, BLOCK_K, W_VEC)
     if PDL:
         gdc_wait()  # x and the residual are the previous kernel's output
     rstd = tl.zeros((ROWS,), dtype=tl.float32)
@@ -132,21 +142,21 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, w_scale_ptr, x_scale_
         AHEAD: tl.constexpr = not (NORM or SILU) or (W_SCALED and FP8_AHEAD)
         k_end = tl.minimum(k_start + k_per_split, K)
         if AHEAD:
-            w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start + BLOCK_K, k_end, BLOCK_K)
+            w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start + BLOCK_K, k_end, BLOCK_K, W_VEC)
         part = x * w.to(tl.float32)
         for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
             if AHEAD:
                 w = w_next
-                w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K)
+                w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0 + BLOCK_K, k_end, BLOCK_K, W_VEC)
             else:
-                w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K)
+                w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K, W_VEC)
             x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
             part += x * w.to(tl.float32)
         acc = tl.sum(part, axis=1)[None, :]
     else:
         acc = tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
         for k0 in range(k_start + BLOCK_K, min(k_start + k_per_split, K), BLOCK_K):
-            w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K)
+            w = _weight_tile(w_ptr, cols, col_ok, stride_wn, k0, K, BLOCK_K, W_VEC)
             x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k0, K, rstd, BLOCK_K, NORM, SILU)
             acc += tl.sum(x[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     if W_SCALED:
@@ -229,5 +239,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
                        SILU=silu, RESIDUAL=residual is not None, PDL=pdl,
                        FLAT=_flat(m, norm is not None, silu, residual is not None),
                        W_SCALED=w_scale is not None, X_SCALED=x_scales is not None, FP8_AHEAD=FP8_AHEAD,
+                       W_VEC=FP8_VEC if weight.dtype == FP8_DTYPE and x.dtype != FP8_DTYPE else 0,
                        num_warps=warps, launch_pdl=pdl)
     return out if split_k == 1 else out.to(out_dtype or x.dtype)

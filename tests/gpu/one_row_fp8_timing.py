@@ -22,7 +22,7 @@ from shardserve.kernels.gemv import gemv_fused
 
 REPEATS, COPIES = 32, 4
 MODELS = {"llama8b": (4096, 6144, 14336, 4096), "qwen3": (1024, 4096, 3072, 2048)}  # hidden, qkv, inter, o_proj K
-SETTINGS = [(8, 1024, 4), (16, 1024, 4), (8, 2048, 4), (4, 2048, 4), (4, 1024, 4), (16, 512, 4), (8, 1024, 8)]
+SETTINGS = [(8, 1024, 4), (16, 1024, 4), (8, 2048, 4), (4, 2048, 4), (16, 512, 4)]
 
 
 def us(fn) -> float:
@@ -49,12 +49,12 @@ def main(out_path: str) -> None:
             default = dict(block_n=4, block_k=2048) if proj == "o_proj" else {}
             t = us(lambda i: gemv_fused(x, ws[i], **reading, **default))
             times[f"{proj}: bf16 fused (default launch)"] = (round(t, 2), round(n * k * 2 / t / 1e6, 2))
-            for ahead in (False, True):
-                gemv_module.FP8_AHEAD = ahead
+            for ahead, vec in ((False, 0), (True, 0), (False, 8), (True, 8)):
+                gemv_module.FP8_AHEAD, gemv_module.FP8_VEC = ahead, vec
                 for bn, bk, warps in SETTINGS:
                     launch = dict(block_n=bn, block_k=bk, warps=warps)
                     t = us(lambda i: gemv_fused(x, qs[i][0], **reading, **launch, weight_scale=qs[i][1]))
-                    name = f"{proj}: fp8 fused {bn}x{bk}x{warps}{' ahead' if ahead else ''}"
+                    name = f"{proj}: fp8 fused {bn}x{bk}x{warps} vec {vec}{' ahead' if ahead else ''}"
                     times[name] = (round(t, 2), round(n * k / t / 1e6, 2))
             plain = x[:, :k].contiguous()
             t = us(lambda i: fp8_linear(plain, qs[i][0], qs[i][1]))
