@@ -78,7 +78,7 @@ def compile_one_row(arch: int = 90) -> dict[str, object]:
         "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "eps": "fp32"}
     gemv_aligned = set(gemv_types) - {"eps"} | {"N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm"}
     base = dict(BLOCK_N=8, BLOCK_K=1024, ROWS=1, SPLIT_K=1, NORM=False, NORM_BLOCK=1, SILU=False, RESIDUAL=False,
-                PDL=True, FLAT=False, W_SCALED=False, X_SCALED=False, FP8_AHEAD=True, W_VEC=0)  # (every constexpr named:
+                PDL=True, FLAT=False, W_SCALED=False, X_SCALED=False, W_VEC=0)  # (every constexpr named:
     # left out, one would compile as an argument, both branches in)
     fp8 = dict(W_SCALED=True, W_VEC=8)  # e4m3 weights (quantization="fp8"), as gemv.py launches them
     kernels = {

@@ -54,11 +54,9 @@ PDL = os.environ.get("SHARDSERVE_GEMV_PDL", "1") != "0"
 FLAT = os.environ.get("SHARDSERVE_GEMV_FLAT", "auto")
 if FLAT not in ("auto", "0", "1"):
     raise ValueError(f"SHARDSERVE_GEMV_FLAT={FLAT!r}: auto, 0 or 1")
-# e4m3 weights: the FLAT GEMV loads each weight tile one step ahead through the norm and SiLU as well (its raw tile
-# is half a bf16 one's registers). SHARDSERVE_GEMV_FP8_AHEAD=0: only where bf16 does (A/B runs).
-FP8_AHEAD = os.environ.get("SHARDSERVE_GEMV_FP8_AHEAD", "1") != "0"
 # e4m3 weights read this many elements at a time (_weight_tile's VEC; 0: Triton's choice, 16 = 16 bytes), x being in
-# the model's dtype. SHARDSERVE_GEMV_FP8_VEC (A/B runs).
+# the model's dtype. On an H200 (docs/performance.md), Llama-3-8B's FP8 gate_up 38.7 -> 37.0 us, down 19.1 -> 18.4,
+# qkv 11.3 -> 11.0. SHARDSERVE_GEMV_FP8_VEC (A/B runs).
 FP8_VEC = int(os.environ.get("SHARDSERVE_GEMV_FP8_VEC", "8"))
 
 
@@ -103,8 +101,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, w_scale_ptr, x_scale_
                  stride_om, stride_rm, eps, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
                  SPLIT_K: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, PDL: tl.constexpr, FLAT: tl.constexpr = False,
-                 W_SCALED: tl.constexpr = False, X_SCALED: tl.constexpr = False, FP8_AHEAD: tl.constexpr = True,
-                 W_VEC: tl.constexpr = 0):
+                 W_SCALED: tl.constexpr = False, X_SCALED: tl.constexpr = False, W_VEC: tl.constexpr = 0):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K). out[m, n] = sum_k in(x)[m, k] * w[n, k] (+ res[m, n]) for m < M <= ROWS,
     in(x) = x, RMSNorm(x) * norm (NORM) or silu(x[:, :K]) * x[:, K:] (SILU). PDL: launched as a programmatic
     dependent of the kernel before it, the program loads its first weight tile (which no kernel writes) before
@@ -137,9 +134,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, w_scale_ptr, x_scale_
         # A plain read loads each weight tile one step ahead of its use (without it ptxas issued the loop's loads one
         # after another, each waiting for the last: 8 LDG.128 into one register in the SASS for sm_90; with it, an
         # H200 read Qwen3-0.6B's o_proj in 1.9 us against 3.5). Through the norm or SiLU that was slower (Llama-3-8B's
-        # down 30.4 -> 42.1 us: more registers a program), so those load each tile where it is used; an e4m3 tile
-        # is half the registers, and those load ahead too (FP8_AHEAD).
-        AHEAD: tl.constexpr = not (NORM or SILU) or (W_SCALED and FP8_AHEAD)
+        # down 30.4 -> 42.1 us: more registers a program), so those load each tile where it is used. (So do e4m3
+        # tiles: loaded ahead through the norm and SiLU, Llama-3-8B's FP8 gate_up took 49.9 us against 37.0.)
+        AHEAD: tl.constexpr = not (NORM or SILU)
         k_end = tl.minimum(k_start + k_per_split, K)
         if AHEAD:
             w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start + BLOCK_K, k_end, BLOCK_K, W_VEC)
@@ -238,7 +235,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
                        NORM=norm is not None, NORM_BLOCK=triton.next_power_of_2(k) if norm is not None else 1,
                        SILU=silu, RESIDUAL=residual is not None, PDL=pdl,
                        FLAT=_flat(m, norm is not None, silu, residual is not None),
-                       W_SCALED=w_scale is not None, X_SCALED=x_scales is not None, FP8_AHEAD=FP8_AHEAD,
+                       W_SCALED=w_scale is not None, X_SCALED=x_scales is not None,
                        W_VEC=FP8_VEC if weight.dtype == FP8_DTYPE and x.dtype != FP8_DTYPE else 0,
                        num_warps=warps, launch_pdl=pdl)
     return out if split_k == 1 else out.to(out_dtype or x.dtype)
