@@ -172,21 +172,25 @@ def test_fp8_weights_quantize_rows_compiled_equals_the_torch_reference(rows, k):
 
 @pytest.mark.parametrize("rows", [1, 256, 3000])
 def test_fp8_weights_norm_kernel_hands_over_what_quantize_rows_makes(rows):
-    """Compiled: RMSNorm (with its residual add) with fp8_out gives, byte for byte, its plain output quantized by the
-    torch reference (Llama-3-8B's width)."""
+    """Compiled: RMSNorm (with its residual add) with fp8_out gives its plain output quantized by the torch
+    reference (Llama-3-8B's width), the same scales and the same bytes but for a handful of elements one e4m3
+    step apart: the two compiled variants' normalised rows differ by one bf16 ulp in rare elements, and where such
+    a value sits at a rounding midpoint its byte differs (on an H200, 2026-12-03: 0-2 of 12.3M elements at 3,000
+    rows in each of 40 seeds, every one within 0.3% of a midpoint)."""
     from shardserve.kernels.fp8_linear import quantize_rows_ref
     from shardserve.kernels.rmsnorm import add_rms_norm
 
+    torch.manual_seed(rows)
     x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16) * 2
     r = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
     w = torch.rand(4096, device="cuda", dtype=torch.bfloat16) + 0.5
     (normed, summed), (plain, summed_plain) = add_rms_norm(x, r, w, 1e-5, fp8_out=True), add_rms_norm(x, r, w, 1e-5)
     q_ref, scale_ref = quantize_rows_ref(plain)
     assert torch.equal(normed.scale, scale_ref)
-    differ = (normed.q.view(torch.uint8) != q_ref.view(torch.uint8)).nonzero()
-    assert differ.numel() == 0, [(tuple(i.tolist()), plain[tuple(i)].item(), (plain[tuple(i)] / scale_ref[i[0], 0]).item(),
-                                  normed.q[tuple(i)].float().item(), q_ref[tuple(i)].float().item())
-                                 for i in differ[:8]]
+    got, want = normed.q.view(torch.uint8).int(), q_ref.view(torch.uint8).int()
+    differ = (got != want).nonzero()
+    assert differ.shape[0] <= 8, differ.shape[0]
+    assert ((got - want).abs()[got != want] == 1).all()  # one step apart, the same sign (codes are sign-magnitude)
     assert torch.equal(summed, summed_plain)
 
 
