@@ -1,7 +1,7 @@
 """Times the one-row layer's GEMVs with e4m3 weights (quantization="fp8", kernels/gemv.py) against the bf16 ones and
 against cuBLAS's FP8 product at one row, at Llama-3-8B's and Qwen3-0.6B's shapes, on one GPU:
 
-    python tests/gpu/one_row_fp8_timing.py OUT.json     # on a CUDA host, from the project root
+    python tests/gpu/one_row_fp8_timing.py OUT.json [MODEL ...]    # on a CUDA host, from the project root
 
 Each figure is one CUDA graph of REPEATS calls cycling over COPIES weight copies (more bytes than the L2 holds),
 replayed and timed with CUDA events (shardserve.bench.attention_rates.graph_ms), with the weight's read rate in
@@ -23,16 +23,21 @@ from shardserve.kernels.gemv import gemv_fused
 REPEATS, COPIES = 32, 4
 MODELS = {"llama8b": (4096, 6144, 14336, 4096), "qwen3": (1024, 4096, 3072, 2048)}  # hidden, qkv, inter, o_proj K
 SETTINGS = [(8, 1024, 4), (16, 1024, 4), (8, 2048, 4), (4, 2048, 4), (16, 512, 4)]
+# (read e4m3 VEC at a time, products summed GROUP at a time in the lane, tiles loaded ahead): gemv.py's FP8_VEC,
+# FP8_GROUP, FP8_AHEAD
+VARIANTS = [(0, 0, False), (8, 0, False), (8, 8, False), (8, 8, True), (8, 16, True)]
 
 
 def us(fn) -> float:
     return graph_ms([lambda i=i: fn(i) for i in range(COPIES)], launches=REPEATS) * 1e3
 
 
-def main(out_path: str) -> None:
+def main(out_path: str, models: list[str]) -> None:
     torch.manual_seed(0)
     result = {"device": torch.cuda.get_device_name(), "repeats": REPEATS, "copies": COPIES, "models": {}}
     for model, (hidden, qkv_n, inter, o_k) in MODELS.items():
+        if models and model not in models:
+            continue
         bf = dict(dtype=torch.bfloat16, device="cuda")
         shapes = {"qkv": (qkv_n, hidden), "o_proj": (hidden, o_k), "gate_up": (2 * inter, hidden),
                   "down": (hidden, inter)}
@@ -49,12 +54,13 @@ def main(out_path: str) -> None:
             default = dict(block_n=4, block_k=2048) if proj == "o_proj" else {}
             t = us(lambda i: gemv_fused(x, ws[i], **reading, **default))
             times[f"{proj}: bf16 fused (default launch)"] = (round(t, 2), round(n * k * 2 / t / 1e6, 2))
-            for vec in (0, 8):
-                gemv_module.FP8_VEC = vec
+            for vec, group, ahead in VARIANTS:
+                gemv_module.FP8_VEC, gemv_module.FP8_GROUP, gemv_module.FP8_AHEAD = vec, group, ahead
                 for bn, bk, warps in SETTINGS:
                     launch = dict(block_n=bn, block_k=bk, warps=warps)
                     t = us(lambda i: gemv_fused(x, qs[i][0], **reading, **launch, weight_scale=qs[i][1]))
-                    times[f"{proj}: fp8 fused {bn}x{bk}x{warps} vec {vec}"] = (round(t, 2), round(n * k / t / 1e6, 2))
+                    name = f"{proj}: fp8 fused {bn}x{bk}x{warps} vec {vec} group {group}{' ahead' if ahead else ''}"
+                    times[name] = (round(t, 2), round(n * k / t / 1e6, 2))
             plain = x[:, :k].contiguous()
             t = us(lambda i: fp8_linear(plain, qs[i][0], qs[i][1]))
             times[f"{proj}: quantize_rows + cuBLAS FP8 (no norm/SiLU)"] = (round(t, 2), round(n * k / t / 1e6, 2))
@@ -72,4 +78,4 @@ def main(out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "one_row_fp8_timing.json")
+    main(sys.argv[1] if len(sys.argv) > 1 else "one_row_fp8_timing.json", sys.argv[2:])
