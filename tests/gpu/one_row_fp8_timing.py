@@ -11,6 +11,7 @@ TB/s beside it. Not a test (no timing asserts).
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -26,6 +27,8 @@ SETTINGS = [(8, 1024, 4), (16, 1024, 4), (8, 2048, 4), (4, 2048, 4), (16, 512, 4
 # (read e4m3 VEC at a time, products summed GROUP at a time in the lane, tiles loaded ahead): gemv.py's FP8_VEC,
 # FP8_GROUP, FP8_AHEAD
 VARIANTS = [(0, 0, False), (8, 0, False), (8, 8, False), (8, 8, True), (8, 16, True)]
+if os.environ.get("QUICK"):  # QUICK=1: fewer kernels to compile
+    SETTINGS, VARIANTS = [(8, 1024, 4), (8, 2048, 4)], [(8, 0, False), (8, 8, False), (8, 8, True)]
 
 
 def us(fn) -> float:
