@@ -58,7 +58,7 @@ if FLAT not in ("auto", "0", "1"):
 # the model's dtype. On an H200 (docs/performance.md), Llama-3-8B's FP8 gate_up 38.7 -> 37.0 us, down 19.1 -> 18.4,
 # qkv 11.3 -> 11.0. SHARDSERVE_GEMV_FP8_VEC (A/B runs).
 FP8_VEC = int(os.environ.get("SHARDSERVE_GEMV_FP8_VEC", "8"))
-FP8_GROUP = int(os.environ.get("SHARDSERVE_GEMV_FP8_GROUP", "0"))
+FP8_GROUP = int(os.environ.get("SHARDSERVE_GEMV_FP8_GROUP", "8"))
 FP8_AHEAD = os.environ.get("SHARDSERVE_GEMV_FP8_AHEAD", "0") == "1"
 
 

@@ -99,6 +99,13 @@ class DecoderMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+# The one-row layer's GEMV tiles (block_n x block_k), the fastest timed on an H200 (docs/performance.md; kernels/gemv.py):
+# bf16 weights 8 x 1,024 but o_proj 4 x 2,048; e4m3 weights (products summed 8 at a time) 8 x 2,048 for qkv and
+# down, 8 x 1,024 for o_proj and gate_up.
+_TILES = {"qkv": {}, "o_proj": dict(block_n=4, block_k=2048), "gate_up": {}, "down": {}}
+_FP8_TILES = {"qkv": dict(block_k=2048), "o_proj": {}, "gate_up": {}, "down": dict(block_k=2048)}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, hf_config: Any, variant: DecoderVariant, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
         super().__init__()
@@ -128,16 +135,17 @@ class DecoderLayer(nn.Module):
 
         attn, mlp = self.self_attn, self.mlp
         norm_in, norm_post = self.input_layernorm, self.post_attention_layernorm
+        tiles = _FP8_TILES if attn.qkv_proj.weight_scale is not None else _TILES
         qkv = gemv_fused(h, attn.qkv_proj.weight, norm=(norm_in.weight, norm_in.eps),
-                         weight_scale=attn.qkv_proj.weight_scale)
+                         weight_scale=attn.qkv_proj.weight_scale, **tiles["qkv"])
         if attn.qkv_proj.bias is not None:
             qkv = qkv + attn.qkv_proj.bias
         h = gemv_fused(attn.attend(positions, qkv, kv_cache, meta), attn.o_proj.weight, residual=h,
-                       block_n=4, block_k=2048,  # the fastest tiles for o_proj on an H200 (kernels/gemv.py: FLAT)
-                       weight_scale=attn.o_proj.weight_scale)
+                       weight_scale=attn.o_proj.weight_scale, **tiles["o_proj"])
         gate_up = gemv_fused(h, mlp.gate_up_proj.weight, norm=(norm_post.weight, norm_post.eps),
-                             weight_scale=mlp.gate_up_proj.weight_scale)
-        return gemv_fused(gate_up, mlp.down_proj.weight, silu=True, residual=h, weight_scale=mlp.down_proj.weight_scale)
+                             weight_scale=mlp.gate_up_proj.weight_scale, **tiles["gate_up"])
+        return gemv_fused(gate_up, mlp.down_proj.weight, silu=True, residual=h, weight_scale=mlp.down_proj.weight_scale,
+                          **tiles["down"])
 
 
 class DecoderModel(nn.Module):
