@@ -78,9 +78,9 @@ def compile_one_row(arch: int = 90) -> dict[str, object]:
         "w_scale_ptr": "*fp32", "x_scale_ptr": "*fp32", "eps": "fp32"}
     gemv_aligned = set(gemv_types) - {"eps"} | {"N", "K", "stride_xm", "stride_wn", "stride_om", "stride_rm"}
     base = dict(BLOCK_N=8, BLOCK_K=1024, ROWS=1, SPLIT_K=1, NORM=False, NORM_BLOCK=1, SILU=False, RESIDUAL=False,
-                PDL=True, FLAT=False, W_SCALED=False, X_SCALED=False, W_VEC=0, GROUP=0, W_AHEAD=False)  # (every constexpr named:
+                PDL=True, FLAT=False, W_SCALED=False, X_SCALED=False, W_VEC=0, GROUP=0)  # (every constexpr named:
     # left out, one would compile as an argument, both branches in)
-    fp8 = dict(W_SCALED=True, W_VEC=8)  # e4m3 weights (quantization="fp8"), as gemv.py launches them
+    fp8 = dict(W_SCALED=True, W_VEC=8, GROUP=8)  # e4m3 weights (quantization="fp8"), as gemv.py launches them
     kernels = {
         "gemv_norm": (base | dict(NORM=True, NORM_BLOCK=4096), {}),
         "gemv_silu_residual": (base | dict(SILU=True, RESIDUAL=True), {}),
@@ -89,8 +89,6 @@ def compile_one_row(arch: int = 90) -> dict[str, object]:
         "gemv_fp8_norm_flat": (base | dict(NORM=True, NORM_BLOCK=4096, FLAT=True) | fp8, {"w_ptr": "*fp8e4nv"}),
         "gemv_fp8_silu_residual_flat": (base | dict(SILU=True, RESIDUAL=True, FLAT=True) | fp8,
                                         {"w_ptr": "*fp8e4nv"}),
-        "gemv_fp8_norm_flat_g8": (base | dict(NORM=True, NORM_BLOCK=4096, FLAT=True, GROUP=8, W_AHEAD=True) | fp8,
-                                  {"w_ptr": "*fp8e4nv"}),
     }
     out = {name: compile_kernel(GEMV_KERNEL, gemv_types | types, c, gemv_aligned, arch, num_warps=4, launch_pdl=True)
            for name, (c, types) in kernels.items()}

@@ -58,8 +58,10 @@ if FLAT not in ("auto", "0", "1"):
 # the model's dtype. On an H200 (docs/performance.md), Llama-3-8B's FP8 gate_up 38.7 -> 37.0 us, down 19.1 -> 18.4,
 # qkv 11.3 -> 11.0. SHARDSERVE_GEMV_FP8_VEC (A/B runs).
 FP8_VEC = int(os.environ.get("SHARDSERVE_GEMV_FP8_VEC", "8"))
+# The FLAT GEMV over e4m3 weights sums each step's products this many at a time in the lane first (0: not): on an
+# H200 Llama-3-8B's FP8 gate_up 37.1 -> 29.0 us (4.05 TB/s), down (8 x 2,048 tiles) 18.2 -> 16.8, bs=1 3.04 ->
+# 2.58 ms a token with the tiles of decoder.py (docs/performance.md). SHARDSERVE_GEMV_FP8_GROUP (A/B runs).
 FP8_GROUP = int(os.environ.get("SHARDSERVE_GEMV_FP8_GROUP", "8"))
-FP8_AHEAD = os.environ.get("SHARDSERVE_GEMV_FP8_AHEAD", "0") == "1"
 
 
 def _flat(m: int, norm: bool, silu: bool, residual: bool) -> bool:
@@ -113,7 +115,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, w_scale_ptr, x_scale_
                  SPLIT_K: tl.constexpr, NORM: tl.constexpr, NORM_BLOCK: tl.constexpr, SILU: tl.constexpr,
                  RESIDUAL: tl.constexpr, PDL: tl.constexpr, FLAT: tl.constexpr = False,
                  W_SCALED: tl.constexpr = False, X_SCALED: tl.constexpr = False, W_VEC: tl.constexpr = 0,
-                 GROUP: tl.constexpr = 0, W_AHEAD: tl.constexpr = False):
+                 GROUP: tl.constexpr = 0):
     """Grid (cdiv(N, BLOCK_N), SPLIT_K). out[m, n] = sum_k in(x)[m, k] * w[n, k] (+ res[m, n]) for m < M <= ROWS,
     in(x) = x, RMSNorm(x) * norm (NORM) or silu(x[:, :K]) * x[:, K:] (SILU). PDL: launched as a programmatic
     dependent of the kernel before it, the program loads its first weight tile (which no kernel writes) before
@@ -148,9 +150,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, w_scale_ptr, x_scale_
         # H200 read Qwen3-0.6B's o_proj in 1.9 us against 3.5). Through the norm or SiLU that was slower (Llama-3-8B's
         # down 30.4 -> 42.1 us: more registers a program), so those load each tile where it is used. (So do e4m3
         # tiles: loaded ahead through the norm and SiLU, Llama-3-8B's FP8 gate_up took 49.9 us against 37.0.)
-        # GROUP > 0: each step's products summed GROUP at a time within the lane first (float32 partial sums of
-        # [BLOCK_N, BLOCK_K / GROUP], a GROUP-th of the registers), which leaves room to load ahead (W_AHEAD).
-        AHEAD: tl.constexpr = not (NORM or SILU) or W_AHEAD
+        # GROUP > 0 (e4m3 weights, FP8_GROUP): each step's products summed GROUP at a time within the lane before
+        # they join the running sums, which then hold [BLOCK_N, BLOCK_K / GROUP] float32 values, a GROUP-th of the
+        # registers (the e4m3 tile's bytes in flight had cost as many registers as a bf16 tile's twice the bytes).
+        AHEAD: tl.constexpr = not (NORM or SILU)
         k_end = tl.minimum(k_start + k_per_split, K)
         if AHEAD:
             w_next = _weight_tile(w_ptr, cols, col_ok, stride_wn, k_start + BLOCK_K, k_end, BLOCK_K, W_VEC)
@@ -252,6 +255,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
                        W_SCALED=w_scale is not None, X_SCALED=x_scales is not None,
                        W_VEC=FP8_VEC if weight.dtype == FP8_DTYPE and x.dtype != FP8_DTYPE else 0,
                        GROUP=FP8_GROUP if weight.dtype == FP8_DTYPE else 0,
-                       W_AHEAD=FP8_AHEAD and weight.dtype == FP8_DTYPE,
                        num_warps=warps, launch_pdl=pdl)
     return out if split_k == 1 else out.to(out_dtype or x.dtype)

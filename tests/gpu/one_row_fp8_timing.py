@@ -24,11 +24,10 @@ from shardserve.kernels.gemv import gemv_fused
 REPEATS, COPIES = 32, 4
 MODELS = {"llama8b": (4096, 6144, 14336, 4096), "qwen3": (1024, 4096, 3072, 2048)}  # hidden, qkv, inter, o_proj K
 SETTINGS = [(8, 1024, 4), (16, 1024, 4), (8, 2048, 4), (4, 2048, 4), (16, 512, 4)]
-# (read e4m3 VEC at a time, products summed GROUP at a time in the lane, tiles loaded ahead): gemv.py's FP8_VEC,
-# FP8_GROUP, FP8_AHEAD
-VARIANTS = [(0, 0, False), (8, 0, False), (8, 8, False), (8, 8, True), (8, 16, True)]
+# (read e4m3 VEC at a time, products summed GROUP at a time in the lane): gemv.py's FP8_VEC and FP8_GROUP
+VARIANTS = [(0, 0), (8, 0), (8, 8), (8, 16)]
 if os.environ.get("QUICK"):  # QUICK=1: fewer kernels to compile
-    SETTINGS, VARIANTS = [(8, 1024, 4), (8, 2048, 4)], [(8, 0, False), (8, 8, False), (8, 8, True)]
+    SETTINGS, VARIANTS = [(8, 1024, 4), (8, 2048, 4)], [(8, 0), (8, 8)]
 
 
 def us(fn) -> float:
@@ -57,12 +56,12 @@ def main(out_path: str, models: list[str]) -> None:
             default = dict(block_n=4, block_k=2048) if proj == "o_proj" else {}
             t = us(lambda i: gemv_fused(x, ws[i], **reading, **default))
             times[f"{proj}: bf16 fused (default launch)"] = (round(t, 2), round(n * k * 2 / t / 1e6, 2))
-            for vec, group, ahead in VARIANTS:
-                gemv_module.FP8_VEC, gemv_module.FP8_GROUP, gemv_module.FP8_AHEAD = vec, group, ahead
+            for vec, group in VARIANTS:
+                gemv_module.FP8_VEC, gemv_module.FP8_GROUP = vec, group
                 for bn, bk, warps in SETTINGS:
                     launch = dict(block_n=bn, block_k=bk, warps=warps)
                     t = us(lambda i: gemv_fused(x, qs[i][0], **reading, **launch, weight_scale=qs[i][1]))
-                    name = f"{proj}: fp8 fused {bn}x{bk}x{warps} vec {vec} group {group}{' ahead' if ahead else ''}"
+                    name = f"{proj}: fp8 fused {bn}x{bk}x{warps} vec {vec} group {group}"
                     times[name] = (round(t, 2), round(n * k / t / 1e6, 2))
             plain = x[:, :k].contiguous()
             t = us(lambda i: fp8_linear(plain, qs[i][0], qs[i][1]))
