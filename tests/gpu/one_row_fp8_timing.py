@@ -70,7 +70,7 @@ def main(out_path: str, models: list[str]) -> None:
             t = us(lambda i: torch._scaled_mm(xq[0], qs[i][0].t(), scale_a=xq[1], scale_b=qs[i][1],
                                               out_dtype=torch.bfloat16, use_fast_accum=True))
             times[f"{proj}: cuBLAS FP8 alone"] = (round(t, 2), round(n * k / t / 1e6, 2))
-            del ws, qs
+            ws = qs = None  # (the copies freed before the next projection)
         result["models"][model] = times
         for name, (t, rate) in times.items():
             print(f"{model} {name}: {t:.2f} us, {rate:.2f} TB/s")
