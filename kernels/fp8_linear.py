@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8
+from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX, quantize_fp8, widen
 from shardserve.kernels.store_kv import to_e4m3
 
 MIN_AMAX = 1e-12  # a row of zeros gets this largest magnitude (its scale stays finite and non-zero)
@@ -144,7 +144,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
 
 def _dequantized_product(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
                          weight_scale: torch.Tensor) -> torch.Tensor:
-    return (xq.float() * x_scale) @ (weight.float() * weight_scale.t()).t()
+    return (widen(xq) * x_scale) @ (widen(weight) * weight_scale.t()).t()
 
 
 def fp8_linear_ref(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor) -> torch.Tensor:

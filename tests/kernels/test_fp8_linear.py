@@ -92,3 +92,17 @@ def test_fp8_linear_takes_quantized_rows_as_the_plain_input_would_be_quantized()
     wq, w_scale = quantize_weight(torch.randn(32, 64, generator=g) * 0.1)
     assert torch.equal(fp8_linear(Fp8Rows(*quantize_rows_ref(x), torch.bfloat16), wq, w_scale),
                        fp8_linear(x, wq, w_scale))
+
+
+def test_widen_gives_every_e4m3_byte_torchs_value():
+    """kernels/kv_fp8.py: widen (the CPU's table) against torch's conversion, all 256 bytes (NaN for NaN), in
+    the shape given."""
+    from shardserve.kernels.kv_fp8 import widen
+
+    codes = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).view(16, 16)
+    got, want = widen(codes), codes.float()
+    assert got.shape == (16, 16) and got.dtype == torch.float32
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got[~got.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32))  # -0 too
+    strided = codes.t()[::2]  # not contiguous: the values in the view's order
+    assert torch.equal(widen(strided).nan_to_num(), strided.float().nan_to_num())
