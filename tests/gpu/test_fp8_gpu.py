@@ -40,8 +40,9 @@ def fp8_batch(query_lens, seq_lens, heads, kv_heads, dim, seed=0):
 
 
 def same_fp8_values(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Where two e4m3 tensors hold different values. Not bytes: a value that rounds to zero is stored as +0 by the
-    Triton kernel on an H200 and as -0 by torch (seen in the GPU run of f6e6921, the only difference there)."""
+    """Where two e4m3 tensors hold different values. (Compared as values since the GPU run of f6e6921, where a
+    negative value rounding to zero was stored as +0 by the Triton kernel and -0 by torch; `f5d02a3` keeps the sign
+    bit in the shared rounding, and quantize_rows' test below holds the bytes equal.)"""
     return a.float() != b.float()
 
 

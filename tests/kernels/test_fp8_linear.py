@@ -104,5 +104,6 @@ def test_widen_gives_every_e4m3_byte_torchs_value():
     assert got.shape == (16, 16) and got.dtype == torch.float32
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got[~got.isnan()].view(torch.int32), want[~want.isnan()].view(torch.int32))  # -0 too
+    assert torch.equal(widen(codes, torch.bfloat16).nan_to_num(), codes.to(torch.bfloat16).nan_to_num())
     strided = codes.t()[::2]  # not contiguous: the values in the view's order
     assert torch.equal(widen(strided).nan_to_num(), strided.float().nan_to_num())

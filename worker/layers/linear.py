@@ -36,14 +36,11 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if weight.dtype == FP8_DTYPE:
         from shardserve.kernels.fp8_linear import Fp8Rows, fp8_linear  # (Triton: imported where it is used)
 
-        rows = x.q if isinstance(x, Fp8Rows) else x
+        rows, x_scale = (x.q, x.scale) if isinstance(x, Fp8Rows) else (x, None)
         if _one_row(rows, x.dtype):  # e4m3 weights at one row: a pass over them, no tensor cores wanted (gemv.py)
             from shardserve.kernels.gemv import gemv
 
-            if isinstance(x, Fp8Rows):
-                y = gemv(x.q, weight, 8, 1024, 4, weight_scale=weight_scale, x_scale=x.scale, out_dtype=x.dtype)
-            else:
-                y = gemv(x, weight, 8, 1024, 4, weight_scale=weight_scale)
+            y = gemv(rows, weight, 8, 1024, 4, weight_scale=weight_scale, x_scale=x_scale, out_dtype=x.dtype)
             return y if bias is None else y + bias
         return fp8_linear(x, weight, weight_scale, bias)
     if weight.is_mkldnn:
