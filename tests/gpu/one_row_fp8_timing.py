@@ -5,7 +5,7 @@ Qwen3-0.6B's shapes, on one GPU:
     python tests/gpu/one_row_fp8_timing.py OUT.json [MODEL ...]    # on a CUDA host, from the project root
 
 Each figure is one CUDA graph of REPEATS calls cycling over COPIES weight copies (more bytes than the L2 holds),
-replayed and timed with CUDA events (shardserve.bench.attention_rates.graph_ms), with the weight's read rate in
+replayed and timed with CUDA events (one_row_timing.us), with the weight's read rate in
 TB/s beside it. Not a test (no timing asserts).
 """
 
@@ -17,12 +17,12 @@ import sys
 
 import torch
 
-from shardserve.bench.attention_rates import graph_ms
-from shardserve.kernels.fp8_linear import fp8_linear, quantize_rows, quantize_weight
+from one_row_timing import COPIES, REPEATS, us  # (tests/gpu on the path: run as a script from the project root)
+
 from shardserve.kernels import gemv as gemv_module
+from shardserve.kernels.fp8_linear import fp8_linear, quantize_rows, quantize_weight
 from shardserve.kernels.gemv import gemv_fused
 
-REPEATS, COPIES = 32, 4
 MODELS = {"llama8b": (4096, 6144, 14336, 4096), "qwen3": (1024, 4096, 3072, 2048)}  # hidden, qkv, inter, o_proj K
 SETTINGS = [(8, 1024, 4), (16, 1024, 4), (8, 2048, 4), (4, 2048, 4), (16, 512, 4)]
 # (read e4m3 VEC at a time, products summed GROUP at a time in the lane): gemv.py's FP8_VEC and FP8_GROUP
@@ -30,10 +30,6 @@ VARIANTS = [(0, 0), (8, 0), (8, 8), (8, 16)]
 BF16_GROUPS = [8, 16]  # bf16 weights: the grouped sums against the default launch above
 if os.environ.get("QUICK"):  # QUICK=1: fewer kernels to compile
     SETTINGS, VARIANTS, BF16_GROUPS = [(8, 1024, 4), (8, 2048, 4)], [(8, 0), (8, 8)], [8]
-
-
-def us(fn) -> float:
-    return graph_ms([lambda i=i: fn(i) for i in range(COPIES)], launches=REPEATS) * 1e3
 
 
 def main(out_path: str, models: list[str]) -> None:
