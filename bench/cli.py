@@ -20,6 +20,9 @@ def add_bench_parser(sub) -> None:
     offline.add_argument("--temperature", type=float, default=0.6, help="sampling temperature of every request")
     offline.add_argument("--compare", choices=["hf"], default=None, help="also run transformers on a sample")
     offline.add_argument("--hf-prompts", type=int, default=64, help="how many prompts transformers runs")
+    offline.add_argument("--hf-dtype", default="same",
+                         help="the dtype transformers runs in: same (the engine's), checkpoint (transformers' own "
+                         "default: the model's config.json), or a dtype name")
     offline.add_argument("--hf-method", choices=["auto", "generate_batch", "padded"], default="auto",
                          help="auto: generate_batch (continuous batching) on CUDA, a padded generate on CPU")
     offline.add_argument("--cluster", action="store_true",

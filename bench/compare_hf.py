@@ -12,10 +12,13 @@ ours is not; the whole call's time is kept beside it.
 from __future__ import annotations
 
 import gc
+import json
+import os
 import time
 from dataclasses import asdict, dataclass, field
 
 from shardserve.bench.workload import Workload
+from shardserve.config import DTYPE_ALIASES
 
 METHODS = ("auto", "generate_batch", "padded")
 
@@ -37,6 +40,19 @@ class HFRun:
         notes = asdict(self)
         notes["output_tokens_per_s"] = self.output_tokens_per_s
         return notes
+
+
+def hf_dtype(choice: str, config) -> str:
+    """The dtype transformers runs in for `bench offline --hf-dtype`: "same" (the engine's resolved dtype),
+    "checkpoint" (what transformers' from_pretrained picks by default: the model's config.json, float32 where it
+    names none), or a dtype name."""
+    if choice == "same":
+        return config.dtype
+    if choice == "checkpoint":
+        with open(os.path.join(config.model, "config.json")) as f:
+            hf_config = json.load(f)
+        return str(hf_config.get("dtype") or hf_config.get("torch_dtype") or "float32")
+    return DTYPE_ALIASES.get(choice, choice)
 
 
 def load_hf_model(model_dir: str, dtype: str, device: str, load_format: str):

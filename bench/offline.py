@@ -137,16 +137,17 @@ def _compare_cluster(args, config, workload: Workload, vocab: int, local_tok_s: 
 
 
 def _compare_hf(args, config, sample: Workload, ours: EngineRun, record: BenchRecord) -> None:
-    from shardserve.bench.compare_hf import run_hf
+    from shardserve.bench.compare_hf import hf_dtype, run_hf
 
-    hf = run_hf(config.model, sample, args.temperature, config.dtype, config.device, config.load_format,
+    dtype = hf_dtype(args.hf_dtype, config)
+    hf = run_hf(config.model, sample, args.temperature, dtype, config.device, config.load_format,
                 method=args.hf_method)
     ours_tok_s = ours.output_tokens_per_s
     record.ratio_vs_hf = ours_tok_s / hf.output_tokens_per_s
-    record.notes["hf"] = hf.as_notes()
+    record.notes["hf"] = dict(hf.as_notes(), dtype=dtype)
     record.notes["hf_sample"] = dict(num_prompts=len(sample.prompts), output_len=sample.output_lens[0],
                                      shardserve_output_tokens_per_s=ours_tok_s)
-    print(f"transformers {hf.method}: {hf.output_tokens} tokens in {hf.elapsed_s:.2f} s = "
+    print(f"transformers {hf.method} in {dtype}: {hf.output_tokens} tokens in {hf.elapsed_s:.2f} s = "
           f"{hf.output_tokens_per_s:.1f} output tok/s (whole call {hf.call_s:.2f} s)"
           + (f" [{hf.fallback_reason}]" if hf.fallback_reason else ""))
     print(f"same {len(sample.prompts)} prompts x {sample.output_lens[0]} tokens: shardserve {ours_tok_s:.1f} tok/s; "

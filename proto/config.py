@@ -45,7 +45,8 @@ class EngineConfig:
     device: str = _setting("cpu", user_default="auto", choices=DEVICES, help="auto: cuda when available")
     dtype: str = _setting(
         "float32", user_default="auto",
-        help="float32, bfloat16 or float16 (or fp32, bf16, fp16, half); auto: bfloat16 on CUDA, else float32")
+        help="float32, bfloat16 or float16 (or fp32, bf16, fp16, half); auto: bfloat16 on CUDA and on CPUs with "
+        "AMX bf16 units, else float32 (SHARDSERVE_CPU_DTYPE sets what auto is on CPU)")
     load_format: str = _setting("auto", choices=LOAD_FORMATS, help="auto: safetensors; dummy: random weights")
     block_size: int = _setting(16, help="tokens per KV-cache block (a power of two)")
     max_num_seqs: int = _setting(256, user_default=None, help="requests in one step at most (default 256)")

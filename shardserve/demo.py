@@ -108,7 +108,7 @@ def main() -> int:
             ready_s = time.perf_counter() - start
             with Client(cluster.address, timeout=300) as client:
                 info = client.model_info()
-                print(f"[serving {info.model} ({info.architecture}) with tp={info.tensor_parallel_size} on "
+                print(f"[serving {info.model} ({info.architecture}) in {info.dtype} with tp={info.tensor_parallel_size} on "
                       f"{cluster.address}, ready in {ready_s:.1f} s]\n", flush=True)
                 for prompt in PROMPTS:
                     print(f"> {prompt}")

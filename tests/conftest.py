@@ -9,6 +9,10 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # Ray binds the machine's external address unless this is set; tests run on 127.0.0.1 only.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# dtype="auto" on CPU is bfloat16 where the CPU has AMX units (shardserve/config.py: cpu_auto_dtype), so the suite
+# pins it to float32 on every host: the greedy parity with transformers is held in float32, and a test's numbers
+# must not depend on which machine CI lands on. Inherited by what a test starts (ranks, serve, Ray's actors).
+os.environ.setdefault("SHARDSERVE_CPU_DTYPE", "float32")
 # Triton kernels run in its interpreter on CPU-only machines; the mode is read when a kernel module is imported,
 # so it is set here, before any test module imports shardserve.kernels.
 if not os.path.exists("/dev/nvidia0") and "TRITON_INTERPRET" not in os.environ:

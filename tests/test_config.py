@@ -9,7 +9,7 @@ from dataclasses import fields
 
 import pytest
 
-from shardserve.config import build_engine_config
+from shardserve.config import CPU_DTYPE_ENV, build_engine_config, cpu_auto_dtype, cpu_has_amx_bf16
 from shardserve.flags import add_engine_args, engine_kwargs
 from shardserve.proto.config import EngineConfig, user_default, user_settings
 
@@ -67,7 +67,7 @@ def test_flags_and_keywords_resolve_to_the_same_config():
 def test_user_values_are_resolved_in_build_engine_config():
     config = build_engine_config(model=BUILTIN, device="cpu")
     assert config.model.endswith(BUILTIN) and config.tokenizer is None and config.load_format == "dummy"
-    assert (config.device, config.dtype) == ("cpu", "float32")  # "auto" dtype on CPU
+    assert (config.device, config.dtype) == ("cpu", "float32")  # "auto" dtype on CPU, as the suite pins it
     assert config.max_model_len == 4096  # the model's 40960, capped on CPU
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (256, 2048)
     assert build_engine_config(model=BUILTIN, device="cpu", dtype="bf16").dtype == "bfloat16"
@@ -77,6 +77,22 @@ def test_user_values_are_resolved_in_build_engine_config():
         build_engine_config(model=BUILTIN, device="cpu", kv_cache_dtype="int4")
     auto = build_engine_config(model=BUILTIN)
     assert auto.device in ("cpu", "cuda") and auto.dtype == ("bfloat16" if auto.device == "cuda" else "float32")
+
+
+def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_cpu_has_amx(monkeypatch):
+    """dtype="auto" on CPU: bfloat16 with AMX bf16 units, else float32; SHARDSERVE_CPU_DTYPE decides where set
+    (the suite sets float32, conftest.py), and a bad value is an error, not a silent float32."""
+    monkeypatch.delenv(CPU_DTYPE_ENV)
+    assert cpu_auto_dtype(amx_bf16=True) == "bfloat16" and cpu_auto_dtype(amx_bf16=False) == "float32"
+    assert build_engine_config(model=BUILTIN, device="cpu").dtype == ("bfloat16" if cpu_has_amx_bf16() else "float32")
+    assert build_engine_config(model=BUILTIN, device="cpu", dtype="fp32").dtype == "float32"  # given: kept
+    monkeypatch.setenv(CPU_DTYPE_ENV, "bf16")
+    assert cpu_auto_dtype(amx_bf16=False) == "bfloat16"
+    assert build_engine_config(model=BUILTIN, device="cpu").dtype == "bfloat16"
+    assert build_engine_config(model=BUILTIN, device="cuda").dtype == "bfloat16"  # (CUDA: always bfloat16)
+    monkeypatch.setenv(CPU_DTYPE_ENV, "int8")
+    with pytest.raises(ValueError, match=CPU_DTYPE_ENV):
+        build_engine_config(model=BUILTIN, device="cpu")
 
 
 def test_an_offline_batch_takes_larger_steps_on_cuda_unless_told():

@@ -5,9 +5,11 @@ is checked against the expected figures for an H200 (4.25 TB/s copy bandwidth, 7
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from shardserve.bench.compare_hf import hf_dtype
 from shardserve.cli import main as cli
 
 SCHEMA = ("benchmark", "model", "load_format", "device", "num_gpus", "tp", "replicas", "workload",
@@ -33,7 +35,8 @@ def run_bench(tmp_path, *args: str) -> dict:
 
 def test_offline_record_has_throughput_the_ceiling_and_the_ratio_to_transformers(model_dir, tmp_path):
     record = run_bench(tmp_path, "offline", "--model", model_dir, "--num-prompts", "6", "--input-len", "8-24",
-                       "--output-len", "4-10", "--compare", "hf", "--hf-prompts", "3")
+                       "--output-len", "4-10", "--compare", "hf", "--hf-prompts", "3",
+                       "--hf-dtype", "bf16")
     assert record["benchmark"] == "offline" and record["workload"]["num_prompts"] == 6 and record["tp"] == 1
     assert record["output_tokens_per_s"] > 0 and record["total_tokens_per_s"] > record["output_tokens_per_s"]
     assert record["ceiling_output_tokens_per_s"] > 0
@@ -46,8 +49,18 @@ def test_offline_record_has_throughput_the_ceiling_and_the_ratio_to_transformers
         assert 0 < bucket["device_s"] <= bucket["s"]
     hf = record["notes"]["hf"]
     assert hf["method"] == "generate (padded)" and hf["output_tokens"] == 3 * 10  # fixed length: the range's top
+    assert hf["dtype"] == "bfloat16" and record["dtype"] == "float32"  # --hf-dtype: transformers' own dtype
     assert record["ratio_vs_hf"] == pytest.approx(record["notes"]["hf_sample"]["shardserve_output_tokens_per_s"]
                                                   / hf["output_tokens_per_s"])
+
+
+def test_hf_dtype_is_the_engines_the_checkpoints_or_a_name(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    config = SimpleNamespace(model=str(tmp_path), dtype="float32")
+    assert hf_dtype("same", config) == "float32" and hf_dtype("checkpoint", config) == "bfloat16"
+    assert hf_dtype("fp16", config) == "float16"
+    (tmp_path / "config.json").write_text("{}")  # no dtype named: transformers loads float32
+    assert hf_dtype("checkpoint", config) == "float32"
 
 
 def test_latency_record_has_ms_per_token_and_the_weight_read_bound(model_dir, tmp_path):
