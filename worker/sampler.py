@@ -122,34 +122,48 @@ def apply_min_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits[device_tensor(r, torch.int64, device), device_tensor(c, torch.int64, device)] = float("-inf")
 
 
+TOP_P_CANDIDATES = 256  # a row's top-p cut-off is looked for among its largest logits first (then 8x as many)
+
+
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Masks (to -inf) what top-k and top-p exclude. top_k 0 and top_p 1 leave a row untouched."""
+    """Masks (to -inf) what top-k and top-p exclude: each row keeps its logits >= a threshold (the smallest kept
+    value; tokens tied with it are kept too, as the GPU's search keeps them). top_k 0 and top_p 1 leave a row
+    untouched. No sort of the vocabulary: top-p's cut-off is found among each row's largest TOP_P_CANDIDATES
+    logits (torch.topk, sorted), over probabilities normalised by the whole row's (or its top-k's) log-sum-exp,
+    and looked for among 8x as many where some row's kept mass reaches past them (flat distributions). At 32 x
+    49,152 on the 2-core development VM: ~3 ms against ~45 ms for a full sort (docs/performance.md)."""
     n, vocab = logits.shape
     device = logits.device
-    need_p = any(p < 1.0 for p in top_p)
-    k = device_tensor([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, device)
-    if not need_p:
+    k = device_tensor([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, device).unsqueeze(1)
+    if all(pp >= 1.0 for pp in top_p):
         # top-k only: the k-th largest value is the threshold (ties with it are kept).
         active = [kk for kk in top_k if 0 < kk < vocab]
         if not active:
             return logits
         kmax = max(active)
         top_vals = torch.topk(logits, kmax, dim=1).values
-        threshold = top_vals.gather(1, (k.clamp(max=kmax) - 1).unsqueeze(1))
-        threshold = torch.where(k.unsqueeze(1) >= vocab, torch.full_like(threshold, float("-inf")), threshold)
+        threshold = top_vals.gather(1, (k.clamp(max=kmax) - 1))
+        threshold = torch.where(k >= vocab, torch.full_like(threshold, float("-inf")), threshold)
         return logits.masked_fill(logits < threshold, float("-inf"))
-    # One sort of the whole vocabulary (the CPU path; CUDA searches a cut-off instead, kernels/sampling_filter.py).
-    # On an H200 (batch 256 x 151,936, bf16 logits) the sampling call with top_p took 6.0 ms this way.
-    sorted_logits, order = torch.sort(logits, dim=1, descending=True)
-    rank = torch.arange(vocab, device=device).unsqueeze(0)
-    sorted_logits = sorted_logits.masked_fill(rank >= k.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(sorted_logits, dim=1)
-    mass_before = torch.cumsum(probs, dim=1) - probs
-    p = device_tensor(top_p, probs.dtype, device).unsqueeze(1)
-    # Keep the smallest prefix whose mass reaches top_p: drop a token once the tokens before it already do.
-    # Rows without top-p (1.0) keep everything: their float32 running sum can round up to 1 before the tail.
-    sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (p < 1.0), float("-inf"))
-    return torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    p = device_tensor(top_p, torch.float32, device).unsqueeze(1)
+    untouched = (k >= vocab) & (p >= 1.0)
+    whole_row = torch.logsumexp(logits.float(), dim=1, keepdim=True)  # the normaliser where no top-k applies
+    width = min(vocab, max([TOP_P_CANDIDATES] + [kk for kk in top_k if 0 < kk < vocab]))
+    while True:
+        values = torch.topk(logits, width, dim=1).values.float()  # [n, width], largest first
+        in_top_k = torch.arange(width, device=device).unsqueeze(0) < k
+        candidates = values.masked_fill(~in_top_k, float("-inf"))
+        normaliser = torch.where(k < vocab, torch.logsumexp(candidates, dim=1, keepdim=True), whole_row)
+        probs = torch.exp(candidates - normaliser)
+        mass_before = torch.cumsum(probs, dim=1) - probs
+        # keep the smallest prefix whose mass reaches top_p: drop a token once the tokens before it already do
+        kept = (in_top_k & ((mass_before < p) | (p >= 1.0))).sum(1, keepdim=True)  # (a prefix: its length)
+        if width == vocab or bool(((kept < width) | (k <= width) | untouched).all()):
+            break
+        width = min(vocab, width * 8)
+    threshold = values.gather(1, (kept - 1).clamp(min=0)).to(logits.dtype)
+    threshold = torch.where(untouched, torch.full_like(threshold, float("-inf")), threshold)
+    return logits.masked_fill(logits < threshold, float("-inf"))
 
 
 def _uses_filters(rows: list[SamplingRow]) -> bool:
@@ -179,9 +193,20 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     logits = logits.float() / temps
     if _uses_filters(rows):
         logits = _filter(logits, rows)
-    weights = torch.exp(logits - logits.max(dim=1, keepdim=True).values)  # unnormalised: the draw scales by the sum
+    weights = _shifted_exp(logits)  # unnormalised: the draw scales by the sum
     draws = device_tensor([uniform_draw(row_key(r.spec.seed, r.output_index)) for r in rows], torch.float64, device)
     return inverse_cdf(weights, draws)
+
+
+def _shifted_exp(logits: torch.Tensor) -> torch.Tensor:
+    """exp(logits - the row's max), exactly 0 where the difference is below -87 (e^-87 ~ 1.6e-38, float32's
+    smallest normal values: weight nothing beside the row's largest, 1). torch's CPU exp takes a slow path for
+    arguments whose result underflows: 16-38x the time for those below -87 and 4x for -inf (the masked tokens), at
+    32 x 49,152 up to ~25 ms against 0.7 (docs/performance.md); temperature-scaled logits of a confident model
+    reach there."""
+    shifted = logits - logits.max(dim=1, keepdim=True).values
+    underflows = shifted < -87.0
+    return shifted.clamp_(min=-87.0).exp_().masked_fill_(underflows, 0.0)
 
 
 CDF_BLOCK = 256  # entries a block of the two-level inverse CDF

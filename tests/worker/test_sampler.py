@@ -215,6 +215,60 @@ def test_rows_without_top_p_keep_their_whole_tail_next_to_rows_with_it():
     assert torch.equal(filtered[1], logits[1])
 
 
+def _sorted_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The filter as one sort of the whole vocabulary (what the sampler did before its partial search): kept set
+    of each row, for distinct values."""
+    vocab = logits.shape[1]
+    k = torch.tensor([kk if 0 < kk < vocab else vocab for kk in top_k]).unsqueeze(1)
+    p = torch.tensor(top_p).unsqueeze(1)
+    sorted_logits, order = torch.sort(logits.float(), dim=1, descending=True)
+    sorted_logits = sorted_logits.masked_fill(torch.arange(vocab).unsqueeze(0) >= k, float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=1)
+    drop = ((torch.cumsum(probs, dim=1) - probs) >= p) & (p < 1.0)
+    return torch.zeros_like(logits, dtype=torch.bool).scatter(1, order, ~drop & (sorted_logits > float("-inf")))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_top_p_without_a_sort_keeps_what_the_sort_keeps(dtype):
+    """The partial search's kept set equals a full sort's, including rows whose nucleus reaches past the first
+    TOP_P_CANDIDATES logits (a flat row: the search widens) and rows with a top-k beside their top-p."""
+    from shardserve.worker import sampler
+
+    gen = torch.Generator().manual_seed(5)
+    vocab = 5000
+    logits = torch.randn(6, vocab, generator=gen) * 3
+    logits[1] = torch.randn(vocab, generator=gen) * 0.01  # flat: top-p 0.9 keeps ~4,500 tokens
+    logits[4, 50:] = float("-inf")  # a masked row (min_tokens-style): 50 finite tokens
+    logits = logits.to(dtype)
+    top_k, top_p = [0, 0, 40, 3000, 0, 0], [0.9, 0.9, 0.8, 0.95, 0.99, 1.0]
+    kept = torch.isfinite(sampler._filter_top_k_top_p(logits, top_k, top_p))
+    by_sort = _sorted_top_k_top_p(logits, top_k, top_p)
+    if dtype == torch.float32:  # distinct values: the same set
+        assert torch.equal(kept, by_sort)
+    else:  # bfloat16 rounds many values together: the sort's set, plus the tokens tied with its smallest value
+        smallest = logits.float().masked_fill(~by_sort, float("inf")).amin(1, keepdim=True)
+        assert torch.equal(kept, by_sort | (logits.float() == smallest))
+        assert (kept & ~by_sort).any()  # (ties do occur here)
+    assert kept[1].sum() > 8 * sampler.TOP_P_CANDIDATES and kept[5].all()  # widened; untouched
+    assert kept[2].sum() <= 40 and kept[4].sum() <= 50
+
+
+def test_top_p_keeps_every_token_tied_at_its_cut_off():
+    from shardserve.worker import sampler
+
+    logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])  # top-p 0.7: past the 3.0 (0.60), into the 2.0s
+    assert torch.isfinite(sampler._filter_top_k_top_p(logits, [0], [0.7]))[0].tolist() == [True] * 4 + [False] * 2
+
+
+def test_draw_weights_are_exp_of_the_shift_and_exactly_zero_past_float32s_normal_range():
+    from shardserve.worker import sampler
+
+    logits = torch.tensor([[10.0, -40.0, -76.9, -77.5, -190.0, float("-inf")]])  # shifted by the max, 10
+    weights = sampler._shifted_exp(logits)
+    expected = torch.tensor([[1.0, math.exp(-50.0), math.exp(-86.9), 0.0, 0.0, 0.0]])
+    assert torch.allclose(weights, expected, rtol=1e-4, atol=0.0) and (weights[0, 3:] == 0).all()
+
+
 def test_row_keys_split_equals_row_key_per_row():
     """The vectorised keys (numpy's wrapping uint64) are row_key's, as the Gumbel kernel's 32-bit halves."""
     from shardserve.kernels.sampling import split_keys
