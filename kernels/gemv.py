@@ -62,9 +62,8 @@ FP8_VEC = int(os.environ.get("SHARDSERVE_GEMV_FP8_VEC", "8"))
 # H200 Llama-3-8B's FP8 gate_up 37.1 -> 29.0 us (4.05 TB/s), down (8 x 2,048 tiles) 18.2 -> 16.8, bs=1 3.04 ->
 # 2.58 ms a token with the tiles of decoder.py (docs/performance.md). SHARDSERVE_GEMV_FP8_GROUP (A/B runs).
 FP8_GROUP = int(os.environ.get("SHARDSERVE_GEMV_FP8_GROUP", "8"))
-# The same for half-precision weights; 0 (off) until timed (SHARDSERVE_GEMV_GROUP, A/B runs): their FLAT GEMVs read
-# qkv and o_proj at 3.2-3.4 TB/s where gate_up and down reach 4.0-4.2.
-GROUP = int(os.environ.get("SHARDSERVE_GEMV_GROUP", "0"))
+# Half-precision weights are not grouped: timed on an H200 (2026-12-03), Llama-3-8B's bf16 qkv 14.4 -> 16.9 us and
+# down 29.0 -> 41.5 at the default tiles, bs=1 4.09 -> 4.54 ms a token (docs/performance.md).
 
 
 def _flat(m: int, norm: bool, silu: bool, residual: bool) -> bool:
@@ -257,6 +256,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
                        FLAT=_flat(m, norm is not None, silu, residual is not None),
                        W_SCALED=w_scale is not None, X_SCALED=x_scales is not None,
                        W_VEC=FP8_VEC if weight.dtype == FP8_DTYPE and x.dtype != FP8_DTYPE else 0,
-                       GROUP=FP8_GROUP if weight.dtype == FP8_DTYPE else GROUP,
+                       GROUP=FP8_GROUP if weight.dtype == FP8_DTYPE else 0,
                        num_warps=warps, launch_pdl=pdl)
     return out if split_k == 1 else out.to(out_dtype or x.dtype)

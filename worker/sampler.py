@@ -24,6 +24,7 @@ this.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -147,13 +148,13 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
         return logits.masked_fill(logits < threshold, float("-inf"))
     p = device_tensor(top_p, torch.float32, device).unsqueeze(1)
     untouched = (k >= vocab) & (p >= 1.0)
-    whole_row = torch.logsumexp(logits.float(), dim=1, keepdim=True)  # the normaliser where no top-k applies
+    whole_row = _logsumexp_rows(logits)  # the normaliser where no top-k applies
     width = min(vocab, max([TOP_P_CANDIDATES] + [kk for kk in top_k if 0 < kk < vocab]))
     while True:
         values = torch.topk(logits, width, dim=1).values.float()  # [n, width], largest first
         in_top_k = torch.arange(width, device=device).unsqueeze(0) < k
         candidates = values.masked_fill(~in_top_k, float("-inf"))
-        normaliser = torch.where(k < vocab, torch.logsumexp(candidates, dim=1, keepdim=True), whole_row)
+        normaliser = torch.where(k < vocab, _logsumexp_rows(candidates), whole_row)
         probs = torch.exp(candidates - normaliser)
         mass_before = torch.cumsum(probs, dim=1) - probs
         # keep the smallest prefix whose mass reaches top_p: drop a token once the tokens before it already do
@@ -164,6 +165,13 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     threshold = values.gather(1, (kept - 1).clamp(min=0)).to(logits.dtype)
     threshold = torch.where(untouched, torch.full_like(threshold, float("-inf")), threshold)
     return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
+    """[n, V] -> [n, 1] float32 log-sum-exp of each row, its exponentials clamped at e^-87 (V x 1.6e-38 at most
+    added to a sum >= 1): torch.logsumexp's exp takes the slow path where the result underflows (_shifted_exp_)."""
+    top = x.max(dim=1, keepdim=True).values.float()
+    return top + (x.float() - top).clamp_(min=-87.0).exp_().sum(dim=1, keepdim=True).log_()
 
 
 def _uses_filters(rows: list[SamplingRow]) -> bool:
@@ -190,23 +198,27 @@ def _sample_rows(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         return _sample_rows_gumbel(logits, rows)
     device = logits.device
     temps = device_tensor([r.spec.temperature for r in rows], torch.float32, device).unsqueeze(1)
-    logits = logits.float() / temps
+    logits = logits.to(torch.float32, copy=True).div_(temps)  # (one new tensor: the steps below work in place)
     if _uses_filters(rows):
         logits = _filter(logits, rows)
-    weights = _shifted_exp(logits)  # unnormalised: the draw scales by the sum
+    weights = _shifted_exp_(logits)  # unnormalised: the draw scales by the sum
     draws = device_tensor([uniform_draw(row_key(r.spec.seed, r.output_index)) for r in rows], torch.float64, device)
     return inverse_cdf(weights, draws)
 
 
-def _shifted_exp(logits: torch.Tensor) -> torch.Tensor:
-    """exp(logits - the row's max), exactly 0 where the difference is below -87 (e^-87 ~ 1.6e-38, float32's
-    smallest normal values: weight nothing beside the row's largest, 1). torch's CPU exp takes a slow path for
-    arguments whose result underflows: 16-38x the time for those below -87 and 4x for -inf (the masked tokens), at
-    32 x 49,152 up to ~25 ms against 0.7 (docs/performance.md); temperature-scaled logits of a confident model
-    reach there."""
-    shifted = logits - logits.max(dim=1, keepdim=True).values
-    underflows = shifted < -87.0
-    return shifted.clamp_(min=-87.0).exp_().masked_fill_(underflows, 0.0)
+# Weights at most this are set to 0: e^-87 (the clamp's value, float32's smallest normal range) with a margin over
+# its rounding
+_UNDERFLOW = math.exp(-87.0) * 1.001
+
+
+def _shifted_exp_(logits: torch.Tensor) -> torch.Tensor:
+    """In place: exp(logits - the row's max), exactly 0 where the difference is below -87 (e^-87 ~ 1.6e-38:
+    weight nothing beside the row's largest, 1). torch's CPU exp takes a slow path for arguments whose result
+    underflows: 16-38x the time for those below -87 and 4x for -inf (the masked tokens), at 32 x 49,152 up to
+    ~25 ms against 0.7 (docs/performance.md); temperature-scaled logits of a confident model reach there. In place
+    (and the zeros by a threshold rather than a mask): each new 6 MB tensor of that size is paid in page faults."""
+    logits.sub_(logits.max(dim=1, keepdim=True).values).clamp_(min=-87.0).exp_()
+    return torch.nn.functional.threshold_(logits, _UNDERFLOW, 0.0)
 
 
 CDF_BLOCK = 256  # entries a block of the two-level inverse CDF
@@ -222,7 +234,7 @@ def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     n, vocab = weights.shape
     pad = (-vocab) % CDF_BLOCK
     blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(n, -1, CDF_BLOCK)
-    block_cdf = torch.cumsum(blocks.sum(2, dtype=torch.float64), 1)  # [n, blocks]
+    block_cdf = torch.cumsum(blocks.sum(2).double(), 1)  # [n, blocks]: float32 sums of 256, then float64
     u = (draws * block_cdf[:, -1]).unsqueeze(1)
     b = torch.searchsorted(block_cdf, u).clamp_(max=block_cdf.shape[1] - 1)  # [n, 1]: the first reaching u
     before = torch.where(b > 0, block_cdf.gather(1, (b - 1).clamp_(min=0)), torch.zeros_like(u))

@@ -1,5 +1,5 @@
 """Times the one-row layer's GEMVs with e4m3 weights (quantization="fp8", kernels/gemv.py) against the bf16 ones
-(and those with their products grouped) and against cuBLAS's FP8 product at one row, at Llama-3-8B's and
+and against cuBLAS's FP8 product at one row, at Llama-3-8B's and
 Qwen3-0.6B's shapes, on one GPU:
 
     python tests/gpu/one_row_fp8_timing.py OUT.json [MODEL ...]    # on a CUDA host, from the project root
@@ -27,9 +27,8 @@ MODELS = {"llama8b": (4096, 6144, 14336, 4096), "qwen3": (1024, 4096, 3072, 2048
 SETTINGS = [(8, 1024, 4), (16, 1024, 4), (8, 2048, 4), (4, 2048, 4), (16, 512, 4)]
 # (read e4m3 VEC at a time, products summed GROUP at a time in the lane): gemv.py's FP8_VEC and FP8_GROUP
 VARIANTS = [(0, 0), (8, 0), (8, 8), (8, 16)]
-BF16_GROUPS = [8, 16]  # bf16 weights: the grouped sums against the default launch above
 if os.environ.get("QUICK"):  # QUICK=1: fewer kernels to compile
-    SETTINGS, VARIANTS, BF16_GROUPS = [(8, 1024, 4), (8, 2048, 4)], [(8, 0), (8, 8)], [8]
+    SETTINGS, VARIANTS = [(8, 1024, 4), (8, 2048, 4)], [(8, 0), (8, 8)]
 
 
 def main(out_path: str, models: list[str]) -> None:
@@ -54,14 +53,6 @@ def main(out_path: str, models: list[str]) -> None:
             default = dict(block_n=4, block_k=2048) if proj == "o_proj" else {}
             t = us(lambda i: gemv_fused(x, ws[i], **reading, **default))
             times[f"{proj}: bf16 fused (default launch)"] = (round(t, 2), round(n * k * 2 / t / 1e6, 2))
-            for group in BF16_GROUPS:  # bf16 weights with their products summed `group` at a time (gemv.py: GROUP)
-                gemv_module.GROUP = group
-                for bn, bk, warps in SETTINGS:
-                    launch = dict(block_n=bn, block_k=bk, warps=warps)
-                    t = us(lambda i: gemv_fused(x, ws[i], **reading, **launch))
-                    times[f"{proj}: bf16 fused {bn}x{bk}x{warps} group {group}"] = (round(t, 2),
-                                                                                   round(n * k * 2 / t / 1e6, 2))
-                gemv_module.GROUP = 0
             for vec, group in VARIANTS:
                 gemv_module.FP8_VEC, gemv_module.FP8_GROUP = vec, group
                 for bn, bk, warps in SETTINGS:

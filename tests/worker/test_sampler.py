@@ -264,7 +264,7 @@ def test_draw_weights_are_exp_of_the_shift_and_exactly_zero_past_float32s_normal
     from shardserve.worker import sampler
 
     logits = torch.tensor([[10.0, -40.0, -76.9, -77.5, -190.0, float("-inf")]])  # shifted by the max, 10
-    weights = sampler._shifted_exp(logits)
+    weights = sampler._shifted_exp_(logits.clone())
     expected = torch.tensor([[1.0, math.exp(-50.0), math.exp(-86.9), 0.0, 0.0, 0.0]])
     assert torch.allclose(weights, expected, rtol=1e-4, atol=0.0) and (weights[0, 3:] == 0).all()
 
