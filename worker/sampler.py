@@ -226,11 +226,11 @@ CDF_BLOCK = 256  # entries a block of the two-level inverse CDF
 
 def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     """weights [n, V] >= 0 (some > 0 in each row, unnormalised), draws [n] float64 in (0, 1) -> [n] int64: per row
-    the first index whose cumulative weight (float64 sums) reaches draw x the row's total. In two levels: the
-    blocks' sums and their cumulative sum find the block, then that block's own cumulative sum the token (one pass
-    over the weights instead of a float64 copy and a cumulative sum of the whole vocabulary: ~3.4 against ~8.7 ms
-    a draw at 32 x 49,152 on the 2-core development VM, docs/performance.md). A token of weight 0 is never drawn:
-    were the block's own sums to round below the draw, its last token of weight > 0 is taken."""
+    the first index whose cumulative weight reaches draw x the row's total. In two levels: the blocks' sums
+    (float32, 256 weights each) and their cumulative sum (float64) find the block, then that block's own cumulative
+    sum (float64) the token: one pass over the weights instead of a float64 copy and a cumulative sum of the whole
+    vocabulary (docs/performance.md). A token of weight 0 is never drawn: were the block's own sums to round below
+    the draw, its last token of weight > 0 is taken."""
     n, vocab = weights.shape
     pad = (-vocab) % CDF_BLOCK
     blocks = (torch.nn.functional.pad(weights, (0, pad)) if pad else weights).view(n, -1, CDF_BLOCK)
