@@ -66,7 +66,8 @@ class BenchRecord:
         tp = config.tensor_parallel_size
         return cls(benchmark=benchmark, model=model or "SmolLM2-135M-Instruct", load_format=config.load_format,
                    device=device_name(config.device), num_gpus=tp if config.device == "cuda" else 0, tp=tp,
-                   replicas=1, dtype=getattr(config, "dtype", None), kv_cache_dtype=getattr(config, "kv_cache_dtype", None),
+                   replicas=1, dtype=getattr(config, "dtype", None),
+                   kv_cache_dtype=getattr(config, "kv_cache_dtype", None),
                    quantization=getattr(config, "quantization", None), **fields)
 
     def write(self, path: str | None) -> None:

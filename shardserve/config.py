@@ -109,8 +109,8 @@ def cpu_has_amx_bf16() -> bool:
 
 
 def cpu_auto_dtype(amx_bf16: bool | None = None) -> str:
-    """What dtype="auto" is on CPU: bfloat16 where the CPU multiplies it in AMX tiles (oneDNN's matmuls there run
-    it at ~2x float32's rate: the default model's decode steps 1.4x and its prefill 2.8x faster,
+    """What dtype="auto" is on CPU: bfloat16 where the CPU multiplies it in AMX tiles (there the default model's
+    matmuls at 32 rows take 0.36x float32's time, its decode steps ~0.66x and its prefill ~0.35x:
     docs/performance.md), else float32 (without AMX, bfloat16 is converted to float32 around every product).
     SHARDSERVE_CPU_DTYPE overrides the choice (float32 or bfloat16)."""
     chosen = os.environ.get(CPU_DTYPE_ENV)
