@@ -31,17 +31,20 @@ def as_rank(monkeypatch):
     return set_rank
 
 
-def test_rmsnorm_matches_hf_and_fused_residual_equals_add_then_norm():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [32, 576])
+def test_rmsnorm_equals_hf_bit_for_bit_and_fused_residual_equals_add_then_norm(dtype, hidden):
     torch.manual_seed(0)
-    ours, theirs = RMSNorm(32, eps=1e-5), LlamaRMSNorm(32, eps=1e-5)
-    weight = torch.randn(32)
+    ours, theirs = RMSNorm(hidden, eps=1e-5).to(dtype), LlamaRMSNorm(hidden, eps=1e-5).to(dtype)
+    weight = torch.randn(hidden).to(dtype)
     ours.weight.data.copy_(weight)
     theirs.weight.data.copy_(weight)
-    x, residual = torch.randn(5, 32), torch.randn(5, 32)
-    torch.testing.assert_close(ours(x), theirs(x))
-    normed, new_residual = ours(x, residual)
-    torch.testing.assert_close(new_residual, x + residual)
-    torch.testing.assert_close(normed, theirs(x + residual))
+    for rows, scale in ((1, 1.0), (5, 30.0), (300, 0.01)):
+        x, residual = (torch.randn(rows, hidden) * scale).to(dtype), torch.randn(rows, hidden).to(dtype)
+        assert torch.equal(ours(x), theirs(x))
+        normed, new_residual = ours(x, residual)
+        assert torch.equal(new_residual, x + residual)
+        assert torch.equal(normed, theirs(x + residual))
 
 
 @pytest.mark.parametrize(
