@@ -16,17 +16,10 @@ from shardserve.kernels.fp8_pairs import join_dims, split_query, widen_pairs_til
 
 
 @triton.jit
-def _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size: tl.constexpr,
-                  BLOCK_N: tl.constexpr):
-    """A tile's cache offsets (each key's block from the table) and which keys lie inside the context. Where a
-    block holds whole tiles (block_size a multiple of BLOCK_N; tiles start at multiples of BLOCK_N, and tile_start <
-    end), the tile's one block is one table entry, loaded once instead of per key."""
+def _tile_offsets(table, tile_start, end, kv_head, stride_cb, stride_cp, stride_ch, block_size, BLOCK_N: tl.constexpr):
     pos = tile_start + tl.arange(0, BLOCK_N)
     valid = pos < end
-    if block_size % BLOCK_N == 0:
-        block = tl.load(table + tile_start // block_size).to(tl.int64)
-    else:
-        block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
+    block = tl.load(table + pos // block_size, mask=valid, other=0).to(tl.int64)
     return block * stride_cb + (pos % block_size) * stride_cp + kv_head * stride_ch, valid
 
 

@@ -88,7 +88,7 @@ def test_decode_reads_the_fp8_cache_with_each_heads_scales(dtype, num_splits, va
 
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_fp8_decode_over_blocks_of_whole_tiles_reads_the_right_keys(num_splits):
-    """128-token blocks: the FP8 loop's 128-key tiles each lie in one block, read from one table entry."""
+    """128-token blocks: each of the FP8 loop's 128-key tiles lies in one block."""
     q, _, _, k8, v8, meta, ks, vs = fp8_batch([1, 1, 1], [1, 200, 513], num_heads=8, num_kv_heads=4, head_dim=32,
                                               block_size=128, seed=2)
     out = paged_decode_attention(q, k8, v8, meta.block_tables, meta.seq_lens, SCALE, num_splits,

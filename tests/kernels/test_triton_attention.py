@@ -45,9 +45,8 @@ def test_decode_split_k_merges_to_the_same_result(num_splits):
 @pytest.mark.parametrize("block_size", [64, 128, 256])
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_decode_over_blocks_of_whole_tiles_matches_reference(block_size, num_splits):
-    """Blocks holding whole tiles (a multiple of the kernel's 64-key tile here): each tile's block comes from one
-    table entry (paged_decode_fp8._tile_offsets). Scattered blocks, contexts ending inside a tile, at a tile's end,
-    inside a later block, and one key."""
+    """KV blocks as large as the kernel's 64-key tile or larger (--block-size 64-256): scattered blocks, contexts
+    ending inside a tile, at a tile's end, inside a later block, and one key."""
     q, _, _, k_cache, v_cache, meta = make_batch(
         [1] * 5, [1, 64, 200, 300, 513], num_heads=4, num_kv_heads=2, head_dim=32, block_size=block_size,
         dtype=torch.float32, device=DEVICE, seed=4)
