@@ -246,6 +246,8 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(head_dim)
+    if fp8 and FP8_DECODE_VARIANTS[variant] in ("e4m3_qk", "e4m3"):
+        block_d = max(block_d, 32)  # e4m3 x e4m3 products need K >= 32 (the head's dims past HEAD_DIM are masked)
     default_n, default_warps, default_stages = decode_launch(fp8, head_dim, num_splits,
                                                             num_seqs * num_kv_heads * num_splits)
     if variant == FP8_DECODE_VARIANTS.index("pairs"):  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
