@@ -148,13 +148,16 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
         return logits.masked_fill(logits < threshold, float("-inf"))
     p = device_tensor(top_p, torch.float32, device).unsqueeze(1)
     untouched = (k >= vocab) & (p >= 1.0)
-    whole_row = _logsumexp_rows(logits)  # the normaliser where no top-k applies
+    # the normaliser where no top-k applies (a pass over the whole rows: only where some row has none)
+    whole_row = _logsumexp_rows(logits) if any(not 0 < kk < vocab for kk in top_k) else None
     width = min(vocab, max([TOP_P_CANDIDATES] + [kk for kk in top_k if 0 < kk < vocab]))
     while True:
         values = torch.topk(logits, width, dim=1).values.float()  # [n, width], largest first
         in_top_k = torch.arange(width, device=device).unsqueeze(0) < k
         candidates = values.masked_fill(~in_top_k, float("-inf"))
-        normaliser = torch.where(k < vocab, _logsumexp_rows(candidates), whole_row)
+        normaliser = _logsumexp_rows(candidates)
+        if whole_row is not None:
+            normaliser = torch.where(k < vocab, normaliser, whole_row)
         probs = torch.exp(candidates - normaliser)
         mass_before = torch.cumsum(probs, dim=1) - probs
         # keep the smallest prefix whose mass reaches top_p: drop a token once the tokens before it already do
@@ -168,10 +171,10 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
 
 
 def _logsumexp_rows(x: torch.Tensor) -> torch.Tensor:
-    """[n, V] -> [n, 1] float32 log-sum-exp of each row, its exponentials clamped at e^-87 (V x 1.6e-38 at most
-    added to a sum >= 1): torch.logsumexp's exp takes the slow path where the result underflows (_shifted_exp_)."""
+    """[n, V] -> [n, 1] float32 log-sum-exp of each row, through _clamped_exp_ (torch.logsumexp's exp takes the
+    slow path where the result underflows)."""
     top = x.max(dim=1, keepdim=True).values.float()
-    return top + (x.float() - top).clamp_(min=-87.0).exp_().sum(dim=1, keepdim=True).log_()
+    return top + _clamped_exp_(x.float() - top).sum(dim=1, keepdim=True).log_()
 
 
 def _uses_filters(rows: list[SamplingRow]) -> bool:
@@ -212,13 +215,17 @@ _UNDERFLOW = math.exp(-87.0) * 1.001
 
 
 def _shifted_exp_(logits: torch.Tensor) -> torch.Tensor:
-    """In place: exp(logits - the row's max), exactly 0 where the difference is below -87 (e^-87 ~ 1.6e-38:
-    weight nothing beside the row's largest, 1). torch's CPU exp takes a slow path for arguments whose result
-    underflows: 16-38x the time for those below -87 and 4x for -inf (the masked tokens), at 32 x 49,152 up to
-    ~25 ms against 0.7 (docs/performance.md); temperature-scaled logits of a confident model reach there. In place
-    (and the zeros by a threshold rather than a mask): each new 6 MB tensor of that size is paid in page faults."""
-    logits.sub_(logits.max(dim=1, keepdim=True).values).clamp_(min=-87.0).exp_()
-    return torch.nn.functional.threshold_(logits, _UNDERFLOW, 0.0)
+    """In place: exp(logits - the row's max) (_clamped_exp_)."""
+    return _clamped_exp_(logits.sub_(logits.max(dim=1, keepdim=True).values))
+
+
+def _clamped_exp_(shifted: torch.Tensor) -> torch.Tensor:
+    """In place: exp of values <= 0 (logits less their row's max), exactly 0 below -87 (e^-87 ~ 1.6e-38: weight
+    nothing beside the row's largest, 1). torch's CPU exp takes a slow path for arguments whose result underflows:
+    16-38x the time for those below -87 and 4x for -inf (the masked tokens), at 32 x 49,152 up to ~25 ms against
+    0.7 (docs/performance.md); temperature-scaled logits of a confident model reach there. In place (and the zeros
+    by a threshold rather than a mask): each new 6 MB tensor of that size is paid in page faults."""
+    return torch.nn.functional.threshold_(shifted.clamp_(min=-87.0).exp_(), _UNDERFLOW, 0.0)
 
 
 CDF_BLOCK = 256  # entries a block of the two-level inverse CDF

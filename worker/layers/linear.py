@@ -38,20 +38,22 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
         rows, x_scale = (x.q, x.scale) if isinstance(x, Fp8Rows) else (x, None)
         if _one_row(rows, x.dtype):  # e4m3 weights at one row: a pass over them, no tensor cores wanted (gemv.py)
-            from shardserve.kernels.gemv import gemv
-
-            y = gemv(rows, weight, 8, 1024, 4, weight_scale=weight_scale, x_scale=x_scale, out_dtype=x.dtype)
-            return y if bias is None else y + bias
+            return _gemv(rows, weight, bias, weight_scale=weight_scale, x_scale=x_scale, out_dtype=x.dtype)
         return fp8_linear(x, weight, weight_scale, bias)
     if weight.is_mkldnn:
         return cpu_packed.linear(x, weight, bias)
     if (_one_row(x, x.dtype) and weight.shape[1] <= GEMV_MAX_K and weight.dtype == x.dtype
             and weight.stride(1) == 1):
-        from shardserve.kernels.gemv import gemv
-
-        y = gemv(x, weight, block_n=8, block_k=1024, warps=4)
-        return y if bias is None else y + bias
+        return _gemv(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **scales) -> torch.Tensor:
+    """The one-row Triton GEMV (kernels/gemv.py) with its tiles for a plain matmul, plus the bias."""
+    from shardserve.kernels.gemv import gemv
+
+    y = gemv(x, weight, block_n=8, block_k=1024, warps=4, **scales)
+    return y if bias is None else y + bias
 
 
 def _one_row(x: torch.Tensor, dtype: torch.dtype) -> bool:
