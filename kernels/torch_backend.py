@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from shardserve.kernels import cpu_native
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata, cache_zeros
 from shardserve.kernels.kv_fp8 import (dequantize_fp8, fp8_decode_variant, is_fp8, quantize_fp8, round_query_e4m3,
                                        rounds_query)
@@ -143,6 +144,19 @@ class TorchAttentionBackend(AttentionBackend):
         self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts, scales, round_query)
 
     def _decode_in_place(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
+        kernel = cpu_native.decode_kernel(q.dtype, q.shape[2], k_cache.shape[1]) if is_transposed(k_cache) else None
+        if kernel is not None:  # the C kernel (cpu_native.py): no index, the tables and lengths as they are
+            if len(seqs) == len(q):  # a decode-only batch: its tokens are its sequences, in order
+                out.copy_(cpu_native.paged_decode(kernel, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                                  scale))
+                return
+            rows, token_idx = meta._once("cpu_native_decode_rows", lambda: (
+                torch.tensor(seqs), torch.tensor([starts[i] for i in seqs])))
+            result = cpu_native.paged_decode(kernel, q.index_select(0, token_idx), k_cache, v_cache,
+                                             meta.block_tables.index_select(0, rows),
+                                             meta.seq_lens.index_select(0, rows), scale)
+            out.index_copy_(0, token_idx, result.to(q.dtype))
+            return
         if self._decode_index is None or self._decode_index[0] is not meta:  # the step's first layer
             rows = meta.block_tables if len(seqs) == meta.num_seqs else meta.block_tables[torch.tensor(seqs)]
             index = build_decode_index(rows, [meta.seq_lens_cpu[i] for i in seqs], k_cache.shape[1], q.shape[1],

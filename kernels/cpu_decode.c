@@ -1,0 +1,174 @@
+/* Decode attention over the paged KV cache on the CPU: one query per sequence, the cache read in place.
+ *
+ * Built at first use by kernels/cpu_native.py (the host's C compiler, -O3 -march=native -fopenmp) and called
+ * through ctypes, which releases the GIL for the call. The OpenMP runtime is the one torch already loaded
+ * (libgomp.so.1 by soname), so the kernel's threads are torch's intra-op threads.
+ *
+ * Layouts (those of the torch backend's CPU cache, kernels/torch_paged_decode.py):
+ *   q       [B, H, D] float32, already multiplied by the softmax scale
+ *   k_t     [num_blocks, KVH, D, BS]  K transposed within each block: a key's dims are BS apart
+ *   v       [num_blocks, BS, KVH, D]
+ *   tables  [B, table_stride] int32 block ids; lens [B] int32 context lengths (>= 1)
+ *   out     [B, H, D] float32
+ * Cache entries are bfloat16 (uint16 bits) or float32; head_dim and block_size multiples of 16 (else the call
+ * returns -1 and computes nothing). One work item is a (sequence, KV head), taking its G = H / KVH query heads four
+ * at a time, in three passes over the sequence, all in float32:
+ *   1. scores: 16 keys at a time from K^T's rows (16 consecutive keys of one dim: one vector, times each head's
+ *      entry for that dim; even and odd dims in separate sums, so that eight multiply-adds are in flight), the
+ *      positions past the context set to -inf, each head's running maximum kept as a vector;
+ *   2. softmax numerators in place, e^x by a polynomial 16 at a time, and each head's sum;
+ *   3. out = sum of p * v over the keys, 4 heads x 64 dims of accumulators held in registers.
+ * The next block's lines are prefetched while one block is read (the blocks of a sequence lie anywhere in the
+ * cache). Written with GCC's vector extensions, which the compiler lowers to the host's widest vectors (AVX-512
+ * where it has them).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline v16 load_bf16(const uint16_t *p) {
+    u16x16 h; memcpy(&h, p, sizeof h);
+    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 f; memcpy(&f, &w, sizeof f); return f;
+}
+static inline v16 load_f32(const float *p) { v16 f; memcpy(&f, p, sizeof f); return f; }
+static inline v16 loadv(const float *p) { v16 f; memcpy(&f, p, sizeof f); return f; }
+static inline void storev(float *p, v16 x) { memcpy(p, &x, sizeof x); }
+static inline v16 splat(float x) { return (v16){x,x,x,x,x,x,x,x,x,x,x,x,x,x,x,x}; }
+static inline v16 select_v(i16v m, v16 a, v16 b) {
+    i16v ia, ib; memcpy(&ia, &a, 64); memcpy(&ib, &b, 64);
+    ia = (ia & m) | (ib & ~m); v16 r; memcpy(&r, &ia, 64); return r;
+}
+static inline v16 vmax(v16 a, v16 b) { return select_v(a > b, a, b); }
+static inline float hmax(v16 a) { float m = a[0]; for (int i = 1; i < 16; i++) m = a[i] > m ? a[i] : m; return m; }
+static inline float hsum(v16 a) { float s = 0; for (int i = 0; i < 16; i++) s += a[i]; return s; }
+
+/* e^x for x <= 0 (Cephes' float polynomial, ~2 ulp); x below -87 (and -inf) gives 0 */
+static inline v16 vexp(v16 x) {
+    const v16 lo = splat(-87.0f);
+    const i16v under = x < lo;
+    x = vmax(x, lo);
+    const v16 n = x * splat(1.44269504088896341f) + splat(12582912.0f) - splat(12582912.0f); /* rounded */
+    const v16 f = x - n * splat(0.693359375f) + n * splat(2.12194440e-4f);
+    v16 p = splat(1.9875691500e-4f);
+    p = p * f + splat(1.3981999507e-3f);
+    p = p * f + splat(8.3334519073e-3f);
+    p = p * f + splat(4.1665795894e-2f);
+    p = p * f + splat(1.6666665459e-1f);
+    p = p * f + splat(5.0000001201e-1f);
+    p = p * f * f + f + splat(1.0f);
+    const i16v e = (__builtin_convertvector(n, i16v) + 127) << 23;
+    v16 scale; memcpy(&scale, &e, sizeof scale);
+    return select_v(under, splat(0.0f), p * scale);
+}
+
+#define DEFINE_DECODE(NAME, T, LOAD)                                                                             \
+int NAME(const float *q, const T *k_t, const T *v, const int32_t *tables, int64_t table_stride,                \
+         const int32_t *lens, float *out, int batch, int heads, int kv_heads, int head_dim, int block_size) {   \
+    const int group = heads / kv_heads;                                                                       \
+    if (group * kv_heads != heads || head_dim % 16 || block_size % 16) return -1;                             \
+    const int items = batch * kv_heads, dv = head_dim / 16, bv = block_size / 16;                             \
+    const int64_t vstride = (int64_t)kv_heads * head_dim;                                                     \
+    int failed = 0;                                                                                           \
+    _Pragma("omp parallel for schedule(dynamic, 1) reduction(|: failed)")                                     \
+    for (int item = 0; item < items; item++) {                                                                \
+        const int b = item / kv_heads, h = item % kv_heads, len = lens[b];                                    \
+        const int blocks = (len + block_size - 1) / block_size, padded = blocks * block_size;                 \
+        const int32_t *table = tables + (int64_t)b * table_stride;                                            \
+        const float *qg = q + ((int64_t)b * heads + (int64_t)h * group) * head_dim;                           \
+        float *scores = malloc(sizeof(float) * group * padded); /* [group, padded] */                         \
+        if (!scores) { failed = 1; continue; }                                                                \
+        for (int g0 = 0; g0 < group; g0 += 4) {                                                               \
+            const int gn = group - g0 < 4 ? group - g0 : 4;                                                   \
+            v16 top[4] = {splat(-INFINITY), splat(-INFINITY), splat(-INFINITY), splat(-INFINITY)};            \
+            /* scores: q . k for 16 keys at a time, two partial sums a head (even and odd dims) */            \
+            for (int blk = 0; blk < blocks; blk++) {                                                          \
+                const T *kb = k_t + ((int64_t)table[blk] * kv_heads + h) * head_dim * block_size;             \
+                if (blk + 1 < blocks) {                                                                       \
+                    const char *nk = (const char *)(k_t + ((int64_t)table[blk + 1] * kv_heads + h) * head_dim * block_size); \
+                    for (int o = 0; o < (int)(head_dim * block_size * sizeof(T)); o += 64) __builtin_prefetch(nk + o); \
+                }                                                                                             \
+                for (int c = 0; c < bv; c++) {                                                                \
+                    v16 s[4][2] = {{splat(0), splat(0)}, {splat(0), splat(0)}, {splat(0), splat(0)},          \
+                                   {splat(0), splat(0)}};                                                     \
+                    for (int d = 0; d < head_dim; d += 2) {                                                   \
+                        const v16 k0 = LOAD(kb + (int64_t)d * block_size + c * 16);                           \
+                        const v16 k1 = LOAD(kb + (int64_t)(d + 1) * block_size + c * 16);                     \
+                        _Pragma("GCC unroll 4")                                                               \
+                        for (int g = 0; g < 4; g++) {                                                         \
+                            if (g < gn) {                                                                     \
+                                s[g][0] += splat(qg[(g0 + g) * head_dim + d]) * k0;                           \
+                                s[g][1] += splat(qg[(g0 + g) * head_dim + d + 1]) * k1;                       \
+                            }                                                                                 \
+                        }                                                                                     \
+                    }                                                                                         \
+                    const int pos = blk * block_size + c * 16;                                                \
+                    const i16v past = (i16v){0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15} + pos >= len;             \
+                    _Pragma("GCC unroll 4")                                                                   \
+                    for (int g = 0; g < 4; g++) {                                                             \
+                        if (g < gn) {                                                                         \
+                            const v16 x = select_v(past, splat(-INFINITY), s[g][0] + s[g][1]);                \
+                            top[g] = vmax(top[g], x);                                                         \
+                            storev(scores + (g0 + g) * padded + pos, x);                                      \
+                        }                                                                                     \
+                    }                                                                                         \
+                }                                                                                             \
+            }                                                                                                 \
+            /* softmax numerators in place, each head's sum */                                                \
+            float inv[4];                                                                                     \
+            for (int g = 0; g < gn; g++) {                                                                    \
+                const v16 m = splat(hmax(top[g]));                                                            \
+                float *sg = scores + (g0 + g) * padded;                                                       \
+                v16 sum = splat(0);                                                                           \
+                for (int i = 0; i < padded; i += 16) {                                                        \
+                    const v16 e = vexp(loadv(sg + i) - m);                                                    \
+                    storev(sg + i, e);                                                                        \
+                    sum += e;                                                                                 \
+                }                                                                                             \
+                inv[g] = 1.0f / hsum(sum);                                                                    \
+            }                                                                                                 \
+            /* out = sum of p * v over the keys, four 16-dim pieces of each head at a time */                 \
+            for (int c0 = 0; c0 < dv; c0 += 4) {                                                              \
+                const int cn = dv - c0 < 4 ? dv - c0 : 4;                                                     \
+                v16 acc[4][4];                                                                                \
+                for (int g = 0; g < 4; g++) for (int c = 0; c < 4; c++) acc[g][c] = splat(0);                 \
+                for (int blk = 0; blk < blocks; blk++) {                                                      \
+                    const T *vb = v + ((int64_t)table[blk] * block_size * kv_heads + h) * head_dim + c0 * 16; \
+                    const int n = len - blk * block_size < block_size ? len - blk * block_size : block_size;  \
+                    if (blk + 1 < blocks) {                                                                   \
+                        const T *nv = v + ((int64_t)table[blk + 1] * block_size * kv_heads + h) * head_dim + c0 * 16; \
+                        for (int j = 0; j < block_size; j++)                                                  \
+                            for (int o = 0; o < (int)(cn * 16 * sizeof(T)); o += 64) __builtin_prefetch((const char *)(nv + j * vstride) + o); \
+                    }                                                                                         \
+                    for (int j = 0; j < n; j++) {                                                             \
+                        const int pos = blk * block_size + j;                                                 \
+                        v16 x[4];                                                                             \
+                        _Pragma("GCC unroll 4")                                                               \
+                        for (int c = 0; c < 4; c++) if (c < cn) x[c] = LOAD(vb + j * vstride + c * 16);       \
+                        _Pragma("GCC unroll 4")                                                               \
+                        for (int g = 0; g < 4; g++) {                                                         \
+                            if (g < gn) {                                                                     \
+                                const v16 p = splat(scores[(g0 + g) * padded + pos]);                         \
+                                _Pragma("GCC unroll 4")                                                       \
+                                for (int c = 0; c < 4; c++) if (c < cn) acc[g][c] += p * x[c];                \
+                            }                                                                                 \
+                        }                                                                                     \
+                    }                                                                                         \
+                }                                                                                             \
+                for (int g = 0; g < gn; g++) {                                                                \
+                    float *o = out + ((int64_t)b * heads + (int64_t)h * group + g0 + g) * head_dim + c0 * 16; \
+                    for (int c = 0; c < cn; c++) storev(o + c * 16, acc[g][c] * splat(inv[g]));               \
+                }                                                                                             \
+            }                                                                                                 \
+        }                                                                                                     \
+        free(scores);                                                                                         \
+    }                                                                                                         \
+    return failed ? -2 : 0;                                                                                   \
+}
+DEFINE_DECODE(paged_decode_bf16, uint16_t, load_bf16)
+DEFINE_DECODE(paged_decode_f32, float, load_f32)

@@ -1,0 +1,120 @@
+"""The CPU path's native kernel: decode attention over the paged cache in C (cpu_decode.c), built on first use.
+
+The torch formulation of the in-place decode (torch_paged_decode.py) takes ~15 torch ops a layer, each a pass over
+the step's scores, and reads every key row once per query head; the C kernel reads each key and value once per KV
+head and keeps its sums in vector registers: about twice as fast a layer at the CPU benchmark's batch
+(docs/performance.md). It is compiled here, not at install: `cc -O3 -march=native -fopenmp` makes code for the
+host's own vector units, so the shared object is cached per source, flags and CPU (`~/.cache/shardserve/native`, or
+`SHARDSERVE_CACHE_DIR`), written under a temporary name and renamed into place (processes building it at once each
+finish with a whole file). Where there is no compiler, the build fails, or `SHARDSERVE_CPU_NATIVE=0`, `decode_kernel()`
+is None and the torch formulation runs instead, with the same results within float32 rounding.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+ENV_SWITCH = "SHARDSERVE_CPU_NATIVE"  # 0: the torch formulation only (A/B runs, hosts without a compiler)
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+# (q, k_t, v, tables, table_stride, lens, out, batch, heads, kv_heads, head_dim, block_size): cpu_decode.c
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SHARDSERVE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardserve")
+    return Path(root) / "native"
+
+
+def _cpu_flags() -> str:
+    """What -march=native compiles for: the CPU's feature flags (the cached object is only for CPUs like this)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(ENV_SWITCH, "1") == "0" or platform.system() != "Linux":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.info("no C compiler found: CPU decode attention runs as torch ops")
+        return None
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_flags(), platform.machine()])
+                         .encode()).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_decode-{key}.so"
+    try:
+        if not target.exists():
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("the CPU decode kernel did not build (%s): decode attention runs as torch ops", detail)
+        return None
+    for name in _DTYPES.values():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    return lib
+
+
+def decode_kernel(dtype: torch.dtype, head_dim: int, block_size: int):
+    """The C decode function for caches of this dtype and shape, or None where it does not apply or did not build."""
+    if dtype not in _DTYPES or head_dim % 16 or block_size % 16:
+        return None
+    lib = _library()
+    return None if lib is None else getattr(lib, _DTYPES[dtype])
+
+
+def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [B, H, D] -> [B, H, D] float32, one query per sequence. k_cache made by transposed_k_cache (logical
+    [num_blocks, block_size, kv_heads, D], K^T within each block in memory), v_cache contiguous, both in the
+    kernel's dtype; block_tables [B, >= blocks] and seq_lens [B] int32 (>= 1 each)."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    k_mem = k_cache.permute(0, 2, 3, 1)
+    if not (k_mem.is_contiguous() and v_cache.is_contiguous() and block_tables.dtype == torch.int32
+            and seq_lens.dtype == torch.int32 and block_tables.stride(1) == 1):
+        raise ValueError("paged_decode: caches, tables or lengths not in the kernel's layout")
+    query = (q.float() * scale).contiguous()
+    lens = seq_lens.contiguous()
+    out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
+    rc = kernel(query.data_ptr(), k_mem.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                block_tables.stride(0), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
+                block_size)
+    if rc != 0:
+        raise RuntimeError(f"the CPU decode kernel refused its arguments ({rc})")
+    return out

@@ -1,0 +1,142 @@
+"""The CPU decode kernel in C (kernels/cpu_decode.c, built by kernels/cpu_native.py) against softmax(q k^T) v in
+float64 over scattered blocks: float32 and bfloat16 caches, query groups of 1 to 8 heads (more than the four a pass
+takes), head sizes of one to eight 16-float vectors, blocks of 16 and 32, contexts of one token, partial and whole
+last blocks; scores far apart (the softmax's maximum) and far below it (e^x's underflow); the torch backend taking it
+for decode-only and mixed batches; and the fallbacks: shapes it does not take, no compiler, the switch off."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from shardserve.kernels import cpu_native
+from shardserve.kernels.torch_backend import TorchAttentionBackend
+from shardserve.kernels.torch_paged_decode import build_decode_index, paged_decode
+from tests.kernels._paged_batch import make_batch
+from tests.kernels.test_torch_paged_decode import gathered_reference, transposed
+
+pytestmark = pytest.mark.skipif(cpu_native.decode_kernel(torch.float32, 64, 16) is None,
+                                reason="no C compiler here: the torch formulation runs instead")
+
+
+@pytest.fixture
+def fresh_library():
+    """_library() looked up again under the test's environment, and again after it."""
+    cpu_native._library.cache_clear()
+    yield
+    cpu_native._library.cache_clear()
+
+
+def run_kernel(q, k_cache, v_cache, meta, scale):
+    kernel = cpu_native.decode_kernel(k_cache.dtype, q.shape[2], k_cache.shape[1])
+    assert kernel is not None
+    return cpu_native.paged_decode(kernel, q, transposed(k_cache), v_cache, meta.block_tables, meta.seq_lens, scale)
+
+
+@pytest.mark.parametrize(
+    "seq_lens, heads, kv_heads, head_dim, block_size",
+    [
+        ([1, 16, 17, 33, 5, 64, 100, 2], 9, 3, 64, 16),  # the default model's shape: one token, whole and partial
+        ([250, 3, 129], 4, 4, 16, 16),  # plain multi-head, one vector a head
+        ([40, 95], 8, 1, 128, 32),  # multi-query, 8 heads a group (two passes of 4), 8 vectors a head (two of 4)
+        ([31, 64, 1], 10, 2, 80, 16),  # groups of 5 (a pass of 4, then 1), 5 vectors a head (4, then 1)
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_kernel_equals_float64_attention(seq_lens, heads, kv_heads, head_dim, block_size, dtype):
+    q, _, _, k_cache, v_cache, meta = make_batch([1] * len(seq_lens), seq_lens, num_heads=heads,
+                                                 num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size,
+                                                 dtype=dtype, seed=len(seq_lens) + heads)
+    scale = head_dim**-0.5
+    out = run_kernel(q, k_cache, v_cache, meta, scale)
+    # the reference from the same (rounded) inputs: the kernel computes in float32 from there
+    expected = gathered_reference(q.double(), k_cache.double(), v_cache.double(), meta, scale)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_scores_far_apart_and_far_below_the_maximum():
+    """Sharp attention: scores spread over hundreds (most numerators underflow e^-87 to 0, one dominates), and a
+    second sequence whose scores are all equal (the plain mean of its values)."""
+    q, _, _, k_cache, v_cache, meta = make_batch([1, 1], [70, 37], num_heads=6, num_kv_heads=2, head_dim=32,
+                                                 block_size=16, dtype=torch.float32, seed=3)
+    q[0] *= 60.0
+    q[1] = 0.0
+    out = run_kernel(q, k_cache, v_cache, meta, 1.0)
+    expected = gathered_reference(q.double(), k_cache.double(), v_cache.double(), meta, 1.0)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_it_agrees_with_the_torch_formulation_it_replaces():
+    q, _, _, k_cache, v_cache, meta = make_batch([1] * 5, [300, 1, 47, 128, 9], num_heads=9, num_kv_heads=3,
+                                                 head_dim=64, block_size=16, dtype=torch.bfloat16, seed=7)
+    kt = transposed(k_cache)
+    index = build_decode_index(meta.block_tables, meta.seq_lens_cpu, 16, 9, 3, 64)
+    torch_out = paged_decode(q, kt, v_cache, index, 0.125).float()
+    torch.testing.assert_close(run_kernel(q, k_cache, v_cache, meta, 0.125), torch_out, atol=2e-2, rtol=2e-2)
+
+
+def test_the_backend_takes_it_for_decodes_alone_and_beside_prefills(monkeypatch):
+    calls = []
+    real = cpu_native.paged_decode
+    monkeypatch.setattr(cpu_native, "paged_decode", lambda *a, **k: calls.append(a[1].shape[0]) or real(*a, **k))
+    query_lens, seq_lens = [1, 5, 1, 12, 1], [30, 20, 3, 12, 17]
+    q, _, _, k_cache, v_cache, meta = make_batch(query_lens, seq_lens, num_heads=4, num_kv_heads=2, head_dim=16,
+                                                 block_size=16, dtype=torch.float32, seed=5)
+    out = TorchAttentionBackend().attend(q, transposed(k_cache), v_cache, meta, scale=0.25)
+    usual = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, scale=0.25)  # K not transposed: torch ops
+    rows, decodes = [0, 6, 19], [0, 2, 4]
+    torch.testing.assert_close(out[rows], gathered_reference(q[rows], k_cache, v_cache, meta, 0.25, seqs=decodes),
+                               atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, usual, atol=2e-5, rtol=2e-5)
+    q2, _, _, k2, v2, meta2 = make_batch([1] * 3, [5, 40, 16], num_heads=4, num_kv_heads=2, head_dim=16,
+                                         block_size=16, dtype=torch.float32, seed=6)
+    out2 = TorchAttentionBackend().attend(q2, transposed(k2), v2, meta2, scale=0.25)
+    torch.testing.assert_close(out2, gathered_reference(q2, k2, v2, meta2, 0.25), atol=2e-5, rtol=2e-5)
+    assert calls == [3, 3]  # the mixed batch's three decodes, then the decode-only batch
+
+
+def test_shapes_and_dtypes_it_does_not_take_fall_back():
+    assert cpu_native.decode_kernel(torch.float16, 64, 16) is None
+    assert cpu_native.decode_kernel(torch.float32, 24, 16) is None  # head size not a multiple of 16
+    assert cpu_native.decode_kernel(torch.bfloat16, 64, 8) is None  # block size not a multiple of 16
+    q, _, _, k_cache, v_cache, meta = make_batch([1, 1], [9, 30], num_heads=4, num_kv_heads=2, head_dim=16,
+                                                 block_size=8, dtype=torch.float32, seed=8)
+    out = TorchAttentionBackend().attend(q, transposed(k_cache), v_cache, meta, scale=0.25)  # the torch formulation
+    torch.testing.assert_close(out, gathered_reference(q, k_cache, v_cache, meta, 0.25), atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="layout"):  # K not transposed: refused, not read wrongly
+        cpu_native.paged_decode(cpu_native.decode_kernel(torch.float32, 16, 16), q, k_cache, v_cache,
+                                meta.block_tables, meta.seq_lens, 0.25)
+
+
+def test_without_a_compiler_or_with_the_switch_off_there_is_no_kernel(fresh_library, monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert cpu_native.decode_kernel(torch.float32, 64, 16) is None
+    cpu_native._library.cache_clear()
+    false_compiler = tmp_path / "cc"
+    false_compiler.write_text("#!/bin/sh\necho 'cc: broken on purpose' >&2\nexit 1\n")
+    false_compiler.chmod(0o755)
+    monkeypatch.setenv("CC", str(false_compiler))
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert cpu_native.decode_kernel(torch.float32, 64, 16) is None
+    assert "broken on purpose" in caplog.text
+    assert not list((tmp_path / "native").glob("*"))  # no half-written object left behind
+    cpu_native._library.cache_clear()
+    monkeypatch.delenv("CC")
+    monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
+    assert cpu_native.decode_kernel(torch.float32, 64, 16) is None
+
+
+def test_the_object_is_built_once_per_source_and_cpu_into_the_cache_dir(fresh_library, monkeypatch, tmp_path):
+    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path))
+    assert cpu_native.decode_kernel(torch.bfloat16, 64, 16) is not None
+    built = list((tmp_path / "native").glob("cpu_decode-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    cpu_native._library.cache_clear()
+    assert cpu_native.decode_kernel(torch.float32, 32, 32) is not None
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "native").glob("*")] == [stamp]  # reused, not rebuilt
