@@ -10,6 +10,8 @@
  *   v       [num_blocks, BS, KVH, D]
  *   tables  [B, table_stride] int32 block ids; lens [B] int32 context lengths (>= 1)
  *   out     [B, H, D] float32
+ * Returns 0; -1 for a shape it does not take, -2 for a length < 1 or a block id outside [0, num_blocks), both
+ * before computing anything, -3 where memory for the scores ran out.
  * Cache entries are bfloat16 (uint16 bits) or float32; head_dim and block_size multiples of 16 (else the call
  * returns -1 and computes nothing). One work item is a (sequence, KV head), taking its G = H / KVH query heads four
  * at a time, in three passes over the sequence, all in float32:
@@ -69,9 +71,17 @@ static inline v16 vexp(v16 x) {
 
 #define DEFINE_DECODE(NAME, T, LOAD)                                                                             \
 int NAME(const float *q, const T *k_t, const T *v, const int32_t *tables, int64_t table_stride,                \
-         const int32_t *lens, float *out, int batch, int heads, int kv_heads, int head_dim, int block_size) {   \
+         const int32_t *lens, float *out, int batch, int heads, int kv_heads, int head_dim, int block_size,     \
+         int64_t num_blocks) {                                                                                 \
     const int group = heads / kv_heads;                                                                       \
     if (group * kv_heads != heads || head_dim % 16 || block_size % 16) return -1;                             \
+    for (int b = 0; b < batch; b++) { /* every block read lies in the cache, or nothing is computed */         \
+        if (lens[b] < 1) return -2;                                                                           \
+        for (int blk = 0; blk < (lens[b] + block_size - 1) / block_size; blk++) {                             \
+            const int32_t id = tables[(int64_t)b * table_stride + blk];                                       \
+            if (id < 0 || id >= num_blocks) return -2;                                                        \
+        }                                                                                                     \
+    }                                                                                                         \
     const int items = batch * kv_heads, dv = head_dim / 16, bv = block_size / 16;                             \
     const int64_t vstride = (int64_t)kv_heads * head_dim;                                                     \
     int failed = 0;                                                                                           \
@@ -168,7 +178,42 @@ int NAME(const float *q, const T *k_t, const T *v, const int32_t *tables, int64_
         }                                                                                                     \
         free(scores);                                                                                         \
     }                                                                                                         \
-    return failed ? -2 : 0;                                                                                   \
+    return failed ? -3 : 0;                                                                                   \
 }
 DEFINE_DECODE(paged_decode_bf16, uint16_t, load_bf16)
 DEFINE_DECODE(paged_decode_f32, float, load_f32)
+
+/* The new tokens' K and V written at their cache slots (slot >= 0; the caller leaves out rows without one): K into
+ * K^T (a key's dims block_size apart), V as a row. k and v are [T, KVH, D] with any token stride (the QKV
+ * projection's output, split), heads and dims contiguous; entries of elem_size bytes (2 or 4), as the caches'. */
+#define DEFINE_STORE(NAME, T)                                                                                    \
+static void NAME(const T *k, const T *v, int64_t k_stride, int64_t v_stride, T *k_t, T *v_cache,                \
+                 const int64_t *slots, int tokens, int kv_heads, int head_dim, int block_size) {                \
+    _Pragma("omp parallel for if (tokens >= 64)")                                                             \
+    for (int t = 0; t < tokens; t++) {                                                                        \
+        const int64_t slot = slots[t], block = slot / block_size, offset = slot % block_size;                 \
+        for (int h = 0; h < kv_heads; h++) {                                                                  \
+            const T *src = k + t * k_stride + (int64_t)h * head_dim;                                          \
+            T *dst = k_t + ((block * kv_heads + h) * head_dim) * block_size + offset;                         \
+            for (int d = 0; d < head_dim; d++) dst[(int64_t)d * block_size] = src[d];                         \
+            memcpy(v_cache + (slot * kv_heads + h) * head_dim, v + t * v_stride + (int64_t)h * head_dim,      \
+                   sizeof(T) * head_dim);                                                                     \
+        }                                                                                                     \
+    }                                                                                                         \
+}
+DEFINE_STORE(store_kv_2, uint16_t)
+DEFINE_STORE(store_kv_4, uint32_t)
+
+int store_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride, void *k_t, void *v_cache,
+             const int64_t *slots, int tokens, int kv_heads, int head_dim, int block_size, int elem_size,
+             int64_t num_slots) {
+    for (int t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -2; /* nothing written */
+    if (elem_size == 2)
+        store_kv_2(k, v, k_stride, v_stride, k_t, v_cache, slots, tokens, kv_heads, head_dim, block_size);
+    else if (elem_size == 4)
+        store_kv_4(k, v, k_stride, v_stride, k_t, v_cache, slots, tokens, kv_heads, head_dim, block_size);
+    else
+        return -1;
+    return 0;
+}

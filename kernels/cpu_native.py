@@ -31,8 +31,12 @@ ENV_SWITCH = "SHARDSERVE_CPU_NATIVE"  # 0: the torch formulation only (A/B runs,
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
-# (q, k_t, v, tables, table_stride, lens, out, batch, heads, kv_heads, head_dim, block_size): cpu_decode.c
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5
+# cpu_decode.c's signatures: (q, k_t, v, tables, table_stride, lens, out, batch, heads, kv_heads, head_dim,
+# block_size, num_blocks), and store_kv's (k, v, k_stride, v_stride, k_t, v_cache, slots, tokens, kv_heads,
+# head_dim, block_size, elem_size, num_slots)
+_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_int64]
+_STORE_ARGTYPES = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
+                   + [ctypes.c_int64])
 
 
 def _cache_dir() -> Path:
@@ -87,6 +91,7 @@ def _library() -> ctypes.CDLL | None:
     for name in _DTYPES.values():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
+    lib.store_kv.argtypes, lib.store_kv.restype = _STORE_ARGTYPES, ctypes.c_int
     return lib
 
 
@@ -114,7 +119,29 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty(batch, num_heads, head_dim, dtype=torch.float32)
     rc = kernel(query.data_ptr(), k_mem.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
                 block_tables.stride(0), lens.data_ptr(), out.data_ptr(), batch, num_heads, num_kv_heads, head_dim,
-                block_size)
+                block_size, k_cache.shape[0])
     if rc != 0:
-        raise RuntimeError(f"the CPU decode kernel refused its arguments ({rc})")
+        raise RuntimeError(f"the CPU decode kernel refused its arguments ({rc}: a length < 1 or a block id outside "
+                           "the cache)" if rc == -2 else f"the CPU decode kernel failed ({rc})")
     return out
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slots: torch.Tensor) -> bool:
+    """Writes k/v [T, kv_heads, D] at slots [T] (int64, each >= 0) into a transposed K cache and its V cache of
+    the same dtype (float32 or bfloat16); False, with nothing written, where the C kernel does not take them."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    k_mem = k_cache.permute(0, 2, 3, 1)
+    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.dtype in _DTYPES and k_mem.is_contiguous()
+            and v_cache.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
+            and all(t.stride()[1:] == (head_dim, 1) for t in (k, v))):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    rc = lib.store_kv(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k_mem.data_ptr(), v_cache.data_ptr(),
+                      slots.data_ptr(), slots.numel(), num_kv_heads, head_dim, block_size, k.element_size(),
+                      num_blocks * block_size)
+    if rc != 0:
+        raise RuntimeError(f"store_kv: a slot outside the cache ({rc})")
+    return True

@@ -140,3 +140,50 @@ def test_the_object_is_built_once_per_source_and_cpu_into_the_cache_dir(fresh_li
     cpu_native._library.cache_clear()
     assert cpu_native.decode_kernel(torch.float32, 32, 32) is not None
     assert [p.stat().st_mtime_ns for p in (tmp_path / "native").glob("*")] == [stamp]  # reused, not rebuilt
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_store_writes_what_the_torch_store_writes(dtype):
+    """New K/V rows (views into a wider projection output, as the QKV split gives them) at scattered slots: the C
+    store against index_put_/index_copy_ through the same transposed cache; the rest of the cache untouched."""
+    from shardserve.kernels.torch_paged_decode import transposed_k_cache
+
+    gen = torch.Generator().manual_seed(4)
+    tokens, kv_heads, head_dim, block_size, num_blocks = 70, 3, 24, 16, 9  # 70 tokens: the parallel loop too
+    qkv = torch.randn(tokens, 5 * kv_heads * head_dim, generator=gen).to(dtype)
+    k = qkv[:, kv_heads * head_dim: 2 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, 3 * kv_heads * head_dim: 4 * kv_heads * head_dim].view(tokens, kv_heads, head_dim)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    caches = []
+    for use_c in (True, False):
+        k_cache = transposed_k_cache(num_blocks, block_size, kv_heads, head_dim, dtype)
+        v_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+        k_cache.copy_(torch.full_like(k_cache, 1000.0))  # randn never writes this
+        if use_c:
+            assert cpu_native.store_kv(k, v, k_cache, v_cache, slots)
+        else:
+            k_cache.index_put_((slots // block_size, slots % block_size), k)
+            v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slots, v)
+        caches.append((k_cache, v_cache))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    assert (caches[0][0] == 1000.0).sum() == (num_blocks * block_size - tokens) * kv_heads * head_dim
+
+
+def test_the_c_store_refuses_a_slot_outside_the_cache_and_writes_nothing():
+    from shardserve.kernels.torch_paged_decode import transposed_k_cache
+
+    k_cache = transposed_k_cache(2, 16, 1, 16, torch.float32)
+    v_cache = torch.zeros(2, 16, 1, 16)
+    k, v = torch.ones(2, 1, 16), torch.ones(2, 1, 16)
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        cpu_native.store_kv(k, v, k_cache, v_cache, torch.tensor([3, 32]))
+    assert not k_cache.any() and not v_cache.any()
+    assert not cpu_native.store_kv(k.half(), v.half(), k_cache.half(), v_cache.half(), torch.tensor([3, 4]))
+
+
+def test_a_block_id_outside_the_cache_is_refused_before_anything_is_read():
+    q, _, _, k_cache, v_cache, meta = make_batch([1, 1], [20, 33], num_heads=2, num_kv_heads=1, head_dim=16,
+                                                 block_size=16, dtype=torch.float32, seed=9)
+    meta.block_tables[1, 2] = k_cache.shape[0]  # one past the last block
+    with pytest.raises(RuntimeError, match="block id outside"):
+        run_kernel(q, k_cache, v_cache, meta, 0.25)
