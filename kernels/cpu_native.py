@@ -1,13 +1,14 @@
-"""The CPU path's native kernel: decode attention over the paged cache in C (cpu_decode.c), built on first use.
+"""The CPU path's native kernels: decode attention over the paged cache and the KV store, in C (cpu_decode.c).
 
 The torch formulation of the in-place decode (torch_paged_decode.py) takes ~15 torch ops a layer, each a pass over
 the step's scores, and reads every key row once per query head; the C kernel reads each key and value once per KV
-head and keeps its sums in vector registers: about twice as fast a layer at the CPU benchmark's batch
+head and keeps its sums in vector registers: the CPU benchmark's decode steps take about a third less time
 (docs/performance.md). It is compiled here, not at install: `cc -O3 -march=native -fopenmp` makes code for the
-host's own vector units, so the shared object is cached per source, flags and CPU (`~/.cache/shardserve/native`, or
-`SHARDSERVE_CACHE_DIR`), written under a temporary name and renamed into place (processes building it at once each
-finish with a whole file). Where there is no compiler, the build fails, or `SHARDSERVE_CPU_NATIVE=0`, `decode_kernel()`
-is None and the torch formulation runs instead, with the same results within float32 rounding.
+host's own vector units, so the shared object is cached per source, compiler, flags and CPU
+(`$XDG_CACHE_HOME/shardserve/native`, by default `~/.cache/shardserve/native`), written under a temporary name and
+renamed into place (processes building it at once each finish with a whole file). Where there is no compiler, the
+build fails, or `SHARDSERVE_CPU_NATIVE=0`, `decode_kernel()` is None and `store_kv()` False, and the torch ops run
+instead, with the same results within float32 rounding.
 """
 
 from __future__ import annotations
@@ -40,9 +41,8 @@ _STORE_ARGTYPES = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("SHARDSERVE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "shardserve")
-    return Path(root) / "native"
+    """$XDG_CACHE_HOME/shardserve/native, else ~/.cache/shardserve/native (beside the converted default model)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "shardserve" / "native"
 
 
 def _cpu_flags() -> str:

@@ -113,7 +113,7 @@ def test_shapes_and_dtypes_it_does_not_take_fall_back():
 
 
 def test_without_a_compiler_or_with_the_switch_off_there_is_no_kernel(fresh_library, monkeypatch, tmp_path, caplog):
-    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     assert cpu_native.decode_kernel(torch.float32, 64, 16) is None
     cpu_native._library.cache_clear()
@@ -124,7 +124,7 @@ def test_without_a_compiler_or_with_the_switch_off_there_is_no_kernel(fresh_libr
     with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
         assert cpu_native.decode_kernel(torch.float32, 64, 16) is None
     assert "broken on purpose" in caplog.text
-    assert not list((tmp_path / "native").glob("*"))  # no half-written object left behind
+    assert not list((tmp_path / "shardserve" / "native").glob("*"))  # no half-written object left behind
     cpu_native._library.cache_clear()
     monkeypatch.delenv("CC")
     monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
@@ -132,14 +132,14 @@ def test_without_a_compiler_or_with_the_switch_off_there_is_no_kernel(fresh_libr
 
 
 def test_the_object_is_built_once_per_source_and_cpu_into_the_cache_dir(fresh_library, monkeypatch, tmp_path):
-    monkeypatch.setenv("SHARDSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert cpu_native.decode_kernel(torch.bfloat16, 64, 16) is not None
-    built = list((tmp_path / "native").glob("cpu_decode-*.so"))
+    built = list((tmp_path / "shardserve" / "native").glob("cpu_decode-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
     cpu_native._library.cache_clear()
     assert cpu_native.decode_kernel(torch.float32, 32, 32) is not None
-    assert [p.stat().st_mtime_ns for p in (tmp_path / "native").glob("*")] == [stamp]  # reused, not rebuilt
+    assert [p.stat().st_mtime_ns for p in (tmp_path / "shardserve" / "native").glob("*")] == [stamp]  # reused, not rebuilt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
