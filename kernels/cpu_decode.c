@@ -15,7 +15,7 @@
  * Cache entries are bfloat16 (uint16 bits) or float32; head_dim and block_size multiples of 16 (else the call
  * returns -1 and computes nothing). One work item is a sequence (its KV heads one after the other: a sequence's
  * cache, ~250 KB at 330 tokens, stays in L2 while its heads are read, and the neighbouring heads' lines come in with
- * each other; by (sequence, head) items a layer took 10-18% longer). Each KV head's G = H / KVH query heads are taken
+ * each other; by (sequence, head) items a layer took 10-22% longer). Each KV head's G = H / KVH query heads are taken
  * four at a time, in three passes over the sequence, all in float32:
  *   1. scores: 16 keys at a time from K^T's rows (16 consecutive keys of one dim: one vector, times each head's
  *      entry for that dim; even and odd dims in separate sums, so that eight multiply-adds are in flight), the
