@@ -4,9 +4,10 @@ The torch formulation of the in-place decode (torch_paged_decode.py) takes ~15 t
 the step's scores, and reads every key row once per query head; the C kernel reads each key and value once per KV
 head and keeps its sums in vector registers: the CPU benchmark's decode steps take about a third less time
 (docs/performance.md). It is compiled here, not at install: `cc -O3 -march=native -fopenmp` makes code for the
-host's own vector units, so the shared object is cached per source, compiler, flags and CPU
-(`$XDG_CACHE_HOME/shardserve/native`, by default `~/.cache/shardserve/native`), written under a temporary name and
-renamed into place (processes building it at once each finish with a whole file). Where there is no compiler, the
+host's own vector units, linked against the OpenMP runtime torch has loaded (`openmp_runtime`), so the shared object
+is cached per source, compiler, flags, runtime and CPU (`$XDG_CACHE_HOME/shardserve/native`, by default
+`~/.cache/shardserve/native`), written under a temporary name and renamed into place (processes building it at once
+each finish with a whole file). Where there is no compiler, the
 build fails, or `SHARDSERVE_CPU_NATIVE=0`, `decode_kernel()` is None and `store_kv()` False, and the torch ops run
 instead, with the same results within float32 rounding.
 """
@@ -30,7 +31,7 @@ log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SHARDSERVE_CPU_NATIVE"  # 0: the torch formulation only (A/B runs, hosts without a compiler)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-fPIC"]
 _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
 # cpu_decode.c's signatures: (q, k_t, v, tables, table_stride, lens, out, batch, heads, kv_heads, head_dim,
 # block_size, num_blocks), and store_kv's (k, v, k_stride, v_stride, k_t, v_cache, slots, tokens, kv_heads,
@@ -56,17 +57,36 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build(compiler: str, target: Path) -> None:
+def openmp_runtime() -> str | None:
+    """The OpenMP runtime this process has loaded (torch's: libgomp, or Intel's libiomp5 in some builds), or None.
+    The kernel is linked against that very file, so its parallel loops run on torch's thread pool: a second runtime
+    would keep its own threads spinning beside torch's on the same cores."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "/lib" in line}
+    except OSError:
+        return None
+    found = sorted(p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp5")))
+    return found[0] if found else None
+
+
+def _build(compiler: str, runtime: str | None, target: Path) -> None:
+    """Compiles with OpenMP's pragmas on and links against `runtime` alone (no -fopenmp at the link, which would
+    add the compiler's own libgomp); without a runtime the loops run serially."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
     os.close(fd)
+    obj = tmp + ".o"
     try:
-        subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True,
-                       timeout=120)
+        omp = ["-fopenmp"] if runtime else []
+        for cmd in ([compiler, *FLAGS, *omp, "-c", str(SOURCE), "-o", obj],
+                    [compiler, "-shared", obj, *([runtime] if runtime else []), "-o", tmp]):
+            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 @functools.cache
@@ -77,12 +97,13 @@ def _library() -> ctypes.CDLL | None:
     if compiler is None:
         log.info("no C compiler found: CPU decode attention runs as torch ops")
         return None
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, _cpu_flags(), platform.machine()])
-                         .encode()).hexdigest()[:16]
+    runtime = openmp_runtime()
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, str(runtime), _cpu_flags(),
+                                    platform.machine()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_decode-{key}.so"
     try:
         if not target.exists():
-            _build(compiler, target)
+            _build(compiler, runtime, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc

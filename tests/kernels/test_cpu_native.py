@@ -187,3 +187,18 @@ def test_a_block_id_outside_the_cache_is_refused_before_anything_is_read():
     meta.block_tables[1, 2] = k_cache.shape[0]  # one past the last block
     with pytest.raises(RuntimeError, match="block id outside"):
         run_kernel(q, k_cache, v_cache, meta, 0.25)
+
+
+def test_the_kernel_runs_on_the_openmp_runtime_torch_loaded(fresh_library, monkeypatch, tmp_path):
+    """Built anew here, the object loads no second OpenMP runtime: the set of libgomp/libiomp5 files mapped into the
+    process is the same before and after (a second one would keep its own threads spinning beside torch's)."""
+    def runtimes() -> set[str]:
+        with open("/proc/self/maps") as maps:
+            return {line.split()[-1] for line in maps if "libgomp" in line or "libiomp5" in line}
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    before = runtimes()
+    assert cpu_native.openmp_runtime() in before
+    assert cpu_native.decode_kernel(torch.float32, 64, 16) is not None
+    assert list((tmp_path / "shardserve" / "native").glob("*.so"))
+    assert runtimes() == before
