@@ -7,9 +7,9 @@ head and keeps its sums in vector registers: the CPU benchmark's decode steps ta
 host's own vector units, linked against the OpenMP runtime torch has loaded (`openmp_runtime`), so the shared object
 is cached per source, compiler, flags, runtime and CPU (`$XDG_CACHE_HOME/shardserve/native`, by default
 `~/.cache/shardserve/native`), written under a temporary name and renamed into place (processes building it at once
-each finish with a whole file). Where there is no compiler, the
-build fails, or `SHARDSERVE_CPU_NATIVE=0`, `decode_kernel()` is None and `store_kv()` False, and the torch ops run
-instead, with the same results within float32 rounding.
+each finish with a whole file). Where there is no compiler, the build fails, or `SHARDSERVE_CPU_NATIVE=0`,
+`decode_kernel()` is None and `store_kv()` False, and the torch ops run instead, with the same results within float32
+rounding.
 """
 
 from __future__ import annotations
@@ -66,8 +66,10 @@ def openmp_runtime() -> str | None:
             paths = {line.split()[-1] for line in maps if "/lib" in line}
     except OSError:
         return None
-    found = sorted(p for p in paths if os.path.basename(p).startswith(("libgomp", "libiomp5")))
-    return found[0] if found else None
+    torch_dir = os.path.dirname(torch.__file__)  # torch's own copy first, where another is mapped too
+    found = sorted((not p.startswith(torch_dir), p) for p in paths
+                   if os.path.basename(p).startswith(("libgomp", "libiomp5")))
+    return found[0][1] if found else None
 
 
 def _build(compiler: str, runtime: str | None, target: Path) -> None:

@@ -152,11 +152,14 @@ class TorchAttentionBackend(AttentionBackend):
                 out.copy_(cpu_native.paged_decode(kernel, q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
                                                   scale))
                 return
-            rows, token_idx = meta._once("cpu_native_decode_rows", lambda: (
-                torch.tensor(seqs), torch.tensor([starts[i] for i in seqs])))
-            result = cpu_native.paged_decode(kernel, q.index_select(0, token_idx), k_cache, v_cache,
-                                             meta.block_tables.index_select(0, rows),
-                                             meta.seq_lens.index_select(0, rows), scale)
+            def decode_rows():  # once a step: the decodes' tokens, block tables and lengths
+                rows = torch.tensor(seqs)
+                return (torch.tensor([starts[i] for i in seqs]), meta.block_tables.index_select(0, rows),
+                        meta.seq_lens.index_select(0, rows))
+
+            token_idx, tables, lens = meta._once("cpu_native_decode_rows", decode_rows)
+            result = cpu_native.paged_decode(kernel, q.index_select(0, token_idx), k_cache, v_cache, tables, lens,
+                                             scale)
             out.index_copy_(0, token_idx, result.to(q.dtype))
             return
         if self._decode_index is None or self._decode_index[0] is not meta:  # the step's first layer
