@@ -220,3 +220,63 @@ int store_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride, v
         return -1;
     return 0;
 }
+
+
+/* ---- RoPE on the CPU, bit for bit as torch's ops compute it ---- */
+
+static inline float bf16_scalar(uint16_t h) {
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* float -> bfloat16 bits, rounded to nearest even as torch rounds (a NaN stays a quiet NaN) */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off") /* each product and sum rounded on its own, as torch's separate ops do */
+
+/* RoPE in place on x [T, heads, D] (a token's heads D apart, tokens x_stride elements apart: the q and k heads of
+ * the QKV projection's output): with c, s = cos, sin [position, i] (float32 [max_position, D/2]), each head's halves
+ * x1, x2 become x1 c - x2 s and x2 c + x1 s, in float32, then x's dtype (elem_size 4: float32, 2: bfloat16).
+ * Returns -2, writing nothing, for a position outside [0, max_position). */
+int rope_inplace(void *x, int64_t x_stride, int tokens, int heads, int head_dim, const int64_t *positions,
+                 const float *cos_c, const float *sin_c, int64_t max_position, int elem_size) {
+    const int half = head_dim / 2;
+    if (elem_size != 2 && elem_size != 4) return -1;
+    for (int t = 0; t < tokens; t++)
+        if (positions[t] < 0 || positions[t] >= max_position) return -2;
+    #pragma omp parallel for if (tokens >= 64)
+    for (int t = 0; t < tokens; t++) {
+        const float *c = cos_c + positions[t] * half, *s = sin_c + positions[t] * half;
+        for (int h = 0; h < heads; h++) {
+            const int64_t at = t * x_stride + (int64_t)h * head_dim;
+            if (elem_size == 4) {
+                float *r = (float *)x + at;
+                for (int i = 0; i < half; i++) {
+                    const float x1 = r[i], x2 = r[i + half];
+                    const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
+                    r[i] = a - b;
+                    r[i + half] = e + f;
+                }
+            } else {
+                uint16_t *r = (uint16_t *)x + at;
+                for (int i = 0; i < half; i++) {
+                    const float x1 = bf16_scalar(r[i]), x2 = bf16_scalar(r[i + half]);
+                    const float a = x1 * c[i], b = x2 * s[i], e = x2 * c[i], f = x1 * s[i];
+                    r[i] = bf16_round(a - b);
+                    r[i + half] = bf16_round(e + f);
+                }
+            }
+        }
+    }
+    return 0;
+}
+
+#pragma GCC pop_options

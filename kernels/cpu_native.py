@@ -115,6 +115,9 @@ def _library() -> ctypes.CDLL | None:
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
     lib.store_kv.argtypes, lib.store_kv.restype = _STORE_ARGTYPES, ctypes.c_int
+    lib.rope_inplace.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
+                                 + [ctypes.c_int64, ctypes.c_int])
+    lib.rope_inplace.restype = ctypes.c_int
     return lib
 
 
@@ -168,3 +171,23 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if rc != 0:
         raise RuntimeError(f"store_kv: a slot outside the cache ({rc})")
     return True
+
+
+def rope_(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor) -> bool:
+    """RoPE in place on x [T, heads, D] (float32 or bfloat16; heads and dims contiguous, any token stride), with
+    cos/sin [max_position, D/2] float32 and positions [T] int64: bit for bit what RotaryEmbedding's torch ops
+    compute. False, with nothing written, where the C kernel does not take them."""
+    tokens, heads, head_dim = x.shape
+    if not (x.dtype in _DTYPES and x.stride()[1:] == (head_dim, 1) and positions.dtype == torch.int64
+            and positions.is_contiguous() and cos_cache.dtype == sin_cache.dtype == torch.float32
+            and cos_cache.is_contiguous() and sin_cache.is_contiguous() and cos_cache.shape[1] * 2 == head_dim):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    rc = lib.rope_inplace(x.data_ptr(), x.stride(0), tokens, heads, head_dim, positions.data_ptr(),
+                          cos_cache.data_ptr(), sin_cache.data_ptr(), cos_cache.shape[0], x.element_size())
+    if rc != 0:
+        raise RuntimeError(f"rope_: a position outside the rotary tables ({rc})")
+    return True
+

@@ -202,3 +202,35 @@ def test_the_kernel_runs_on_the_openmp_runtime_torch_loaded(fresh_library, monke
     assert cpu_native.decode_kernel(torch.float32, 64, 16) is not None
     assert list((tmp_path / "shardserve" / "native").glob("*.so"))
     assert runtimes() == before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 70])  # 70: the parallel loop too
+def test_the_c_rope_gives_the_torch_ops_bits(dtype, tokens):
+    """In place on the q and k heads of a QKV output (a strided view), large values and late positions included:
+    the same bits as RotaryEmbedding's torch ops (each product and sum rounded on its own, then the dtype)."""
+    from shardserve.worker.layers.rotary import RotaryEmbedding, _rotated_halves
+
+    rotary = RotaryEmbedding(64, 4096, 1e5)
+    gen = torch.Generator().manual_seed(tokens)
+    qkv = (torch.randn(tokens, 15 * 64, generator=gen) * 50).to(dtype)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen)
+    positions[0] = 4095
+    heads = qkv[:, : 12 * 64].view(tokens, 12, 64)
+    first, second = _rotated_halves(heads, *rotary._cos_sin(positions))
+    expected = qkv.clone()
+    expected[:, : 12 * 64].view(tokens, 12, 64).copy_(torch.cat([first, second], dim=-1))
+    assert cpu_native.rope_(heads, positions, rotary.cos_cache, rotary.sin_cache)
+    assert torch.equal(qkv, expected)  # the v heads after them untouched too
+
+
+def test_the_c_rope_refuses_a_position_past_its_tables_and_leaves_other_dtypes_to_torch():
+    from shardserve.worker.layers.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(32, 128, 1e4)
+    x = torch.ones(3, 2, 32)
+    with pytest.raises(RuntimeError, match="outside the rotary tables"):
+        cpu_native.rope_(x, torch.tensor([0, 5, 128]), rotary.cos_cache, rotary.sin_cache)
+    assert torch.equal(x, torch.ones(3, 2, 32))
+    assert not cpu_native.rope_(x.half(), torch.tensor([0, 5, 6]), rotary.cos_cache, rotary.sin_cache)
+    assert not cpu_native.rope_(x, torch.tensor([0, 5, 6], dtype=torch.int32), rotary.cos_cache, rotary.sin_cache)

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardserve.kernels import cpu_native
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
@@ -70,7 +72,10 @@ class RotaryEmbedding(nn.Module):
 
     def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> None:
         """Rotates x [T, heads, head_dim] in place (a view of the qkv output: q and k heads side by side), with
-        the values forward() gives."""
+        the values forward() gives: on the CPU by the C kernel (kernels/cpu_native.py, the same bits in one pass),
+        else by torch ops."""
+        if x.device.type == "cpu" and cpu_native.rope_(x, positions, self.cos_cache, self.sin_cache):
+            return
         first, second = _rotated_halves(x, *self._cos_sin(positions))
         x[..., : self.head_dim // 2].copy_(first)
         x[..., self.head_dim // 2 :].copy_(second)
