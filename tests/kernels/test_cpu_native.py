@@ -234,3 +234,16 @@ def test_the_c_rope_refuses_a_position_past_its_tables_and_leaves_other_dtypes_t
     assert torch.equal(x, torch.ones(3, 2, 32))
     assert not cpu_native.rope_(x.half(), torch.tensor([0, 5, 6]), rotary.cos_cache, rotary.sin_cache)
     assert not cpu_native.rope_(x, torch.tensor([0, 5, 6], dtype=torch.int32), rotary.cos_cache, rotary.sin_cache)
+
+
+def test_a_cache_dir_that_cannot_be_written_leaves_the_torch_ops(fresh_library, monkeypatch, tmp_path, caplog):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_dir))  # mkdir under a plain file fails
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert cpu_native.decode_kernel(torch.float32, 64, 16) is None
+    assert "did not build" in caplog.text
+    q, _, _, k_cache, v_cache, meta = make_batch([1, 1], [9, 30], num_heads=4, num_kv_heads=2, head_dim=16,
+                                                 block_size=16, dtype=torch.float32, seed=10)
+    out = TorchAttentionBackend().attend(q, transposed(k_cache), v_cache, meta, scale=0.25)
+    torch.testing.assert_close(out, gathered_reference(q, k_cache, v_cache, meta, 0.25), atol=2e-5, rtol=2e-5)
