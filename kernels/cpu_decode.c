@@ -1,22 +1,22 @@
-/* Decode attention over the paged KV cache on the CPU: one query per sequence, the cache read in place.
+/* The CPU path's C kernels: decode attention over the paged KV cache (one query per sequence, the cache read in
+ * place), the KV store into that cache, and RoPE.
  *
- * Built at first use by kernels/cpu_native.py (the host's C compiler, -O3 -march=native -fopenmp) and called
- * through ctypes, which releases the GIL for the call. The OpenMP runtime is the one torch already loaded
- * (libgomp.so.1 by soname), so the kernel's threads are torch's intra-op threads.
+ * Built at first use by kernels/cpu_native.py (the host's C compiler, -O3 -march=native, OpenMP's pragmas on) and
+ * called through ctypes, which releases the GIL for the call. The object is linked against the OpenMP runtime torch
+ * has loaded, so the parallel loops run on torch's intra-op threads.
  *
- * Layouts (those of the torch backend's CPU cache, kernels/torch_paged_decode.py):
+ * Decode attention. Layouts (those of the torch backend's CPU cache, kernels/torch_paged_decode.py):
  *   q       [B, H, D] float32, already multiplied by the softmax scale
  *   k_t     [num_blocks, KVH, D, BS]  K transposed within each block: a key's dims are BS apart
  *   v       [num_blocks, BS, KVH, D]
  *   tables  [B, table_stride] int32 block ids; lens [B] int32 context lengths (>= 1)
  *   out     [B, H, D] float32
- * Returns 0; -1 for a shape it does not take, -2 for a length < 1 or a block id outside [0, num_blocks), both
- * before computing anything, -3 where memory for the scores ran out.
- * Cache entries are bfloat16 (uint16 bits) or float32; head_dim and block_size multiples of 16 (else the call
- * returns -1 and computes nothing). One work item is a sequence (its KV heads one after the other: a sequence's
- * cache, ~250 KB at 330 tokens, stays in L2 while its heads are read, and the neighbouring heads' lines come in with
- * each other; by (sequence, head) items a layer took 10-22% longer). Each KV head's G = H / KVH query heads are taken
- * four at a time, in three passes over the sequence, all in float32:
+ * Cache entries are bfloat16 (uint16 bits) or float32; head_dim and block_size multiples of 16. Returns 0; -1 for a
+ * shape it does not take, -2 for a length < 1 or a block id outside [0, num_blocks), both before computing anything;
+ * -3 where memory for the scores ran out. One work item is a sequence (its KV heads one after the other: a
+ * sequence's cache, ~250 KB at 330 tokens, stays in L2 while its heads are read, and the neighbouring heads' lines
+ * come in with each other; by (sequence, head) items a layer took 10-22% longer). Each KV head's G = H / KVH query
+ * heads are taken four at a time, in three passes over the sequence, all in float32:
  *   1. scores: 16 keys at a time from K^T's rows (16 consecutive keys of one dim: one vector, times each head's
  *      entry for that dim; even and odd dims in separate sums, so that eight multiply-adds are in flight), the
  *      positions past the context set to -inf, each head's running maximum kept as a vector;
@@ -24,7 +24,8 @@
  *   3. out = sum of p * v over the keys, 4 heads x 64 dims of accumulators held in registers.
  * The next block's lines are prefetched while one block is read (the blocks of a sequence lie anywhere in the
  * cache). Written with GCC's vector extensions, which the compiler lowers to the host's widest vectors (AVX-512
- * where it has them).
+ * where it has them). The kernel reads memory at about the rate the host gives it (docs/performance.md): reading
+ * heads block by block, pair products (vdpbf16ps) and other prefetch distances were timed and gave nothing.
  */
 #include <math.h>
 #include <stdint.h>
