@@ -97,7 +97,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.info("no C compiler found: CPU decode attention runs as torch ops")
+        log.warning("no C compiler (%s) found: CPU decode attention, the KV store and RoPE run as torch ops, "
+                    "slower (docs/performance.md); install gcc for the C kernels", os.environ.get("CC", "cc"))
         return None
     runtime = openmp_runtime()
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, str(runtime), _cpu_flags(),
@@ -109,7 +110,8 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("the CPU decode kernel did not build (%s): decode attention runs as torch ops", detail)
+        log.warning("the CPU C kernels did not build (%s): decode attention, the KV store and RoPE run as torch ops",
+                    detail)
         return None
     for name in _DTYPES.values():
         fn = getattr(lib, name)

@@ -115,7 +115,10 @@ def test_shapes_and_dtypes_it_does_not_take_fall_back():
 def test_without_a_compiler_or_with_the_switch_off_there_is_no_kernel(fresh_library, monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert cpu_native.decode_kernel(torch.float32, 64, 16) is None
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert cpu_native.decode_kernel(torch.float32, 64, 16) is None
+    assert "no C compiler" in caplog.text and "no-such-compiler" in caplog.text
+    caplog.clear()
     cpu_native._library.cache_clear()
     false_compiler = tmp_path / "cc"
     false_compiler.write_text("#!/bin/sh\necho 'cc: broken on purpose' >&2\nexit 1\n")
