@@ -223,7 +223,7 @@ int store_kv(const void *k, const void *v, int64_t k_stride, int64_t v_stride, v
 }
 
 
-/* ---- RoPE on the CPU, bit for bit as torch's ops compute it ---- */
+/* ---- RoPE and RMSNorm on the CPU, bit for bit as torch's ops compute them ---- */
 
 static inline float bf16_scalar(uint16_t h) {
     const uint32_t bits = (uint32_t)h << 16;
@@ -274,6 +274,113 @@ int rope_inplace(void *x, int64_t x_stride, int tokens, int heads, int head_dim,
                     r[i] = bf16_round(a - b);
                     r[i + half] = bf16_round(e + f);
                 }
+            }
+        }
+    }
+    return 0;
+}
+
+/* A float sum of n values in the order torch's CPU reduction adds them (aten/src/ATen/native/cpu/SumKernel.cpp:
+ * 8-wide vectors, four of them interleaved, a four-level cascade; then the leftover vectors, the leftover values
+ * and the 8 lanes), so that a norm's mean of squares has torch's bits. Held to torch.sum by the tests. */
+static float torch_order_sum(const float *x, int n) {
+    enum { VEC = 8, ILP = 4, LEVELS = 4 };
+    const int vectors = n / VEC, size = vectors / ILP;
+    const int ceil_log2 = size > 1 ? 32 - __builtin_clz((unsigned)(size - 1)) : 0;
+    const int level_power = ceil_log2 / LEVELS > 4 ? ceil_log2 / LEVELS : 4;
+    const int level_step = 1 << level_power, level_mask = level_step - 1;
+    float acc[LEVELS][ILP][VEC];
+    memset(acc, 0, sizeof acc);
+    int i = 0;
+    while (i + level_step <= size) {
+        for (int j = 0; j < level_step; j++, i++)
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < VEC; l++) acc[0][k][l] += x[(i * ILP + k) * VEC + l];
+        for (int j = 1; j < LEVELS; j++) {
+            for (int k = 0; k < ILP; k++)
+                for (int l = 0; l < VEC; l++) {
+                    acc[j][k][l] += acc[j - 1][k][l];
+                    acc[j - 1][k][l] = 0.0f;
+                }
+            if ((i & (level_mask << (j * level_power))) != 0) break;
+        }
+    }
+    for (; i < size; i++)
+        for (int k = 0; k < ILP; k++)
+            for (int l = 0; l < VEC; l++) acc[0][k][l] += x[(i * ILP + k) * VEC + l];
+    for (int j = 1; j < LEVELS; j++)
+        for (int k = 0; k < ILP; k++)
+            for (int l = 0; l < VEC; l++) acc[0][k][l] += acc[j][k][l];
+    for (int v = size * ILP; v < vectors; v++)
+        for (int l = 0; l < VEC; l++) acc[0][0][l] += x[v * VEC + l];
+    for (int k = 1; k < ILP; k++)
+        for (int l = 0; l < VEC; l++) acc[0][0][l] += acc[0][k][l];
+    float total = 0.0f;
+    for (int k = vectors * VEC; k < n; k++) total += x[k];
+    for (int l = 0; l < VEC; l++) total += acc[0][0][l];
+    return total;
+}
+
+/* float -> bfloat16 bits and back, 16 at a time (bf16_round's rounding, NaN included) */
+static inline u16x16 bf16_round_v(v16 f) {
+    u32x16 u;
+    memcpy(&u, &f, sizeof u);
+    const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    return __builtin_convertvector((nan & 0x7fc0u) | (rounded & ~nan), u16x16);
+}
+
+static inline v16 bf16_widen_v(u16x16 h) {
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+/* RMSNorm of rows [rows, n] (x's rows x_stride elements apart; elem_size 4: float32, 2: bfloat16; n a multiple of
+ * 16, at most 16,384), as the layer's torch ops compute it (HF's formula): with a residual, s = x + residual (in
+ * x's dtype) is written to `summed` and normalised; y = s * (1 / sqrt(sum(s^2) / n + eps)) in float32, rounded to
+ * x's dtype, then out = weight * y in x's dtype. Bit for bit the torch ops' result (the sum in torch's order, no
+ * fused multiply-adds). */
+int rms_norm_rows(const void *x, int64_t x_stride, const void *residual, int64_t r_stride, void *out, void *summed,
+                  const void *weight, int rows, int n, float eps, int elem_size) {
+    if ((elem_size != 2 && elem_size != 4) || n % 16 || n > 16384) return -1;
+    const int half = elem_size == 2;
+    #pragma omp parallel for if ((int64_t)rows * n >= 65536)
+    for (int row = 0; row < rows; row++) {
+        float vals[n], squares[n];
+        for (int i = 0; i < n; i += 16) {
+            v16 v;
+            if (half) {
+                u16x16 h;
+                memcpy(&h, (const uint16_t *)x + row * x_stride + i, sizeof h);
+                v = bf16_widen_v(h);
+                if (residual) {
+                    memcpy(&h, (const uint16_t *)residual + row * r_stride + i, sizeof h);
+                    const u16x16 sum = bf16_round_v(v + bf16_widen_v(h));
+                    memcpy((uint16_t *)summed + (int64_t)row * n + i, &sum, sizeof sum);
+                    v = bf16_widen_v(sum);
+                }
+            } else {
+                v = loadv((const float *)x + row * x_stride + i);
+                if (residual) {
+                    v = v + loadv((const float *)residual + row * r_stride + i);
+                    storev((float *)summed + (int64_t)row * n + i, v);
+                }
+            }
+            storev(vals + i, v);
+            storev(squares + i, v * v);
+        }
+        const v16 scale = splat(1.0f / sqrtf(torch_order_sum(squares, n) / (float)n + eps));
+        for (int i = 0; i < n; i += 16) {
+            const v16 y = loadv(vals + i) * scale;
+            if (half) {
+                u16x16 w;
+                memcpy(&w, (const uint16_t *)weight + i, sizeof w);
+                const u16x16 o = bf16_round_v(bf16_widen_v(w) * bf16_widen_v(bf16_round_v(y)));
+                memcpy((uint16_t *)out + (int64_t)row * n + i, &o, sizeof o);
+            } else {
+                storev((float *)out + (int64_t)row * n + i, loadv((const float *)weight + i) * y);
             }
         }
     }

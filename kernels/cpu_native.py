@@ -120,6 +120,9 @@ def _library() -> ctypes.CDLL | None:
     lib.rope_inplace.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
                                  + [ctypes.c_int64, ctypes.c_int])
     lib.rope_inplace.restype = ctypes.c_int
+    lib.rms_norm_rows.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                                  + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int])
+    lib.rms_norm_rows.restype = ctypes.c_int
     return lib
 
 
@@ -193,3 +196,53 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin
         raise RuntimeError(f"rope_: a position outside the rotary tables ({rc})")
     return True
 
+
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm of x [T, n] (float32 or bfloat16, the weight's dtype), after adding residual where given: the
+    normalised rows (and with a residual, the sum, the next residual), bit for bit what RMSNorm's torch ops give
+    (HF's formula: the mean of squares in float32 summed in torch's order, then the weight in x's dtype). None where
+    the C kernel does not take them, or where its sum order is not this torch's (`_sums_like_torch`)."""
+    if not (x.dim() == 2 and x.dtype in _DTYPES and weight.dtype == x.dtype and x.stride(1) == 1
+            and x.shape[1] % 16 == 0 and x.shape[1] <= 16384 and weight.is_contiguous()
+            and weight.shape == (x.shape[1],)
+            and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
+                                      and residual.stride(1) == 1))):
+        return None
+    lib = _library()
+    if lib is None or not _sums_like_torch(x.dtype, x.shape[1], eps):
+        return None
+    return _rms_norm(lib.rms_norm_rows, x, weight, eps, residual)
+
+
+def _rms_norm(kernel, x, weight, eps, residual):
+    out = torch.empty(x.shape, dtype=x.dtype)
+    summed = torch.empty(x.shape, dtype=x.dtype) if residual is not None else None
+    rc = kernel(x.data_ptr(), x.stride(0), residual.data_ptr() if residual is not None else None,
+                residual.stride(0) if residual is not None else 0, out.data_ptr(),
+                summed.data_ptr() if summed is not None else None, weight.data_ptr(), x.shape[0], x.shape[1], eps,
+                x.element_size())
+    if rc != 0:
+        raise RuntimeError(f"rms_norm: the C kernel failed ({rc})")
+    return out if residual is None else (out, summed)
+
+
+@functools.cache
+def _sums_like_torch(dtype: torch.dtype, width: int, eps: float, kernel=None) -> bool:
+    """Whether the C RMSNorm gives this torch's bits at this dtype and width, tried once on random rows: its sum of
+    squares follows torch's CPU reduction order as torch 2.13 builds it on x86 (8-wide vectors), which another
+    torch build or CPU may not; where it differs, RMSNorm stays on torch ops (a warning says so)."""
+    kernel = kernel or _library().rms_norm_rows
+    gen = torch.Generator().manual_seed(width)
+    x = (torch.randn(8, width, generator=gen) * torch.rand(8, 1, generator=gen) * 30).to(dtype)
+    residual = torch.randn(8, width, generator=gen).to(dtype)
+    weight = (torch.randn(width, generator=gen) * 0.5 + 1).to(dtype)
+    normed, summed = _rms_norm(kernel, x, weight, eps, residual)
+    reference = x + residual
+    agrees = torch.equal(summed, reference) and torch.equal(
+        normed, weight * torch.rms_norm(reference, (width,), None, eps))  # RMSNorm's torch ops (worker/layers/norm.py)
+    if not agrees:
+        log.warning("the C RMSNorm does not give this torch's bits (%s, width %d): RMSNorm stays on torch ops",
+                    dtype, width)
+    return agrees

@@ -6,6 +6,7 @@ for decode-only and mixed batches; and the fallbacks: shapes it does not take, n
 
 from __future__ import annotations
 
+import ctypes
 import logging
 
 import pytest
@@ -250,3 +251,45 @@ def test_a_cache_dir_that_cannot_be_written_leaves_the_torch_ops(fresh_library, 
                                                  block_size=16, dtype=torch.float32, seed=10)
     out = TorchAttentionBackend().attend(q, transposed(k_cache), v_cache, meta, scale=0.25)
     torch.testing.assert_close(out, gathered_reference(q, k_cache, v_cache, meta, 0.25), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [16, 112, 576, 960, 4096])
+@pytest.mark.parametrize("rows", [1, 33, 130])  # 130 x 4096: the parallel loop too
+def test_the_c_rms_norm_gives_the_torch_ops_bits(dtype, hidden, rows):
+    """With and without the residual add, rows of very different scales: the same bits as RMSNorm's torch ops (HF's
+    formula; the mean of squares summed in torch's own order)."""
+    from shardserve.worker.layers.norm import RMSNorm
+
+    gen = torch.Generator().manual_seed(hidden + rows)
+    norm = RMSNorm(hidden, 1e-6).to(dtype)
+    norm.weight.data = (torch.randn(hidden, generator=gen) * 0.5 + 1).to(dtype)
+    x = (torch.randn(rows, hidden, generator=gen) * torch.rand(rows, 1, generator=gen) * 30).to(dtype)
+    residual = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    assert torch.equal(cpu_native.rms_norm(x, norm.weight, norm.eps), norm._norm(x))
+    normed, summed = cpu_native.rms_norm(x, norm.weight, norm.eps, residual)
+    assert torch.equal(summed, x + residual) and torch.equal(normed, norm._norm(x + residual))
+
+
+def test_a_c_rms_norm_that_does_not_sum_like_torch_is_not_used(caplog):
+    """The first use at a dtype and width compares the kernel with torch's ops on random rows: a kernel whose bits
+    differ (here the real one with its output nudged by an ulp) is refused, with a warning."""
+    real = cpu_native._library().rms_norm_rows
+
+    def nudged(x, x_stride, residual, r_stride, out, summed, weight, rows, n, eps, elem_size):
+        rc = real(x, x_stride, residual, r_stride, out, summed, weight, rows, n, eps, elem_size)
+        ctypes.c_uint32.from_address(out).value += 1  # the first output's float32 bits, one ulp on
+        return rc
+
+    with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
+        assert not cpu_native._sums_like_torch(torch.float32, 64, 1e-6, nudged)
+    assert "does not give this torch's bits" in caplog.text
+    assert cpu_native._sums_like_torch(torch.float32, 64, 1e-6)
+    assert cpu_native._sums_like_torch(torch.bfloat16, 576, 1e-5)
+
+
+def test_the_c_rms_norm_leaves_what_it_does_not_take_to_torch():
+    weight = torch.ones(24)
+    assert cpu_native.rms_norm(torch.ones(2, 24), weight, 1e-6) is None  # width not a multiple of 16
+    assert cpu_native.rms_norm(torch.ones(2, 32).half(), torch.ones(32).half(), 1e-6) is None
+    assert cpu_native.rms_norm(torch.ones(2, 32), torch.ones(32).bfloat16(), 1e-6) is None  # weight's dtype
