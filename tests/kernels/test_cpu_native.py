@@ -266,6 +266,8 @@ def test_the_c_rms_norm_gives_the_torch_ops_bits(dtype, hidden, rows):
     norm.weight.data = (torch.randn(hidden, generator=gen) * 0.5 + 1).to(dtype)
     x = (torch.randn(rows, hidden, generator=gen) * torch.rand(rows, 1, generator=gen) * 30).to(dtype)
     residual = (torch.randn(rows, hidden, generator=gen) * 3).to(dtype)
+    if not cpu_native._sums_like_torch(dtype, hidden, norm.eps):  # (a torch build that sums in another order)
+        pytest.skip("this torch's CPU sum order is not the C kernel's: RMSNorm stays on torch ops here")
     assert torch.equal(cpu_native.rms_norm(x, norm.weight, norm.eps), norm._norm(x))
     normed, summed = cpu_native.rms_norm(x, norm.weight, norm.eps, residual)
     assert torch.equal(summed, x + residual) and torch.equal(normed, norm._norm(x + residual))
