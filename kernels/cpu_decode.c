@@ -1,5 +1,5 @@
 /* The CPU path's C kernels: decode attention over the paged KV cache (one query per sequence, the cache read in
- * place), the KV store into that cache, and RoPE.
+ * place), the KV store into that cache, RoPE and RMSNorm (the last two bit for bit as torch's ops compute them).
  *
  * Built at first use by kernels/cpu_native.py (the host's C compiler, -O3 -march=native, OpenMP's pragmas on) and
  * called through ctypes, which releases the GIL for the call. The object is linked against the OpenMP runtime torch
@@ -104,7 +104,8 @@ int NAME(const float *q, const T *k_t, const T *v, const int32_t *tables, int64_
             for (int blk = 0; blk < blocks; blk++) {                                                          \
                 const T *kb = k_t + ((int64_t)table[blk] * kv_heads + h) * head_dim * block_size;             \
                 if (blk + 1 < blocks) {                                                                       \
-                    const char *nk = (const char *)(k_t + ((int64_t)table[blk + 1] * kv_heads + h) * head_dim * block_size); \
+                    const char *nk =                                                                          \
+                        (const char *)(k_t + ((int64_t)table[blk + 1] * kv_heads + h) * head_dim * block_size);   \
                     for (int o = 0; o < (int)(head_dim * block_size * sizeof(T)); o += 64) __builtin_prefetch(nk + o); \
                 }                                                                                             \
                 for (int c = 0; c < bv; c++) {                                                                \
@@ -157,7 +158,8 @@ int NAME(const float *q, const T *k_t, const T *v, const int32_t *tables, int64_
                     if (blk + 1 < blocks) {                                                                   \
                         const T *nv = v + ((int64_t)table[blk + 1] * block_size * kv_heads + h) * head_dim + c0 * 16; \
                         for (int j = 0; j < block_size; j++)                                                  \
-                            for (int o = 0; o < (int)(cn * 16 * sizeof(T)); o += 64) __builtin_prefetch((const char *)(nv + j * vstride) + o); \
+                            for (int o = 0; o < (int)(cn * 16 * sizeof(T)); o += 64)                          \
+                                __builtin_prefetch((const char *)(nv + j * vstride) + o);                     \
                     }                                                                                         \
                     for (int j = 0; j < n; j++) {                                                             \
                         const int pos = blk * block_size + j;                                                 \

@@ -1,4 +1,4 @@
-"""The CPU path's native kernels: decode attention over the paged cache and the KV store, in C (cpu_decode.c).
+"""The CPU path's native kernels in C (cpu_decode.c): paged decode attention, the KV store, RoPE and RMSNorm.
 
 The torch formulation of the in-place decode (torch_paged_decode.py) takes ~15 torch ops a layer, each a pass over
 the step's scores, and reads every key row once per query head; the C kernel reads each key and value once per KV
@@ -8,8 +8,8 @@ host's own vector units, linked against the OpenMP runtime torch has loaded (`op
 is cached per source, compiler, flags, runtime and CPU (`$XDG_CACHE_HOME/shardserve/native`, by default
 `~/.cache/shardserve/native`), written under a temporary name and renamed into place (processes building it at once
 each finish with a whole file). Where there is no compiler, the build fails, or `SHARDSERVE_CPU_NATIVE=0`,
-`decode_kernel()` is None and `store_kv()` False, and the torch ops run instead, with the same results within float32
-rounding.
+`decode_kernel()` and `rms_norm()` are None and `store_kv()` and `rope_()` False, and the torch ops run instead: the
+same bits for the store, RoPE and RMSNorm, the same attention within float32 rounding.
 """
 
 from __future__ import annotations
