@@ -36,12 +36,28 @@ typedef int32_t i16v __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-static inline v16 load_bf16(const uint16_t *p) {
-    u16x16 h; memcpy(&h, p, sizeof h);
-    u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 f; memcpy(&f, &w, sizeof f); return f;
+/* float -> bfloat16 bits, 16 at a time, rounded to nearest even as torch rounds (a NaN becomes the quiet NaN 0x7fc0),
+ * and back */
+static inline u16x16 bf16_round_v(v16 f) {
+    u32x16 u;
+    memcpy(&u, &f, sizeof u);
+    const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
+    return __builtin_convertvector((nan & 0x7fc0u) | (rounded & ~nan), u16x16);
 }
-static inline v16 load_f32(const float *p) { v16 f; memcpy(&f, p, sizeof f); return f; }
+
+static inline v16 bf16_widen_v(u16x16 h) {
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline v16 load_bf16(const uint16_t *p) {
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    return bf16_widen_v(h);
+}
 static inline v16 loadv(const float *p) { v16 f; memcpy(&f, p, sizeof f); return f; }
 static inline void storev(float *p, v16 x) { memcpy(p, &x, sizeof x); }
 static inline v16 splat(float x) { return (v16){x,x,x,x,x,x,x,x,x,x,x,x,x,x,x,x}; }
@@ -187,7 +203,7 @@ int NAME(const float *q, const T *k_t, const T *v, const int32_t *tables, int64_
     return failed ? -3 : 0;                                                                                   \
 }
 DEFINE_DECODE(paged_decode_bf16, uint16_t, load_bf16)
-DEFINE_DECODE(paged_decode_f32, float, load_f32)
+DEFINE_DECODE(paged_decode_f32, float, loadv)
 
 /* The new tokens' K and V written at their cache slots (slot >= 0; the caller leaves out rows without one): K into
  * K^T (a key's dims block_size apart), V as a row. k and v are [T, KVH, D] with any token stride (the QKV
@@ -321,22 +337,6 @@ static float torch_order_sum(const float *x, int n) {
     for (int k = vectors * VEC; k < n; k++) total += x[k];
     for (int l = 0; l < VEC; l++) total += acc[0][0][l];
     return total;
-}
-
-/* float -> bfloat16 bits and back, 16 at a time (bf16_round's rounding, NaN included) */
-static inline u16x16 bf16_round_v(v16 f) {
-    u32x16 u;
-    memcpy(&u, &f, sizeof u);
-    const u32x16 rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
-    const u32x16 nan = (u32x16)((u & 0x7fffffffu) > 0x7f800000u);
-    return __builtin_convertvector((nan & 0x7fc0u) | (rounded & ~nan), u16x16);
-}
-
-static inline v16 bf16_widen_v(u16x16 h) {
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 f;
-    memcpy(&f, &w, sizeof f);
-    return f;
 }
 
 /* RMSNorm of rows [rows, n] (x's rows x_stride elements apart; elem_size 4: float32, 2: bfloat16; n a multiple of

@@ -32,14 +32,20 @@ log = logging.getLogger(__name__)
 ENV_SWITCH = "SHARDSERVE_CPU_NATIVE"  # 0: the torch formulation only (A/B runs, hosts without a compiler)
 SOURCE = Path(__file__).with_name("cpu_decode.c")
 FLAGS = ["-O3", "-march=native", "-fPIC"]
-_DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
-# cpu_decode.c's signatures: (q, k_t, v, tables, table_stride, lens, out, batch, heads, kv_heads, head_dim,
-# block_size, num_blocks), and store_kv's (k, v, k_stride, v_stride, k_t, v_cache, slots, tokens, kv_heads,
-# head_dim, block_size, elem_size, num_slots)
-_ARGTYPES = [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int] * 5 + [ctypes.c_int64]
-_STORE_ARGTYPES = ([ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 5
-                   + [ctypes.c_int64])
-
+_DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}  # the decode kernel per dtype
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+# cpu_decode.c's functions and their arguments, in order (all return an int status)
+_SIGNATURES = {
+    # (q, k_t, v, tables, table_stride, lens, out, batch, heads, kv_heads, head_dim, block_size, num_blocks)
+    **{name: [_P] * 4 + [_I64] + [_P] * 2 + [_I] * 5 + [_I64] for name in _DTYPES.values()},
+    # (k, v, k_stride, v_stride, k_t, v_cache, slots, tokens, kv_heads, head_dim, block_size, elem_size, num_slots)
+    "store_kv": [_P] * 2 + [_I64] * 2 + [_P] * 3 + [_I] * 5 + [_I64],
+    # (x, x_stride, tokens, heads, head_dim, positions, cos, sin, max_position, elem_size)
+    "rope_inplace": [_P, _I64] + [_I] * 3 + [_P] * 3 + [_I64, _I],
+    # (x, x_stride, residual, r_stride, out, summed, weight, rows, n, eps, elem_size)
+    "rms_norm_rows": [_P, _I64, _P, _I64] + [_P] * 3 + [_I] * 2 + [ctypes.c_float, _I],
+}
+_FALLBACK = "decode attention, the KV store, RoPE and RMSNorm run as torch ops"
 
 def _cache_dir() -> Path:
     """$XDG_CACHE_HOME/shardserve/native, else ~/.cache/shardserve/native (beside the converted default model)."""
@@ -97,8 +103,8 @@ def _library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning("no C compiler (%s) found: CPU decode attention, the KV store and RoPE run as torch ops, "
-                    "slower (docs/performance.md); install gcc for the C kernels", os.environ.get("CC", "cc"))
+        log.warning("no C compiler (%s) found: on the CPU %s, slower (docs/performance.md); install gcc for the C "
+                    "kernels", os.environ.get("CC", "cc"), _FALLBACK)
         return None
     runtime = openmp_runtime()
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, str(runtime), _cpu_flags(),
@@ -110,19 +116,11 @@ def _library() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("the CPU C kernels did not build (%s): decode attention, the KV store and RoPE run as torch ops",
-                    detail)
+        log.warning("the CPU C kernels did not build (%s): %s", detail, _FALLBACK)
         return None
-    for name in _DTYPES.values():
+    for name, argtypes in _SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = _ARGTYPES, ctypes.c_int
-    lib.store_kv.argtypes, lib.store_kv.restype = _STORE_ARGTYPES, ctypes.c_int
-    lib.rope_inplace.argtypes = ([ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3
-                                 + [ctypes.c_int64, ctypes.c_int])
-    lib.rope_inplace.restype = ctypes.c_int
-    lib.rms_norm_rows.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-                                  + [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int])
-    lib.rms_norm_rows.restype = ctypes.c_int
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
     return lib
 
 
@@ -142,7 +140,8 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     batch, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     k_mem = k_cache.permute(0, 2, 3, 1)
-    if not (k_mem.is_contiguous() and v_cache.is_contiguous() and block_tables.dtype == torch.int32
+    if not (q.device.type == "cpu" and k_mem.is_contiguous() and v_cache.is_contiguous()
+            and block_tables.dtype == torch.int32
             and seq_lens.dtype == torch.int32 and block_tables.stride(1) == 1):
         raise ValueError("paged_decode: caches, tables or lengths not in the kernel's layout")
     query = (q.float() * scale).contiguous()
@@ -163,7 +162,8 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     the same dtype (float32 or bfloat16); False, with nothing written, where the C kernel does not take them."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     k_mem = k_cache.permute(0, 2, 3, 1)
-    if not (k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.dtype in _DTYPES and k_mem.is_contiguous()
+    if not (k.device.type == "cpu" and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype and k.dtype in _DTYPES
+            and k_mem.is_contiguous()
             and v_cache.is_contiguous() and slots.dtype == torch.int64 and slots.is_contiguous()
             and all(t.stride()[1:] == (head_dim, 1) for t in (k, v))):
         return False
@@ -183,7 +183,8 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin
     cos/sin [max_position, D/2] float32 and positions [T] int64: bit for bit what RotaryEmbedding's torch ops
     compute. False, with nothing written, where the C kernel does not take them."""
     tokens, heads, head_dim = x.shape
-    if not (x.dtype in _DTYPES and x.stride()[1:] == (head_dim, 1) and positions.dtype == torch.int64
+    if not (x.device.type == "cpu" and x.dtype in _DTYPES and x.stride()[1:] == (head_dim, 1)
+            and positions.dtype == torch.int64
             and positions.is_contiguous() and cos_cache.dtype == sin_cache.dtype == torch.float32
             and cos_cache.is_contiguous() and sin_cache.is_contiguous() and cos_cache.shape[1] * 2 == head_dim):
         return False
@@ -197,14 +198,13 @@ def rope_(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin
     return True
 
 
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm of x [T, n] (float32 or bfloat16, the weight's dtype), after adding residual where given: the
     normalised rows (and with a residual, the sum, the next residual), bit for bit what RMSNorm's torch ops give
     (HF's formula: the mean of squares in float32 summed in torch's order, then the weight in x's dtype). None where
     the C kernel does not take them, or where its sum order is not this torch's (`_sums_like_torch`)."""
-    if not (x.dim() == 2 and x.dtype in _DTYPES and weight.dtype == x.dtype and x.stride(1) == 1
+    if not (x.device.type == "cpu" and x.dim() == 2 and x.dtype in _DTYPES and weight.dtype == x.dtype
+            and x.stride(1) == 1
             and x.shape[1] % 16 == 0 and x.shape[1] <= 16384 and weight.is_contiguous()
             and weight.shape == (x.shape[1],)
             and (residual is None or (residual.dtype == x.dtype and residual.shape == x.shape
@@ -229,20 +229,24 @@ def _rms_norm(kernel, x, weight, eps, residual):
 
 
 @functools.cache
-def _sums_like_torch(dtype: torch.dtype, width: int, eps: float, kernel=None) -> bool:
-    """Whether the C RMSNorm gives this torch's bits at this dtype and width, tried once on random rows: its sum of
-    squares follows torch's CPU reduction order as torch 2.13 builds it on x86 (8-wide vectors), which another
-    torch build or CPU may not; where it differs, RMSNorm stays on torch ops (a warning says so)."""
-    kernel = kernel or _library().rms_norm_rows
+def _sums_like_torch(dtype: torch.dtype, width: int, eps: float) -> bool:
+    """Whether the C RMSNorm gives this torch's bits at this dtype and width, tried once: its sum of squares follows
+    torch's CPU reduction order as torch 2.13 builds it on x86 (8-wide vectors), which another torch build or CPU may
+    not; where it differs, RMSNorm stays on torch ops (a warning says so)."""
+    agrees = _agrees_with_torch(_library().rms_norm_rows, dtype, width, eps)
+    if not agrees:
+        log.warning("the C RMSNorm does not give this torch's bits (%s, width %d): RMSNorm stays on torch ops",
+                    dtype, width)
+    return agrees
+
+
+def _agrees_with_torch(kernel, dtype: torch.dtype, width: int, eps: float) -> bool:
+    """kernel's RMSNorm (with a residual) against RMSNorm's torch ops (worker/layers/norm.py) on random rows."""
     gen = torch.Generator().manual_seed(width)
     x = (torch.randn(8, width, generator=gen) * torch.rand(8, 1, generator=gen) * 30).to(dtype)
     residual = torch.randn(8, width, generator=gen).to(dtype)
     weight = (torch.randn(width, generator=gen) * 0.5 + 1).to(dtype)
     normed, summed = _rms_norm(kernel, x, weight, eps, residual)
     reference = x + residual
-    agrees = torch.equal(summed, reference) and torch.equal(
-        normed, weight * torch.rms_norm(reference, (width,), None, eps))  # RMSNorm's torch ops (worker/layers/norm.py)
-    if not agrees:
-        log.warning("the C RMSNorm does not give this torch's bits (%s, width %d): RMSNorm stays on torch ops",
-                    dtype, width)
-    return agrees
+    return torch.equal(summed, reference) and torch.equal(
+        normed, weight * torch.rms_norm(reference, (width,), None, eps))

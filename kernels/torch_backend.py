@@ -34,7 +34,7 @@ def store_kv(
 def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
     """store_kv for rows that all have a slot (slots: int64, one per row)."""
-    if k.device.type == "cpu" and k_scale is None and cpu_native.store_kv(k, v, k_cache, v_cache, slots):
+    if cpu_native.store_kv(k, v, k_cache, v_cache, slots):
         return  # the CPU's transposed K in C: one pass for both caches
     num_kv_heads, head_dim = k_cache.shape[-2:]
     for new, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):

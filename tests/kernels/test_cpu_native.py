@@ -274,7 +274,7 @@ def test_the_c_rms_norm_gives_the_torch_ops_bits(dtype, hidden, rows):
     assert torch.equal(summed, x + residual) and torch.equal(normed, norm._norm(x + residual))
 
 
-def test_a_c_rms_norm_that_does_not_sum_like_torch_is_not_used(caplog):
+def test_a_c_rms_norm_that_does_not_sum_like_torch_is_not_used(caplog, monkeypatch):
     """The first use at a dtype and width compares the kernel with torch's ops on random rows: a kernel whose bits
     differ (here the real one with its output nudged by an ulp) is refused, with a warning."""
     real = cpu_native._library().rms_norm_rows
@@ -284,9 +284,15 @@ def test_a_c_rms_norm_that_does_not_sum_like_torch_is_not_used(caplog):
         ctypes.c_uint32.from_address(out).value += 1  # the first output's float32 bits, one ulp on
         return rc
 
+    assert not cpu_native._agrees_with_torch(nudged, torch.float32, 64, 1e-6)
+    assert cpu_native._agrees_with_torch(real, torch.float32, 64, 1e-6)
+    cpu_native._sums_like_torch.cache_clear()
     with caplog.at_level(logging.WARNING, logger=cpu_native.__name__):
-        assert not cpu_native._sums_like_torch(torch.float32, 64, 1e-6, nudged)
+        monkeypatch.setattr(cpu_native, "_agrees_with_torch", lambda *a: False)
+        assert cpu_native.rms_norm(torch.ones(2, 64), torch.ones(64), 1e-6) is None  # torch's ops then
+    cpu_native._sums_like_torch.cache_clear()
     assert "does not give this torch's bits" in caplog.text
+    monkeypatch.undo()
     assert cpu_native._sums_like_torch(torch.float32, 64, 1e-6)
     assert cpu_native._sums_like_torch(torch.bfloat16, 576, 1e-5)
 
@@ -296,3 +302,19 @@ def test_the_c_rms_norm_leaves_what_it_does_not_take_to_torch():
     assert cpu_native.rms_norm(torch.ones(2, 24), weight, 1e-6) is None  # width not a multiple of 16
     assert cpu_native.rms_norm(torch.ones(2, 32).half(), torch.ones(32).half(), 1e-6) is None
     assert cpu_native.rms_norm(torch.ones(2, 32), torch.ones(32).bfloat16(), 1e-6) is None  # weight's dtype
+
+
+def test_tensors_off_the_cpu_are_left_to_the_callers_torch_ops():
+    """The wrappers themselves refuse tensors on another device (here "meta": no memory to point at), so the layers
+    call them on any device and keep their torch path for the rest."""
+    from shardserve.worker.layers.rotary import RotaryEmbedding
+
+    meta = torch.device("meta")
+    assert cpu_native.rms_norm(torch.empty(2, 64, device=meta), torch.empty(64, device=meta), 1e-6) is None
+    rotary = RotaryEmbedding(64, 16, 1e4)
+    assert not cpu_native.rope_(torch.empty(2, 3, 64, device=meta), torch.zeros(2, dtype=torch.long, device=meta),
+                                rotary.cos_cache, rotary.sin_cache)
+    k_cache = torch.empty(4, 3, 64, 16, device=meta).permute(0, 3, 1, 2)  # the transposed layout's shape
+    v_cache = torch.empty(4, 16, 3, 64, device=meta)
+    assert not cpu_native.store_kv(torch.empty(2, 3, 64, device=meta), torch.empty(2, 3, 64, device=meta), k_cache,
+                                   v_cache, torch.zeros(2, dtype=torch.long, device=meta))

@@ -36,10 +36,9 @@ class RMSNorm(nn.Module):
             if residual is None:
                 return rms_norm(x, self.weight, self.eps, self.fp8_out)
             return add_rms_norm(x, residual, self.weight, self.eps, self.fp8_out)
-        if x.device.type == "cpu":  # the C kernel (kernels/cpu_native.py): the same bits in one pass
-            normed = cpu_native.rms_norm(x, self.weight, self.eps, residual)
-            if normed is not None:
-                return normed
+        normed = cpu_native.rms_norm(x, self.weight, self.eps, residual)  # on the CPU: the same bits in one C pass
+        if normed is not None:
+            return normed
         if residual is None:
             return self._norm(x)
         summed = x + residual

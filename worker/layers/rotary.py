@@ -74,7 +74,7 @@ class RotaryEmbedding(nn.Module):
         """Rotates x [T, heads, head_dim] in place (a view of the qkv output: q and k heads side by side), with
         the values forward() gives: on the CPU by the C kernel (kernels/cpu_native.py, the same bits in one pass),
         else by torch ops."""
-        if x.device.type == "cpu" and cpu_native.rope_(x, positions, self.cos_cache, self.sin_cache):
+        if cpu_native.rope_(x, positions, self.cos_cache, self.sin_cache):
             return
         first, second = _rotated_halves(x, *self._cos_sin(positions))
         x[..., : self.head_dim // 2].copy_(first)
