@@ -3,8 +3,10 @@ dies surfaces as WorkerError (never a hang) and every rank is ended."""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -83,6 +85,25 @@ def test_a_rank_that_dies_surfaces_as_worker_error_and_every_rank_is_ended(model
 
 
 
+def _stop(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP, then waits until every thread of pid is stopped: kill() returns before the group stop has reached
+    each thread, and a thread still running (gRPC's) could answer the next step."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for stat in glob.glob(f"/proc/{pid}/task/*/stat"):
+            try:
+                with open(stat) as f:
+                    text = f.read()
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+            states.append(text[text.rindex(")") + 2])  # the field after the command's name
+        if states and all(state in "tT" for state in states):
+            return
+        assert time.monotonic() < deadline, f"pid {pid}'s threads not all stopped after {timeout_s} s: {states}"
+
+
 def test_a_stopped_rank_raises_worker_error_at_the_step_deadline_and_every_rank_is_ended(model_dir):
     """SIGSTOP: no error and no closed stream, only silence; the step deadline (from measured step times, here a
     1 s floor) turns it into WorkerError instead of a wait for torch's or gRPC's timeouts."""
@@ -90,7 +111,7 @@ def test_a_stopped_rank_raises_worker_error_at_the_step_deadline_and_every_rank_
     stopped = workers.processes[1].pid
     try:
         assert executor.execute(StepPlan(1)).step_id == 1
-        os.kill(stopped, signal.SIGSTOP)
+        _stop(stopped)
         with pytest.raises(WorkerError, match=r"ranks \[(0, )?1\] did not answer within 1.0 s"):
             executor.execute(StepPlan(2))
         for proc in workers.processes:  # the executor stopped its workers: a stopped one is killed
