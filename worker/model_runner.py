@@ -20,7 +20,7 @@ from shardserve.kernels.backend_choice import get_backend
 from shardserve.kernels.kv_fp8 import FP8_DTYPE
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, cdiv
-from shardserve.worker import cpu_memory, cuda_graphs, graph_memory, kv_cache, kv_scales
+from shardserve.worker import cuda_graphs, graph_memory, kv_cache, kv_scales
 from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.layers import cpu_packed
 from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
@@ -85,7 +85,6 @@ class ModelRunner:
             kv_scales.calibrate_scales(self.model, self.block_size, self.dtype, self.device)
         if self.device.type == "cpu":  # the matmuls' weights blocked once for oneDNN (worker/layers/cpu_packed.py)
             cpu_packed.pack_model(self.model)
-            cpu_memory.keep_freed_memory()  # the steps' temporaries reused, not faulted in again each step
         if self.device.type == "cuda":  # before any graph capture: the decode graphs record whichever path is on
             from shardserve.worker.distributed import enable_one_shot_all_reduce
 
