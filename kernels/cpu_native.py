@@ -1,4 +1,5 @@
-"""The CPU path's native kernels in C (cpu_decode.c): paged decode attention, the KV store, RoPE and RMSNorm.
+"""The CPU path's native kernels in C: paged decode attention, the KV store, RoPE and RMSNorm (cpu_decode.c), and
+bfloat16 matmuls of a decode step's few rows on AMX (cpu_amx.c).
 
 The torch formulation of the in-place decode (torch_paged_decode.py) takes ~15 torch ops a layer, each a pass over
 the step's scores, and reads every key row once per query head; the C kernel reads each key and value once per KV
@@ -9,7 +10,7 @@ is cached per source, compiler, flags, runtime and CPU (`$XDG_CACHE_HOME/shardse
 `~/.cache/shardserve/native`), written under a temporary name and renamed into place (processes building it at once
 each finish with a whole file). Where there is no compiler, the build fails, or `SHARDSERVE_CPU_NATIVE=0`,
 `decode_kernel()` and `rms_norm()` are None and `store_kv()` and `rope_()` False, and the torch ops run instead: the
-same bits for the store, RoPE and RMSNorm, the same attention within float32 rounding.
+same bits for the store, RoPE and RMSNorm, the same attention within float32 rounding, oneDNN's matmuls.
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ import torch
 log = logging.getLogger(__name__)
 
 ENV_SWITCH = "SHARDSERVE_CPU_NATIVE"  # 0: the torch formulation only (A/B runs, hosts without a compiler)
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_amx.c")]
+HEADERS = [Path(__file__).with_name("cpu_vec.h")]
 FLAGS = ["-O3", "-march=native", "-fPIC"]
 _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}  # the decode kernel per dtype
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-# cpu_decode.c's functions and their arguments, in order (all return an int status)
+# the C functions and their arguments, in order (all return an int status)
 _SIGNATURES = {
     # (q, k_t, v, tables, table_stride, lens, out, batch, heads, kv_heads, head_dim, block_size, num_blocks)
     **{name: [_P] * 4 + [_I64] + [_P] * 2 + [_I] * 5 + [_I64] for name in _DTYPES.values()},
@@ -44,8 +46,11 @@ _SIGNATURES = {
     "rope_inplace": [_P, _I64] + [_I] * 3 + [_P] * 3 + [_I64, _I],
     # (x, x_stride, residual, r_stride, out, summed, weight, rows, n, eps, elem_size)
     "rms_norm_rows": [_P, _I64, _P, _I64] + [_P] * 3 + [_I] * 2 + [ctypes.c_float, _I],
+    "amx_enable": [],
+    # (x, ldx, m, k, w, n, n_padded, y, ldy)
+    "linear_bf16_amx": [_P] + [_I64] * 3 + [_P] + [_I64] * 2 + [_P, _I64],
 }
-_FALLBACK = "decode attention, the KV store, RoPE and RMSNorm run as torch ops"
+_FALLBACK = "decode attention, the KV store, RoPE and RMSNorm run as torch ops, every matmul on oneDNN"
 
 def _cache_dir() -> Path:
     """$XDG_CACHE_HOME/shardserve/native, else ~/.cache/shardserve/native (beside the converted default model)."""
@@ -85,14 +90,17 @@ def _build(compiler: str, runtime: str | None, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
     os.close(fd)
     obj = tmp + ".o"
+    objects = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
     try:
         omp = ["-fopenmp"] if runtime else []
-        for cmd in ([compiler, *FLAGS, *omp, "-c", str(SOURCE), "-o", obj],
-                    [compiler, "-shared", obj, *([runtime] if runtime else []), "-o", tmp]):
-            subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=120)
+        for source, obj in zip(SOURCES, objects):
+            subprocess.run([compiler, *FLAGS, *omp, "-c", str(source), "-o", obj], check=True, capture_output=True,
+                           text=True, timeout=120)
+        subprocess.run([compiler, "-shared", *objects, *([runtime] if runtime else []), "-o", tmp], check=True,
+                       capture_output=True, text=True, timeout=120)
         os.replace(tmp, target)
     finally:
-        for path in (tmp, obj):
+        for path in (tmp, *objects):
             if os.path.exists(path):
                 os.unlink(path)
 
@@ -107,7 +115,8 @@ def _library() -> ctypes.CDLL | None:
                     "kernels", os.environ.get("CC", "cc"), _FALLBACK)
         return None
     runtime = openmp_runtime()
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *FLAGS, str(runtime), _cpu_flags(),
+    sources = [path.read_text() for path in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*sources, compiler, *FLAGS, str(runtime), _cpu_flags(),
                                     platform.machine()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"cpu_decode-{key}.so"
     try:
@@ -250,3 +259,38 @@ def _agrees_with_torch(kernel, dtype: torch.dtype, width: int, eps: float) -> bo
     reference = x + residual
     return torch.equal(summed, reference) and torch.equal(
         normed, weight * torch.rms_norm(reference, (width,), None, eps))
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether bfloat16 matmuls can run on AMX here: the object was built with AMX (the host has amx_tile and
+    amx_bf16) and Linux granted this process AMX's register state (granted once, for the whole process)."""
+    lib = _library()
+    return lib is not None and lib.amx_enable() == 0
+
+
+def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
+    """A bfloat16 [N, K] CPU weight in AMX's B-tile layout (cpu_amx.c): [N' / 16, K / 32, 16, 16, 2], N' = N
+    rounded up to 32 with zero columns; None where the AMX matmul does not take it (another dtype, K not a
+    multiple of 32, no AMX)."""
+    if not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.shape[1] % 32 == 0 and amx_available()):
+        return None
+    n, k = weight.shape
+    padded = torch.zeros(-(-n // 32) * 32, k, dtype=torch.bfloat16)
+    padded[:n] = weight.detach()
+    return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def linear_amx(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] bfloat16 (rows contiguous) @ W^T -> [M, n] bfloat16, W [n, K] packed by pack_amx."""
+    m, k = x.shape
+    if not (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.is_contiguous()
+            and packed.shape[1:] == (k // 32, 16, 16, 2) and n <= packed.shape[0] * 16):
+        raise ValueError("linear_amx: x or the packed weight not in the kernel's layout")
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    rc = _library().linear_bf16_amx(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, packed.shape[0] * 16,
+                                    out.data_ptr(), n)
+    if rc != 0:
+        raise RuntimeError(f"linear_amx: the C kernel failed ({rc})")
+    return out

@@ -30,9 +30,10 @@ GEMV_MAX_K = 8192
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, weight_amx: torch.Tensor | None = None) -> torch.Tensor:
     """x W^T + b: the FP8 product for an e4m3 weight with its per-channel scales (kernels/fp8_linear.py), oneDNN on a
-    packed CPU weight (layers/cpu_packed.py), the GEMV for one row of a half-precision x on CUDA, else F.linear."""
+    packed CPU weight (layers/cpu_packed.py; weight_amx its AMX copy for a few rows), the GEMV for one row of a
+    half-precision x on CUDA, else F.linear."""
     if weight.dtype == FP8_DTYPE:
         from shardserve.kernels.fp8_linear import Fp8Rows, fp8_linear  # (Triton: imported where it is used)
 
@@ -41,7 +42,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             return _gemv(rows, weight, bias, weight_scale=weight_scale, x_scale=x_scale, out_dtype=x.dtype)
         return fp8_linear(x, weight, weight_scale, bias)
     if weight.is_mkldnn:
-        return cpu_packed.linear(x, weight, bias)
+        return cpu_packed.linear(x, weight, bias, weight_amx)
     if (_one_row(x, x.dtype) and weight.shape[1] <= GEMV_MAX_K and weight.dtype == x.dtype
             and weight.stride(1) == 1):
         return _gemv(x, weight, bias)
@@ -97,6 +98,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         attach_loader(self.weight, self.weight_loader, {None: (out_features, in_features)})
         self.register_buffer("weight_scale", None)  # [1, out] float32 once the weight is FP8 (quantize_module_weight)
+        self.register_buffer("weight_amx", None, persistent=False)  # CPUs with AMX: a bf16 copy (layers/cpu_packed.py)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
@@ -111,7 +113,7 @@ class ColumnParallelLinear(nn.Module):
         return cpu_packed.replace_with_packed(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return matmul(x, self.weight, self.bias, self.weight_scale)
+        return matmul(x, self.weight, self.bias, self.weight_scale, self.weight_amx)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -204,6 +206,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         attach_loader(self.weight, self.weight_loader, {None: (out_features, in_features)})
         self.register_buffer("weight_scale", None)  # [1, out] float32 once the weight is FP8 (quantize_module_weight)
+        self.register_buffer("weight_amx", None, persistent=False)  # CPUs with AMX: a bf16 copy (layers/cpu_packed.py)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
@@ -220,5 +223,5 @@ class RowParallelLinear(nn.Module):
         return cpu_packed.replace_with_packed(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(matmul(x, self.weight, None, self.weight_scale))
+        y = all_reduce(matmul(x, self.weight, None, self.weight_scale, self.weight_amx))
         return y + self.bias if self.bias is not None else y

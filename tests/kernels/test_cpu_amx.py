@@ -1,0 +1,99 @@
+"""The AMX matmul for a decode step's few rows (kernels/cpu_amx.c, cpu_native.linear_amx) against float32 sums of the
+same bfloat16 products rounded as torch rounds: row counts across and off its 32-row chunks, column counts off its
+32-column pairs (zero padding), K from one tile to 48; the layers taking it up to AMX_MAX_ROWS rows and oneDNN above;
+and what it refuses. Skipped where the host or the build has no AMX."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardserve.kernels import cpu_native
+from shardserve.worker import distributed
+from shardserve.worker.layers import cpu_packed
+from shardserve.worker.layers.embedding import ParallelLMHead
+from shardserve.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+
+pytestmark = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX here (or no C compiler)")
+
+
+def _bf16_step(x: torch.Tensor) -> torch.Tensor:
+    """The distance from each bfloat16 value to the next one away from zero (its last bit's weight)."""
+    bits = x.view(torch.int16)
+    return ((bits + 1).view(torch.bfloat16).float() - x.float()).abs()
+
+
+def _assert_rounded_float32_sums(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    """y is x @ w^T summed in float32 and rounded to bfloat16: every entry within one step of the float32 sums'
+    rounding (the sums' order differs), and nearly all equal to it."""
+    expected = (x.float() @ w.float().t()).bfloat16()
+    assert y.shape == expected.shape and y.dtype == torch.bfloat16
+    off = (y.float() - expected.float()).abs()
+    assert bool((off <= _bf16_step(expected)).all()), f"largest difference {off.max().item()}"
+    assert (off == 0).float().mean().item() > 0.98
+
+
+@pytest.mark.parametrize("rows", [1, 15, 32, 45, 96])
+@pytest.mark.parametrize("k, n", [(32, 16), (576, 960), (1536, 576), (64, 40)])
+def test_the_amx_matmul_gives_the_rounded_float32_sums(rows, k, n):
+    gen = torch.Generator().manual_seed(rows * 7 + n)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    packed = cpu_native.pack_amx(w)
+    assert packed is not None and packed.shape == (-(-n // 32) * 2, k // 32, 16, 16, 2)
+    _assert_rounded_float32_sums(cpu_native.linear_amx(x, packed, n), x, w)
+
+
+def test_rows_apart_in_memory_are_read_at_their_stride():
+    gen = torch.Generator().manual_seed(5)
+    wide = torch.randn(40, 96, generator=gen).bfloat16()
+    x = wide[:, :64]  # rows 96 apart
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    _assert_rounded_float32_sums(cpu_native.linear_amx(x, cpu_native.pack_amx(w), 48), x, w)
+
+
+def test_what_it_does_not_take():
+    assert cpu_native.pack_amx(torch.randn(16, 48).bfloat16()) is None  # K not a multiple of 32
+    assert cpu_native.pack_amx(torch.randn(16, 64)) is None  # float32
+    packed = cpu_native.pack_amx(torch.randn(16, 64).bfloat16())
+    with pytest.raises(ValueError, match="layout"):
+        cpu_native.linear_amx(torch.randn(4, 96).bfloat16(), packed, 16)  # another K
+    with pytest.raises(ValueError, match="layout"):
+        cpu_native.linear_amx(torch.randn(4, 64).bfloat16(), packed, 33)  # more columns than were packed
+    with pytest.raises(ValueError, match="layout"):
+        cpu_native.linear_amx(torch.randn(4, 64), packed, 16)  # float32 rows
+
+
+@pytest.fixture
+def single_rank():
+    distributed.init_distributed(0, 1, "", "gloo", 10.0)
+
+
+def _filled(layer: torch.nn.Module) -> torch.nn.Module:
+    torch.manual_seed(0)
+    for p in layer.parameters():
+        p.data = torch.randn_like(p, dtype=torch.bfloat16)
+    return layer
+
+
+def test_layers_take_amx_up_to_its_rows_and_onednn_above(single_rank):
+    for layer in (_filled(MergedColumnParallelLinear(64, [40, 40])), _filled(RowParallelLinear(96, 64))):
+        plain = layer.weight.detach().clone()
+        assert layer.pack_weights() and layer.weight_amx is not None
+        few = torch.randn(cpu_packed.AMX_MAX_ROWS, plain.shape[1]).bfloat16()
+        _assert_rounded_float32_sums(layer(few), few, plain)
+        many = torch.randn(cpu_packed.AMX_MAX_ROWS + 1, plain.shape[1]).bfloat16()
+        assert torch.equal(layer(many), cpu_packed.linear(many, layer.weight))  # oneDNN's, bit for bit
+
+
+def test_the_lm_head_takes_amx_with_its_vocabulary_padded(single_rank):
+    head = _filled(ParallelLMHead(100, 64))
+    assert head.pack_weights() and head.amx_weight is not None
+    hidden = torch.randn(7, 64).bfloat16()
+    _assert_rounded_float32_sums(head(hidden), hidden, head.weight)
+
+
+def test_the_switch_off_leaves_onednn_alone(single_rank, monkeypatch):
+    monkeypatch.setattr(cpu_packed, "AMX", False)
+    layer = _filled(RowParallelLinear(64, 32))
+    assert layer.pack_weights() and layer.weight_amx is None
