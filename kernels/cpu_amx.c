@@ -14,6 +14,12 @@
  * from a zero-padded copy of x's last rows. The accumulators are rounded to bfloat16 as torch rounds (nearest
  * even); the sums are float32 in another order than oneDNN's, so the last bits differ as between any two BLAS.
  *
+ * linear_bf16_amx_silu is the MLP's gate_up projection with SiLU-and-mul in its store: its weight packed with the
+ * gate's and the up projection's 16-column blocks taking turns (gate block j, then up block j: pair j), it writes
+ * silu(gate) * up [M, N] where the plain matmul writes [M, 2N], each step rounded to bfloat16 as torch's separate
+ * ops round (the products, SiLU in float32 from the rounded gate, the product with the rounded up); e^x is a
+ * polynomial, not torch's Sleef, so a SiLU may differ from torch's in its last bit.
+ *
  * Where the compiler does not target AMX (no amx_tile/amx_bf16 on the host), linear_bf16_amx returns -1 and the
  * caller keeps oneDNN. Linux hands a process AMX's large register state only on request (amx_enable).
  */
@@ -54,21 +60,36 @@ static void configure_tiles(void) {
 static void store_rounded(const float *acc, int rows, int cols, uint16_t *y, int64_t ldy) {
     for (int r = 0; r < rows; r++)
         for (int c = 0; c < cols; c += 16) {
-            v16 f;
-            memcpy(&f, acc + r * 32 + c, sizeof f);
-            const u16x16 h = bf16_round_v(f);
+            const u16x16 h = bf16_round_v(loadv(acc + r * 32 + c));
             memcpy(y + r * ldy + c, &h, (cols - c < 16 ? cols - c : 16) * sizeof(uint16_t));
         }
 }
 
+/* gate (columns 0-15) and up (16-31) accumulators -> silu(gate) * up, 16 bf16 columns a row, as torch's ops round:
+ * the matmul's bf16 outputs, SiLU in float32 of the rounded gate (x / (1 + e^-x), taken as x e^x / (1 + e^x) below
+ * zero so that e^x's argument is never positive), rounded, times the rounded up, rounded. */
+static void store_silu_mul(const float *acc, int rows, int cols, uint16_t *y, int64_t ldy) {
+    for (int r = 0; r < rows; r++) {
+        const v16 g = bf16_widen_v(bf16_round_v(loadv(acc + r * 32)));
+        const v16 u = bf16_widen_v(bf16_round_v(loadv(acc + r * 32 + 16)));
+        const i16v negative = g < splat(0.0f);
+        const v16 t = vexp(select_v(negative, g, -g));  /* e^-|g| */
+        const v16 silu = select_v(negative, g * t, g) / (splat(1.0f) + t);
+        const u16x16 h = bf16_round_v(bf16_widen_v(bf16_round_v(silu)) * u);
+        memcpy(y + r * ldy, &h, (cols < 16 ? cols : 16) * sizeof(uint16_t));
+    }
+}
+
 /* x [M, K] bf16 rows ldx apart; w packed as above for n_padded (a multiple of 32) columns; y [M, N] bf16 rows ldy
- * apart. K a multiple of 32. Returns 0; -1 where AMX is not compiled in; -2 for shapes it does not take; -3 where
- * memory for the padded rows ran out. */
-int linear_bf16_amx(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *w, int64_t n,
-                    int64_t n_padded, uint16_t *y, int64_t ldy) {
-    if (m < 1 || k < 32 || k % 32 || n < 1 || n_padded % 32 || n > n_padded || ldx < k || ldy < n)
+ * apart (gated: N the up projection's columns, n_padded / 2 of them and more). K a multiple of 32. Returns 0; -1
+ * where AMX is not compiled in; -2 for shapes it does not take; -3 where memory for the padded rows ran out. */
+static int amx_matmul(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                      int64_t n_padded, uint16_t *y, int64_t ldy, int gated) {
+    if (m < 1 || k < 32 || k % 32 || n < 1 || n_padded % 32 || n > (gated ? n_padded / 2 : n_padded) || ldx < k
+        || ldy < n)
         return -2;
     const int64_t kb_count = k / 32, pairs = n_padded / 32, full = m / 32 * 32, tail = m - full;
+    const int64_t out_cols = gated ? 16 : 32;  /* output columns a pair writes */
     uint16_t *padded = NULL;  /* the last partial 32 rows of x, zeros below */
     if (tail) {
         padded = calloc(32 * k, sizeof *padded);
@@ -84,7 +105,8 @@ int linear_bf16_amx(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const 
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             const uint16_t *b0 = w + (2 * p) * kb_count * 512, *b1 = b0 + kb_count * 512;
-            for (int64_t m0 = 0; m0 < m; m0 += 32) {
+            const int64_t cols = n - out_cols * p < out_cols ? n - out_cols * p : out_cols;
+            for (int64_t m0 = 0; m0 < m && cols > 0; m0 += 32) {
                 const uint16_t *a = m0 < full ? x + m0 * ldx : padded;
                 const int64_t lda = m0 < full ? ldx : k;
                 _tile_zero(0);
@@ -113,15 +135,27 @@ int linear_bf16_amx(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const 
                 _tile_stored(1, acc + 16, 128);
                 _tile_stored(2, acc + 16 * 32, 128);
                 _tile_stored(3, acc + 16 * 32 + 16, 128);
-                const int64_t rows = m - m0 < 32 ? m - m0 : 32, cols = n - 32 * p < 32 ? n - 32 * p : 32;
-                if (cols > 0)
-                    store_rounded(acc, (int)rows, (int)cols, y + m0 * ldy + 32 * p, ldy);
+                const int rows = (int)(m - m0 < 32 ? m - m0 : 32);
+                if (gated)
+                    store_silu_mul(acc, rows, (int)cols, y + m0 * ldy + out_cols * p, ldy);
+                else
+                    store_rounded(acc, rows, (int)cols, y + m0 * ldy + out_cols * p, ldy);
             }
         }
         _tile_release();
     }
     free(padded);
     return 0;
+}
+
+int linear_bf16_amx(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                    int64_t n_padded, uint16_t *y, int64_t ldy) {
+    return amx_matmul(x, ldx, m, k, w, n, n_padded, y, ldy, 0);
+}
+
+int linear_bf16_amx_silu(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                         int64_t n_padded, uint16_t *y, int64_t ldy) {
+    return amx_matmul(x, ldx, m, k, w, n, n_padded, y, ldy, 1);
 }
 
 #else
@@ -131,5 +165,10 @@ int linear_bf16_amx(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const 
                     int64_t n_padded, uint16_t *y, int64_t ldy) {
     (void)x; (void)ldx; (void)m; (void)k; (void)w; (void)n; (void)n_padded; (void)y; (void)ldy;
     return -1;
+}
+
+int linear_bf16_amx_silu(const uint16_t *x, int64_t ldx, int64_t m, int64_t k, const uint16_t *w, int64_t n,
+                         int64_t n_padded, uint16_t *y, int64_t ldy) {
+    return linear_bf16_amx(x, ldx, m, k, w, n, n_padded, y, ldy);
 }
 #endif

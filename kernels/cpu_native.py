@@ -49,6 +49,7 @@ _SIGNATURES = {
     "amx_enable": [],
     # (x, ldx, m, k, w, n, n_padded, y, ldy)
     "linear_bf16_amx": [_P] + [_I64] * 3 + [_P] + [_I64] * 2 + [_P, _I64],
+    "linear_bf16_amx_silu": [_P] + [_I64] * 3 + [_P] + [_I64] * 2 + [_P, _I64],
 }
 _FALLBACK = "decode attention, the KV store, RoPE and RMSNorm run as torch ops, every matmul on oneDNN"
 
@@ -282,15 +283,37 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
     return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
 
 
+def pack_amx_silu_and_mul(weight: torch.Tensor) -> torch.Tensor | None:
+    """The MLP's gate_up weight [2 N, K] (gate rows, then up rows) packed for linear_amx_silu_and_mul: the gate's
+    and the up projection's 16-row blocks taking turns (pack_amx of [gate 0; up 0; gate 1; up 1; ...]). None where
+    pack_amx takes no such weight, or N is not a multiple of 16."""
+    n = weight.shape[0] // 2
+    if weight.dim() != 2 or n % 16 or weight.shape[0] != 2 * n:
+        return None
+    return pack_amx(weight.detach().view(2, n // 16, 16, -1).transpose(0, 1).reshape(2 * n, -1))
+
+
 def linear_amx(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] bfloat16 (rows contiguous) @ W^T -> [M, n] bfloat16, W [n, K] packed by pack_amx."""
+    return _amx_matmul("linear_bf16_amx", x, packed, n, n)
+
+
+def linear_amx_silu_and_mul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """silu(x @ gate^T) * (x @ up^T) -> [M, N] bfloat16 for a gate_up weight packed by pack_amx_silu_and_mul, each
+    step rounded to bfloat16 as the matmul, F.silu and mul_ round (SiLU's e^x a polynomial: its last bit may differ
+    from torch's)."""
+    n = packed.shape[0] * 8
+    return _amx_matmul("linear_bf16_amx_silu", x, packed, n, 2 * n)
+
+
+def _amx_matmul(name: str, x: torch.Tensor, packed: torch.Tensor, n: int, packed_columns: int) -> torch.Tensor:
     m, k = x.shape
     if not (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.is_contiguous()
-            and packed.shape[1:] == (k // 32, 16, 16, 2) and n <= packed.shape[0] * 16):
-        raise ValueError("linear_amx: x or the packed weight not in the kernel's layout")
+            and packed.shape[1:] == (k // 32, 16, 16, 2) and packed_columns <= packed.shape[0] * 16):
+        raise ValueError(f"{name}: x or the packed weight not in the kernel's layout")
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = _library().linear_bf16_amx(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, packed.shape[0] * 16,
-                                    out.data_ptr(), n)
+    rc = getattr(_library(), name)(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, packed.shape[0] * 16,
+                                   out.data_ptr(), n)
     if rc != 0:
-        raise RuntimeError(f"linear_amx: the C kernel failed ({rc})")
+        raise RuntimeError(f"{name}: the C kernel failed ({rc})")
     return out

@@ -1,18 +1,21 @@
 """The AMX matmul for a decode step's few rows (kernels/cpu_amx.c, cpu_native.linear_amx) against float32 sums of the
 same bfloat16 products rounded as torch rounds: row counts across and off its 32-row chunks, column counts off its
-32-column pairs (zero padding), K from one tile to 48; the layers taking it up to AMX_MAX_ROWS rows and oneDNN above;
-and what it refuses. Skipped where the host or the build has no AMX."""
+32-column pairs (zero padding), K from one tile to 48; the gate_up matmul with SiLU-and-mul in its store against
+the matmul, F.silu and mul_; the layers and the MLP taking them up to AMX_MAX_ROWS rows and oneDNN above; and what
+they refuse. Skipped where the host or the build has no AMX."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shardserve.kernels import cpu_native
 from shardserve.worker import distributed
 from shardserve.worker.layers import cpu_packed
 from shardserve.worker.layers.embedding import ParallelLMHead
 from shardserve.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from shardserve.worker.models.decoder import DecoderMLP, DecoderVariant
 
 pytestmark = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX here (or no C compiler)")
 
@@ -64,6 +67,38 @@ def test_what_it_does_not_take():
         cpu_native.linear_amx(torch.randn(4, 64), packed, 16)  # float32 rows
 
 
+def _assert_silu_and_mul_of(y: torch.Tensor, x: torch.Tensor, gate_up: torch.Tensor) -> None:
+    """y is silu(gate) * up over the matmul's bfloat16 outputs, F.silu and mul_ rounding: nearly every entry the
+    same bits, the rest a step of a bfloat16 apart (the matmul's sums, or SiLU's e^x, rounding the other way)."""
+    gate, up = (x.float() @ gate_up.float().t()).bfloat16().chunk(2, dim=-1)
+    expected = F.silu(gate).mul_(up)
+    off = (y.float() - expected.float()).abs()
+    assert y.shape == expected.shape
+    assert bool((off <= 2 * _bf16_step(expected) + 1e-30).all()), f"largest difference {off.max().item()}"
+    assert (off == 0).float().mean().item() > 0.995
+
+
+@pytest.mark.parametrize("rows, k, n", [(1, 32, 16), (32, 576, 1536), (45, 96, 48), (7, 64, 80)])
+def test_silu_and_mul_in_the_matmuls_store(rows, k, n):
+    gen = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, k, generator=gen).bfloat16()
+    gate_up = (torch.randn(2 * n, k, generator=gen) * 0.3).bfloat16()
+    packed = cpu_native.pack_amx_silu_and_mul(gate_up)
+    _assert_silu_and_mul_of(cpu_native.linear_amx_silu_and_mul(x, packed), x, gate_up)
+
+
+def test_silu_far_below_and_above_zero():
+    """Gates of +-200: SiLU's e^x neither overflows nor turns a large negative gate into a NaN."""
+    x = torch.zeros(3, 32).bfloat16()
+    x[:, 0] = torch.tensor([200.0, -200.0, 1.0])
+    gate_up = torch.zeros(32, 32).bfloat16()
+    gate_up[:16, 0] = 1.0  # every gate = x[:, 0]
+    gate_up[16:, 0] = 0.5  # every up = x[:, 0] / 2
+    y = cpu_native.linear_amx_silu_and_mul(x, cpu_native.pack_amx_silu_and_mul(gate_up))
+    assert torch.isfinite(y.float()).all()
+    torch.testing.assert_close(y.float()[:, 0], torch.tensor([20000.0, 0.0, 0.3655]), rtol=1e-2, atol=1e-3)
+
+
 @pytest.fixture
 def single_rank():
     distributed.init_distributed(0, 1, "", "gloo", 10.0)
@@ -91,6 +126,20 @@ def test_the_lm_head_takes_amx_with_its_vocabulary_padded(single_rank):
     assert head.pack_weights() and head.amx_weight is not None
     hidden = torch.randn(7, 64).bfloat16()
     _assert_rounded_float32_sums(head(hidden), hidden, head.weight)
+
+
+def test_the_mlp_takes_silu_and_mul_from_the_matmul_up_to_its_rows(single_rank):
+    config = type("Config", (), dict(hidden_size=64, intermediate_size=96, hidden_act="silu"))()
+    mlp = _filled(DecoderMLP(config, DecoderVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)))
+    gate_up, down = mlp.gate_up_proj.weight.detach().clone(), mlp.down_proj.weight.detach().clone()
+    assert mlp.gate_up_proj.pack_weights() and mlp.down_proj.pack_weights()
+    assert mlp.gate_up_proj.weight_amx_silu is not None and mlp.gate_up_proj.weight_amx is None  # one copy
+    few = torch.randn(cpu_packed.AMX_MAX_ROWS, 64).bfloat16()
+    _assert_silu_and_mul_of(mlp.gate_up_proj.silu_and_mul(few), few, gate_up)
+    _assert_rounded_float32_sums(mlp(few), mlp.gate_up_proj.silu_and_mul(few), down)
+    many = torch.randn(cpu_packed.AMX_MAX_ROWS + 1, 64).bfloat16()
+    assert mlp.gate_up_proj.silu_and_mul(many) is None  # oneDNN's matmul, then SiluAndMul
+    _assert_silu_and_mul_of(mlp.act(mlp.gate_up_proj(many)), many, gate_up)
 
 
 def test_the_switch_off_leaves_onednn_alone(single_rank, monkeypatch):

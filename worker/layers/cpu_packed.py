@@ -17,7 +17,8 @@ libraries' do.
 On a CPU with AMX, a bfloat16 weight also gets a copy in AMX's tile layout (`kernels/cpu_amx.c`), which the matmuls
 of up to AMX_MAX_ROWS rows (decode steps) take: oneDNN read the default model's 30 layers' weights at 32 rows in
 13.6 ms, the AMX loop in 9.5 ms (at 128 rows they are even, beyond it oneDNN is faster: prefill keeps it). The
-copy costs the weights' size again in memory; SHARDSERVE_CPU_AMX=0 leaves oneDNN alone (and the memory).
+MLP's gate_up copy is packed for SiLU-and-mul in the matmul's store instead (`silu_and_mul`). The copy costs the
+weights' size again in memory; SHARDSERVE_CPU_AMX=0 leaves oneDNN alone (and the memory).
 """
 
 from __future__ import annotations
@@ -68,16 +69,32 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def replace_with_packed(module: nn.Module) -> bool:
-    """Swaps module.weight (a Parameter) for its packed buffer, and sets module.weight_amx (a buffer registered as
-    None) where AMX takes it; False (nothing changed) where it cannot be packed."""
+def replace_with_packed(module: nn.Module, silu_and_mul: bool = False) -> bool:
+    """Swaps module.weight (a Parameter) for its packed buffer, and where AMX takes it sets module.weight_amx, or
+    with silu_and_mul (the MLP's gate_up, whose forward() then stays on oneDNN) module.weight_amx_silu, packed for
+    linear_amx_silu_and_mul (buffers registered as None); False (nothing changed) where it cannot be packed."""
     packed = pack(module.weight)
     if packed is None:
         return False
-    module.weight_amx = pack_amx(module.weight)
+    if AMX and ENABLED and silu_and_mul:
+        module.weight_amx_silu = cpu_native.pack_amx_silu_and_mul(module.weight)
+    elif AMX and ENABLED:
+        module.weight_amx = cpu_native.pack_amx(module.weight)
     del module.weight
     module.register_buffer("weight", packed, persistent=False)
     return True
+
+
+def silu_and_mul(x: torch.Tensor, amx_silu_and_mul: torch.Tensor | None) -> torch.Tensor | None:
+    """silu(gate) * up from the matmul itself for up to AMX_MAX_ROWS rows of x [..., in] (a gate_up weight packed
+    with silu_and_mul=True), or None (more rows, or no such copy)."""
+    if amx_silu_and_mul is None:
+        return None
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > AMX_MAX_ROWS:
+        return None
+    out = cpu_native.linear_amx_silu_and_mul(rows.contiguous(), amx_silu_and_mul)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def pack_model(model: nn.Module) -> int:

@@ -122,12 +122,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     shard_id i loads the i-th projection; each rank's weight is [its slice of proj 0; its slice of proj 1; ...].
     """
 
-    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False, gated: bool = False) -> None:
+        """gated: the MLP's [gate; up], whose SiLU-and-mul may run in the matmul's store (silu_and_mul)."""
         super().__init__(in_features, sum(out_sizes), bias)
         self.out_sizes_per_rank = [_divide(s, self.tp_size, "merged output features") for s in out_sizes]
+        self.gated = gated and len(out_sizes) == 2 and out_sizes[0] == out_sizes[1] and not bias
+        self.register_buffer("weight_amx_silu", None, persistent=False)  # gated, on CPUs with AMX (cpu_packed.py)
         attach_loader(self.weight, self.weight_loader, {i: (s, in_features) for i, s in enumerate(out_sizes)})
         if self.bias is not None:
             attach_loader(self.bias, self.weight_loader, {i: (s,) for i, s in enumerate(out_sizes)})
+
+    def pack_weights(self) -> bool:
+        """On CPU, after loading: oneDNN's packed copy; a gated weight's AMX copy is for silu_and_mul."""
+        return cpu_packed.replace_with_packed(self, silu_and_mul=self.gated)
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up straight from the matmul (CPU with AMX, a decode step's rows), or None: then
+        SiluAndMul(forward(x))."""
+        return cpu_packed.silu_and_mul(x, self.weight_amx_silu)
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if not isinstance(shard_id, int):

@@ -91,12 +91,14 @@ class DecoderMLP(nn.Module):
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         inter = hf_config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias=variant.mlp_bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hf_config.hidden_size, [inter, inter], bias=variant.mlp_bias,
+                                                       gated=True)
         self.act = SiluAndMul()
         self.down_proj = RowParallelLinear(inter, hf_config.hidden_size, bias=variant.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        h = self.gate_up_proj.silu_and_mul(x)
+        return self.down_proj(h if h is not None else self.act(self.gate_up_proj(x)))
 
 
 # The one-row layer's GEMV tiles (block_n x block_k), the fastest timed on an H200 (docs/performance.md,
