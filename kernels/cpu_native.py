@@ -90,7 +90,6 @@ def _build(compiler: str, runtime: str | None, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
     os.close(fd)
-    obj = tmp + ".o"
     objects = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
     try:
         omp = ["-fopenmp"] if runtime else []

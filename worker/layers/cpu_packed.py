@@ -76,10 +76,10 @@ def replace_with_packed(module: nn.Module, silu_and_mul: bool = False) -> bool:
     packed = pack(module.weight)
     if packed is None:
         return False
-    if AMX and ENABLED and silu_and_mul:
-        module.weight_amx_silu = cpu_native.pack_amx_silu_and_mul(module.weight)
-    elif AMX and ENABLED:
-        module.weight_amx = cpu_native.pack_amx(module.weight)
+    if silu_and_mul:
+        module.weight_amx_silu = cpu_native.pack_amx_silu_and_mul(module.weight) if AMX else None
+    else:
+        module.weight_amx = pack_amx(module.weight)
     del module.weight
     module.register_buffer("weight", packed, persistent=False)
     return True
