@@ -8,9 +8,11 @@ head and keeps its sums in vector registers: the CPU benchmark's decode steps ta
 host's own vector units, linked against the OpenMP runtime torch has loaded (`openmp_runtime`), so the shared object
 is cached per source, compiler, flags, runtime and CPU (`$XDG_CACHE_HOME/shardserve/native`, by default
 `~/.cache/shardserve/native`), written under a temporary name and renamed into place (processes building it at once
-each finish with a whole file). Where there is no compiler, the build fails, or `SHARDSERVE_CPU_NATIVE=0`,
-`decode_kernel()` and `rms_norm()` are None and `store_kv()` and `rope_()` False, and the torch ops run instead: the
-same bits for the store, RoPE and RMSNorm, the same attention within float32 rounding, oneDNN's matmuls.
+each finish with a whole file); loading an object marks it used (its mtime), and a build removes the objects no
+process has loaded for UNUSED_DAYS (other sources, compilers, CPUs). Where there is no compiler, the build fails,
+or `SHARDSERVE_CPU_NATIVE=0`, `decode_kernel()` and `rms_norm()` are None and `store_kv()` and `rope_()` False, and
+the torch ops run instead: the same bits for the store, RoPE and RMSNorm, the same attention within float32
+rounding, oneDNN's matmuls.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -34,6 +37,7 @@ ENV_SWITCH = "SHARDSERVE_CPU_NATIVE"  # 0: the torch formulation only (A/B runs,
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_amx.c")]
 HEADERS = [Path(__file__).with_name("cpu_vec.h")]
 FLAGS = ["-O3", "-march=native", "-fPIC"]
+UNUSED_DAYS = 30  # a cached object no process has loaded for this long goes when another one is built
 _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}  # the decode kernel per dtype
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 # the C functions and their arguments, in order (all return an int status)
@@ -105,6 +109,28 @@ def _build(compiler: str, runtime: str | None, target: Path) -> None:
                 os.unlink(path)
 
 
+def _touch(path: Path) -> None:
+    """Marks the object as used now (its mtime), so that _prune keeps it; a cache dir one cannot write is fine."""
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+def _prune(directory: Path, keep: Path) -> None:
+    """Removes the objects of other sources, compilers or CPUs that no process has loaded for UNUSED_DAYS (another
+    venv or torch may still use one now and then), and what a build that died left there a day ago. A process that
+    has a removed object loaded keeps its mapping."""
+    now = time.time()
+    for path in directory.glob("cpu_decode-*"):
+        try:
+            age_s = now - path.stat().st_mtime
+            if path != keep and age_s > (UNUSED_DAYS * 86400 if path.suffix == ".so" else 86400):
+                path.unlink()
+        except OSError:  # gone meanwhile (another process pruning), or not ours to remove
+            pass
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get(ENV_SWITCH, "1") == "0" or platform.system() != "Linux":
@@ -122,7 +148,9 @@ def _library() -> ctypes.CDLL | None:
     try:
         if not target.exists():
             _build(compiler, runtime, target)
+            _prune(target.parent, keep=target)
         lib = ctypes.CDLL(str(target))
+        _touch(target)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("the CPU C kernels did not build (%s): %s", detail, _FALLBACK)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
+import time
 
 import pytest
 import torch
@@ -140,11 +142,45 @@ def test_the_object_is_built_once_per_source_and_cpu_into_the_cache_dir(fresh_li
     assert cpu_native.decode_kernel(torch.bfloat16, 64, 16) is not None
     built = list((tmp_path / "shardserve" / "native").glob("cpu_decode-*.so"))
     assert len(built) == 1
-    stamp = built[0].stat().st_mtime_ns
+    inode = built[0].stat().st_ino
     cpu_native._library.cache_clear()
     assert cpu_native.decode_kernel(torch.float32, 32, 32) is not None
-    built_now = [p.stat().st_mtime_ns for p in (tmp_path / "shardserve" / "native").glob("*")]
-    assert built_now == [stamp]  # reused, not rebuilt
+    built_now = [p.stat().st_ino for p in (tmp_path / "shardserve" / "native").glob("*")]
+    assert built_now == [inode]  # reused, not rebuilt (a build renames a new file into place)
+
+
+def test_a_build_removes_objects_unused_for_a_month_and_a_dead_builds_leftovers(fresh_library, monkeypatch,
+                                                                                tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cache = tmp_path / "shardserve" / "native"
+    cache.mkdir(parents=True)
+    day = 86400
+    ages = {"cpu_decode-0123456789abcdef.so": 31 * day,  # another source's object, last loaded a month ago: goes
+            "cpu_decode-fedcba9876543210.so": 29 * day,  # loaded within the month (another venv, say): stays
+            "cpu_decode-0123456789abcdefk1x2.tmp": 2 * day,  # a build that died two days ago: goes
+            "cpu_decode-0123456789abcdefk3x4.tmp.0.o": 2 * day,
+            "cpu_decode-fedcba9876543210q5w6.tmp": 600,  # a build running beside this one: stays
+            "notes.txt": 90 * day}  # not the cache's: stays
+    now = time.time()
+    for name, age in ages.items():
+        (cache / name).write_bytes(b"x")
+        os.utime(cache / name, (now - age, now - age))
+    assert cpu_native.decode_kernel(torch.float32, 64, 16) is not None
+    left = {p.name for p in cache.iterdir()}
+    built = {name for name in left if name not in ages}
+    assert len(built) == 1 and built.pop().endswith(".so")
+    assert left & set(ages) == {"cpu_decode-fedcba9876543210.so", "cpu_decode-fedcba9876543210q5w6.tmp", "notes.txt"}
+
+
+def test_loading_a_cached_object_marks_it_used(fresh_library, monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cpu_native.decode_kernel(torch.float32, 64, 16) is not None
+    (built,) = (tmp_path / "shardserve" / "native").glob("cpu_decode-*.so")
+    month_ago = time.time() - 30 * 86400
+    os.utime(built, (month_ago, month_ago))
+    cpu_native._library.cache_clear()
+    assert cpu_native.decode_kernel(torch.float32, 64, 16) is not None
+    assert time.time() - built.stat().st_mtime < 3600
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
