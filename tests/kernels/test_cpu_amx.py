@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from shardserve.kernels import cpu_native
-from shardserve.worker import distributed
 from shardserve.worker.layers import cpu_packed
 from shardserve.worker.layers.embedding import ParallelLMHead
 from shardserve.worker.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 from shardserve.worker.models.decoder import DecoderMLP, DecoderVariant
+from tests.worker.test_cpu_packed import _filled, single_rank  # noqa: F401 (single_rank: the fixture, autouse there)
 
 pytestmark = pytest.mark.skipif(not cpu_native.amx_available(), reason="no AMX here (or no C compiler)")
 
@@ -99,20 +99,9 @@ def test_silu_far_below_and_above_zero():
     torch.testing.assert_close(y.float()[:, 0], torch.tensor([20000.0, 0.0, 0.3655]), rtol=1e-2, atol=1e-3)
 
 
-@pytest.fixture
-def single_rank():
-    distributed.init_distributed(0, 1, "", "gloo", 10.0)
-
-
-def _filled(layer: torch.nn.Module) -> torch.nn.Module:
-    torch.manual_seed(0)
-    for p in layer.parameters():
-        p.data = torch.randn_like(p, dtype=torch.bfloat16)
-    return layer
-
-
-def test_layers_take_amx_up_to_its_rows_and_onednn_above(single_rank):
-    for layer in (_filled(MergedColumnParallelLinear(64, [40, 40])), _filled(RowParallelLinear(96, 64))):
+def test_layers_take_amx_up_to_its_rows_and_onednn_above():
+    for layer in (_filled(MergedColumnParallelLinear(64, [40, 40]), torch.bfloat16),
+                  _filled(RowParallelLinear(96, 64), torch.bfloat16)):
         plain = layer.weight.detach().clone()
         assert layer.pack_weights() and layer.weight_amx is not None
         few = torch.randn(cpu_packed.AMX_MAX_ROWS, plain.shape[1]).bfloat16()
@@ -121,16 +110,17 @@ def test_layers_take_amx_up_to_its_rows_and_onednn_above(single_rank):
         assert torch.equal(layer(many), cpu_packed.linear(many, layer.weight))  # oneDNN's, bit for bit
 
 
-def test_the_lm_head_takes_amx_with_its_vocabulary_padded(single_rank):
-    head = _filled(ParallelLMHead(100, 64))
+def test_the_lm_head_takes_amx_with_its_vocabulary_padded():
+    head = _filled(ParallelLMHead(100, 64), torch.bfloat16)
     assert head.pack_weights() and head.amx_weight is not None
     hidden = torch.randn(7, 64).bfloat16()
     _assert_rounded_float32_sums(head(hidden), hidden, head.weight)
 
 
-def test_the_mlp_takes_silu_and_mul_from_the_matmul_up_to_its_rows(single_rank):
+def test_the_mlp_takes_silu_and_mul_from_the_matmul_up_to_its_rows():
     config = type("Config", (), dict(hidden_size=64, intermediate_size=96, hidden_act="silu"))()
-    mlp = _filled(DecoderMLP(config, DecoderVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)))
+    variant = DecoderVariant(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+    mlp = _filled(DecoderMLP(config, variant), torch.bfloat16)
     gate_up, down = mlp.gate_up_proj.weight.detach().clone(), mlp.down_proj.weight.detach().clone()
     assert mlp.gate_up_proj.pack_weights() and mlp.down_proj.pack_weights()
     assert mlp.gate_up_proj.weight_amx_silu is not None and mlp.gate_up_proj.weight_amx is None  # one copy
@@ -142,7 +132,7 @@ def test_the_mlp_takes_silu_and_mul_from_the_matmul_up_to_its_rows(single_rank):
     _assert_silu_and_mul_of(mlp.act(mlp.gate_up_proj(many)), many, gate_up)
 
 
-def test_the_switch_off_leaves_onednn_alone(single_rank, monkeypatch):
+def test_the_switch_off_leaves_onednn_alone(monkeypatch):
     monkeypatch.setattr(cpu_packed, "AMX", False)
-    layer = _filled(RowParallelLinear(64, 32))
+    layer = _filled(RowParallelLinear(64, 32), torch.bfloat16)
     assert layer.pack_weights() and layer.weight_amx is None

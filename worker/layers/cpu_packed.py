@@ -59,13 +59,21 @@ def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
            amx: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ packed^T (+ bias) -> [..., out]; with amx (pack_amx's copy), up to AMX_MAX_ROWS rows on AMX."""
+    out = _on_amx(x, lambda rows: cpu_native.linear_amx(rows, amx, packed.shape[0])) if amx is not None else None
+    if out is not None:
+        return out if bias is None else out.add_(bias)
     rows = x.reshape(-1, x.shape[-1])
-    if amx is not None and rows.shape[0] <= AMX_MAX_ROWS:
-        out = cpu_native.linear_amx(rows.contiguous(), amx, packed.shape[0])
-        if bias is not None:
-            out += bias
-    else:
-        out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(rows, packed, bias, "none", [], "")
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _on_amx(x: torch.Tensor, matmul) -> torch.Tensor | None:
+    """matmul(rows) over x [..., in]'s rows, shaped back, where they are few enough for AMX; None above
+    AMX_MAX_ROWS."""
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[0] > AMX_MAX_ROWS:
+        return None
+    out = matmul(rows.contiguous())
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
@@ -90,11 +98,7 @@ def silu_and_mul(x: torch.Tensor, amx_silu_and_mul: torch.Tensor | None) -> torc
     with silu_and_mul=True), or None (more rows, or no such copy)."""
     if amx_silu_and_mul is None:
         return None
-    rows = x.reshape(-1, x.shape[-1])
-    if rows.shape[0] > AMX_MAX_ROWS:
-        return None
-    out = cpu_native.linear_amx_silu_and_mul(rows.contiguous(), amx_silu_and_mul)
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return _on_amx(x, lambda rows: cpu_native.linear_amx_silu_and_mul(rows, amx_silu_and_mul))
 
 
 def pack_model(model: nn.Module) -> int:
