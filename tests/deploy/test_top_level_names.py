@@ -4,9 +4,10 @@ The folders map to `shardserve.<name>`, but a process whose sys.path holds the r
 `python -m shardserve.demo` in a checkout) can also import `kernels/` as a top-level `kernels`, the name of the
 Hugging Face package that transformers (>= 5.25) imports at load. Proves, in fresh interpreters started in the
 repository's root: `import kernels` gives another package called `kernels` where one is installed (a stand-in in a
-temporary folder after the root on sys.path, before site-packages), and our empty module where none is; `shardserve.kernels` stays ours
-either way; with transformers' own `kernels` installed, transformers' hub-kernels module imports and the default
-model's transformers class builds from the root.
+temporary folder after the root on sys.path, before site-packages), and our empty module where none is;
+`shardserve.kernels` stays ours either way; with transformers' own `kernels` installed, transformers' hub-kernels
+module imports and the default model's transformers class builds from the root; no installed distribution ships a
+top-level package named like another of our folders.
 """
 
 from __future__ import annotations
@@ -83,3 +84,13 @@ def test_transformers_hub_kernels_import_from_the_repository_root():
     where, _, model_type = out.split("|")
     assert not Path(where).is_relative_to(ROOT / "kernels")
     assert model_type == "llama"
+
+
+def test_no_installed_distribution_ships_another_of_our_folders_names():
+    # kernels/ steps aside for Hugging Face's `kernels` (above); the other folders do not know how to, so a
+    # dependency that brings e.g. a top-level `proto` (proto-plus does) must fail here, not in a model load.
+    ours = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+    assert {"cluster", "kernels", "proto", "worker"} <= set(ours)
+    shipped = importlib.metadata.packages_distributions()
+    clashes = {name: shipped[name] for name in ours if name in shipped and name not in ("kernels", "shardserve")}
+    assert clashes == {}
