@@ -18,6 +18,7 @@ rounding, oneDNN's matmuls.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -51,9 +52,9 @@ _SIGNATURES = {
     # (x, x_stride, residual, r_stride, out, summed, weight, rows, n, eps, elem_size)
     "rms_norm_rows": [_P, _I64, _P, _I64] + [_P] * 3 + [_I] * 2 + [ctypes.c_float, _I],
     "amx_enable": [],
-    # (x, ldx, m, k, w, n, n_padded, y, ldy)
-    "linear_bf16_amx": [_P] + [_I64] * 3 + [_P] + [_I64] * 2 + [_P, _I64],
-    "linear_bf16_amx_silu": [_P] + [_I64] * 3 + [_P] + [_I64] * 2 + [_P, _I64],
+    # (x, ldx, m, k, w, n, y, ldy)
+    "linear_bf16_amx": [_P] + [_I64] * 3 + [_P, _I64, _P, _I64],
+    "linear_bf16_amx_silu": [_P] + [_I64] * 3 + [_P, _I64, _P, _I64],
 }
 _FALLBACK = "decode attention, the KV store, RoPE and RMSNorm run as torch ops, every matmul on oneDNN"
 
@@ -297,50 +298,63 @@ def amx_available() -> bool:
     return lib is not None and lib.amx_enable() == 0
 
 
-def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
-    """A bfloat16 [N, K] CPU weight in AMX's B-tile layout (cpu_amx.c): [N' / 16, K / 32, 16, 16, 2], N' = N
-    rounded up to 32 with zero columns; None where the AMX matmul does not take it (another dtype, K not a
-    multiple of 32, no AMX)."""
+@dataclasses.dataclass(frozen=True, eq=False)
+class AmxWeight:
+    """A bfloat16 [n, k] weight as oneDNN packed it (worker/layers/cpu_packed.py), which the AMX loop reads in place:
+    [n' / 32][k / 2][32][2] (cpu_amx.c). Holds the packed tensor, so its memory lives as long as this does."""
+
+    packed: torch.Tensor  # layout torch._mkldnn
+    address: int
+    n: int
+    k: int
+
+
+def amx_weight(packed: torch.Tensor, weight: torch.Tensor) -> AmxWeight | None:
+    """The AMX loop's view of oneDNN's packed copy of weight (bfloat16 [N, K], K a multiple of 32), once its bytes
+    are checked to be the layout cpu_amx.c reads (oneDNN picks its layout per CPU and version: where it picked
+    another, None and oneDNN keeps every matmul); None without AMX or for another dtype or K."""
     if not (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[1] % 32 == 0 and amx_available()):
+            and weight.shape[1] % 32 == 0 and packed.is_mkldnn and packed.dtype == torch.bfloat16
+            and packed.shape == weight.shape and amx_available()):
         return None
     n, k = weight.shape
-    padded = torch.zeros(-(-n // 32) * 32, k, dtype=torch.bfloat16)
-    padded[:n] = weight.detach()
-    return padded.view(-1, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
-
-
-def pack_amx_silu_and_mul(weight: torch.Tensor) -> torch.Tensor | None:
-    """The MLP's gate_up weight [2 N, K] (gate rows, then up rows) packed for linear_amx_silu_and_mul: the gate's
-    and the up projection's 16-row blocks taking turns (pack_amx of [gate 0; up 0; gate 1; up 1; ...]). None where
-    pack_amx takes no such weight, or N is not a multiple of 16."""
-    n = weight.shape[0] // 2
-    if weight.dim() != 2 or n % 16 or weight.shape[0] != 2 * n:
+    blocks = -(-n // 32)
+    if torch.ops.mkldnn._nbytes(packed) != blocks * 32 * k * 2:
         return None
-    return pack_amx(weight.detach().view(2, n // 16, 16, -1).transpose(0, 1).reshape(2 * n, -1))
+    address = torch.ops.mkldnn.data_ptr(packed)
+    stored = torch.frombuffer((ctypes.c_int16 * (blocks * 32 * k)).from_address(address), dtype=torch.int16)
+    stored = stored.view(blocks, k // 2, 32, 2)
+    plain = weight.detach().view(torch.int16)
+    full = n // 32
+    for b in range(0, full, 256):  # whole blocks, 256 at a time (a bounded temporary)
+        end = min(b + 256, full)
+        if not torch.equal(stored[b:end], plain[b * 32:end * 32].view(-1, 32, k // 2, 2).transpose(1, 2)):
+            return None
+    if n % 32 and not torch.equal(stored[-1, :, : n % 32].transpose(0, 1), plain[full * 32:].view(-1, k // 2, 2)):
+        return None
+    return AmxWeight(packed, address, n, k)
 
 
-def linear_amx(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
-    """x [M, K] bfloat16 (rows contiguous) @ W^T -> [M, n] bfloat16, W [n, K] packed by pack_amx."""
-    return _amx_matmul("linear_bf16_amx", x, packed, n, n)
+def linear_amx(x: torch.Tensor, weight: AmxWeight) -> torch.Tensor:
+    """x [M, K] bfloat16 (rows contiguous) @ W^T -> [M, N] bfloat16 on AMX."""
+    return _amx_matmul("linear_bf16_amx", x, weight, weight.n)
 
 
-def linear_amx_silu_and_mul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate^T) * (x @ up^T) -> [M, N] bfloat16 for a gate_up weight packed by pack_amx_silu_and_mul, each
-    step rounded to bfloat16 as the matmul, F.silu and mul_ round (SiLU's e^x a polynomial: its last bit may differ
-    from torch's)."""
-    n = packed.shape[0] * 8
-    return _amx_matmul("linear_bf16_amx_silu", x, packed, n, 2 * n)
+def linear_amx_silu_and_mul(x: torch.Tensor, weight: AmxWeight) -> torch.Tensor | None:
+    """silu(x @ gate^T) * (x @ up^T) -> [M, N] bfloat16 for a gate_up weight [gate; up] of 2 N rows, each step
+    rounded to bfloat16 as the matmul, F.silu and mul_ round (SiLU's e^x a polynomial: its last bit may differ from
+    torch's); None where N is not a multiple of 32 (the loop takes whole 32-column blocks of each)."""
+    if weight.n % 64:
+        return None
+    return _amx_matmul("linear_bf16_amx_silu", x, weight, weight.n // 2)
 
 
-def _amx_matmul(name: str, x: torch.Tensor, packed: torch.Tensor, n: int, packed_columns: int) -> torch.Tensor:
+def _amx_matmul(name: str, x: torch.Tensor, weight: AmxWeight, n: int) -> torch.Tensor:
     m, k = x.shape
-    if not (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.stride(1) == 1 and packed.is_contiguous()
-            and packed.shape[1:] == (k // 32, 16, 16, 2) and packed_columns <= packed.shape[0] * 16):
-        raise ValueError(f"{name}: x or the packed weight not in the kernel's layout")
+    if not (x.device.type == "cpu" and x.dtype == torch.bfloat16 and x.stride(1) == 1 and k == weight.k):
+        raise ValueError(f"{name}: x [{m}, {k}] {x.dtype} does not fit the weight [{weight.n}, {weight.k}]")
     out = torch.empty(m, n, dtype=torch.bfloat16)
-    rc = getattr(_library(), name)(x.data_ptr(), x.stride(0), m, k, packed.data_ptr(), n, packed.shape[0] * 16,
-                                   out.data_ptr(), n)
+    rc = getattr(_library(), name)(x.data_ptr(), x.stride(0), m, k, weight.address, n, out.data_ptr(), n)
     if rc != 0:
         raise RuntimeError(f"{name}: the C kernel failed ({rc})")
     return out

@@ -14,11 +14,12 @@ dtype is not usable (no mkldnn build, float16 without hardware support), the pro
 keeps F.linear. The results differ from F.linear's in the last bits (another summation order), as any two BLAS
 libraries' do.
 
-On a CPU with AMX, a bfloat16 weight also gets a copy in AMX's tile layout (`kernels/cpu_amx.c`), which the matmuls
-of up to AMX_MAX_ROWS rows (decode steps) take: oneDNN read the default model's 30 layers' weights at 32 rows in
-13.6 ms, the AMX loop in 9.5 ms (at 128 rows they are even, beyond it oneDNN is faster: prefill keeps it). The
-MLP's gate_up copy is packed for SiLU-and-mul in the matmul's store instead (`silu_and_mul`). The copy costs the
-weights' size again in memory; SHARDSERVE_CPU_AMX=0 leaves oneDNN alone (and the memory).
+On a CPU with AMX, the matmuls of up to AMX_MAX_ROWS rows (decode steps) of a bfloat16 weight run on AMX tiles
+(`kernels/cpu_amx.c`), reading the weight oneDNN packed in place (its blocked layout is the tiles' own; checked per
+weight at load, `cpu_native.amx_weight`, so the weights are held once): oneDNN read the default model's 30 layers'
+weights at 32 rows in 13.6 ms, the AMX loop in 9.5 ms (at 128 rows they are even, beyond it oneDNN is faster:
+prefill keeps it). The MLP's gate_up matmul does SiLU-and-mul in its store there (`silu_and_mul`).
+SHARDSERVE_CPU_AMX=0 leaves every matmul to oneDNN.
 """
 
 from __future__ import annotations
@@ -51,15 +52,17 @@ def pack(weight: torch.Tensor) -> torch.Tensor | None:
     return packed
 
 
-def pack_amx(weight: torch.Tensor) -> torch.Tensor | None:
-    """The AMX tile-layout copy of a bfloat16 [out, in] CPU weight, or None (not bfloat16, no AMX, switched off)."""
-    return cpu_native.pack_amx(weight) if AMX and ENABLED else None
+def amx_weight(packed: torch.Tensor, weight: torch.Tensor) -> cpu_native.AmxWeight | None:
+    """The AMX loop's view of packed (pack's copy of a bfloat16 weight), or None (another dtype, no AMX, switched
+    off, oneDNN's layout not the one the loop reads)."""
+    return cpu_native.amx_weight(packed, weight) if AMX and ENABLED else None
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
-           amx: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., in] @ packed^T (+ bias) -> [..., out]; with amx (pack_amx's copy), up to AMX_MAX_ROWS rows on AMX."""
-    out = _on_amx(x, lambda rows: cpu_native.linear_amx(rows, amx, packed.shape[0])) if amx is not None else None
+           amx: cpu_native.AmxWeight | None = None) -> torch.Tensor:
+    """x [..., in] @ packed^T (+ bias) -> [..., out]; with amx (amx_weight's view), up to AMX_MAX_ROWS rows on
+    AMX."""
+    out = _on_amx(x, lambda rows: cpu_native.linear_amx(rows, amx)) if amx is not None else None
     if out is not None:
         return out if bias is None else out.add_(bias)
     rows = x.reshape(-1, x.shape[-1])
@@ -69,36 +72,32 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = No
 
 def _on_amx(x: torch.Tensor, matmul) -> torch.Tensor | None:
     """matmul(rows) over x [..., in]'s rows, shaped back, where they are few enough for AMX; None above
-    AMX_MAX_ROWS."""
+    AMX_MAX_ROWS (or where matmul gives None)."""
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[0] > AMX_MAX_ROWS:
         return None
     out = matmul(rows.contiguous())
-    return out.reshape(*x.shape[:-1], out.shape[-1])
+    return None if out is None else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
-def replace_with_packed(module: nn.Module, silu_and_mul: bool = False) -> bool:
-    """Swaps module.weight (a Parameter) for its packed buffer, and where AMX takes it sets module.weight_amx, or
-    with silu_and_mul (the MLP's gate_up, whose forward() then stays on oneDNN) module.weight_amx_silu, packed for
-    linear_amx_silu_and_mul (buffers registered as None); False (nothing changed) where it cannot be packed."""
+def replace_with_packed(module: nn.Module) -> bool:
+    """Swaps module.weight (a Parameter) for its packed buffer and sets module.weight_amx (amx_weight's view of it,
+    or None); False (nothing changed) where it cannot be packed."""
     packed = pack(module.weight)
     if packed is None:
         return False
-    if silu_and_mul:
-        module.weight_amx_silu = cpu_native.pack_amx_silu_and_mul(module.weight) if AMX else None
-    else:
-        module.weight_amx = pack_amx(module.weight)
+    module.weight_amx = amx_weight(packed, module.weight)
     del module.weight
     module.register_buffer("weight", packed, persistent=False)
     return True
 
 
-def silu_and_mul(x: torch.Tensor, amx_silu_and_mul: torch.Tensor | None) -> torch.Tensor | None:
-    """silu(gate) * up from the matmul itself for up to AMX_MAX_ROWS rows of x [..., in] (a gate_up weight packed
-    with silu_and_mul=True), or None (more rows, or no such copy)."""
-    if amx_silu_and_mul is None:
+def silu_and_mul(x: torch.Tensor, amx: cpu_native.AmxWeight | None) -> torch.Tensor | None:
+    """silu(gate) * up from the matmul itself for up to AMX_MAX_ROWS rows of x [..., in], amx the view of a gate_up
+    weight [gate; up]; None (more rows, no view, or a gate not whole tiles)."""
+    if amx is None:
         return None
-    return _on_amx(x, lambda rows: cpu_native.linear_amx_silu_and_mul(rows, amx_silu_and_mul))
+    return _on_amx(x, lambda rows: cpu_native.linear_amx_silu_and_mul(rows, amx))
 
 
 def pack_model(model: nn.Module) -> int:

@@ -55,20 +55,20 @@ class ParallelLMHead(VocabParallelEmbedding):
             self.weight = tied_to.weight  # one Parameter, loaded once (from embed_tokens)
         self.tied = tied_to is not None
         self.packed_weight: torch.Tensor | None = None  # on CPU: oneDNN's packed copy (layers/cpu_packed.py)
-        self.amx_weight: torch.Tensor | None = None  # and on CPUs with AMX, a bf16 weight's tile-layout copy
+        self.weight_amx = None  # and on CPUs with AMX, the packed bf16 weight as the AMX loop reads it
 
     def pack_weights(self) -> bool:
         """A packed copy beside the plain weight, which the (tied) embedding reads."""
         self.packed_weight = cpu_packed.pack(self.weight)
         if self.packed_weight is not None:
-            self.amx_weight = cpu_packed.pack_amx(self.weight)
+            self.weight_amx = cpu_packed.amx_weight(self.packed_weight, self.weight)
         return self.packed_weight is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab_size] in the model dtype (as transformers computes them), the full vocabulary
         on every rank. The sampler reads them as they are; float32 copies are made only where a step needs one."""
         if self.packed_weight is not None:
-            local_logits = cpu_packed.linear(hidden, self.packed_weight, amx=self.amx_weight)
+            local_logits = cpu_packed.linear(hidden, self.packed_weight, amx=self.weight_amx)
         else:
             local_logits = F.linear(hidden, self.weight)
         logits = all_gather_last_dim(local_logits)

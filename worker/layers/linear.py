@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardserve.kernels.cpu_native import AmxWeight
 from shardserve.kernels.kv_fp8 import FP8_DTYPE
 from shardserve.worker.distributed import all_reduce, tp_rank, tp_size
 from shardserve.worker.layers import cpu_packed
@@ -30,9 +31,9 @@ GEMV_MAX_K = 8192
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           weight_scale: torch.Tensor | None = None, weight_amx: torch.Tensor | None = None) -> torch.Tensor:
+           weight_scale: torch.Tensor | None = None, weight_amx: AmxWeight | None = None) -> torch.Tensor:
     """x W^T + b: the FP8 product for an e4m3 weight with its per-channel scales (kernels/fp8_linear.py), oneDNN on a
-    packed CPU weight (layers/cpu_packed.py; weight_amx its AMX copy for a few rows), the GEMV for one row of a
+    packed CPU weight (layers/cpu_packed.py; weight_amx its AMX view for a few rows), the GEMV for one row of a
     half-precision x on CUDA, else F.linear."""
     if weight.dtype == FP8_DTYPE:
         from shardserve.kernels.fp8_linear import Fp8Rows, fp8_linear  # (Triton: imported where it is used)
@@ -98,7 +99,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features), requires_grad=False)
         attach_loader(self.weight, self.weight_loader, {None: (out_features, in_features)})
         self.register_buffer("weight_scale", None)  # [1, out] float32 once the weight is FP8 (quantize_module_weight)
-        self.register_buffer("weight_amx", None, persistent=False)  # CPUs with AMX: a bf16 copy (layers/cpu_packed.py)
+        self.weight_amx = None  # CPUs with AMX: the packed bf16 weight as the AMX loop reads it (layers/cpu_packed.py)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(self.out_per_rank), requires_grad=False)
@@ -127,19 +128,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         super().__init__(in_features, sum(out_sizes), bias)
         self.out_sizes_per_rank = [_divide(s, self.tp_size, "merged output features") for s in out_sizes]
         self.gated = gated and len(out_sizes) == 2 and out_sizes[0] == out_sizes[1] and not bias
-        self.register_buffer("weight_amx_silu", None, persistent=False)  # gated, on CPUs with AMX (cpu_packed.py)
         attach_loader(self.weight, self.weight_loader, {i: (s, in_features) for i, s in enumerate(out_sizes)})
         if self.bias is not None:
             attach_loader(self.bias, self.weight_loader, {i: (s,) for i, s in enumerate(out_sizes)})
 
-    def pack_weights(self) -> bool:
-        """On CPU, after loading: oneDNN's packed copy; a gated weight's AMX copy is for silu_and_mul."""
-        return cpu_packed.replace_with_packed(self, silu_and_mul=self.gated)
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         """silu(gate) * up straight from the matmul (CPU with AMX, a decode step's rows), or None: then
         SiluAndMul(forward(x))."""
-        return cpu_packed.silu_and_mul(x, self.weight_amx_silu)
+        return cpu_packed.silu_and_mul(x, self.weight_amx) if self.gated else None
 
     def weight_loader(self, param: nn.Parameter, loaded: Any, shard_id: Any = None) -> None:
         if not isinstance(shard_id, int):
@@ -218,7 +214,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank), requires_grad=False)
         attach_loader(self.weight, self.weight_loader, {None: (out_features, in_features)})
         self.register_buffer("weight_scale", None)  # [1, out] float32 once the weight is FP8 (quantize_module_weight)
-        self.register_buffer("weight_amx", None, persistent=False)  # CPUs with AMX: a bf16 copy (layers/cpu_packed.py)
+        self.weight_amx = None  # CPUs with AMX: the packed bf16 weight as the AMX loop reads it (layers/cpu_packed.py)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
