@@ -17,8 +17,8 @@ libraries' do.
 On a CPU with AMX, the matmuls of up to AMX_MAX_ROWS rows (decode steps) of a bfloat16 weight run on AMX tiles
 (`kernels/cpu_amx.c`), reading the weight oneDNN packed in place (its blocked layout is the tiles' own; checked per
 weight at load, `cpu_native.amx_weight`, so the weights are held once): oneDNN read the default model's 30 layers'
-weights at 32 rows in 13.6 ms, the AMX loop in 9.5 ms (at 128 rows they are even, beyond it oneDNN is faster:
-prefill keeps it). The MLP's gate_up matmul does SiLU-and-mul in its store there (`silu_and_mul`).
+weights at 32 rows in 16.0-16.4 ms, the AMX loop in 13.3-13.9 (docs/performance.md; beyond ~128 rows oneDNN is
+faster: prefill keeps it). The MLP's gate_up matmul does SiLU-and-mul in its store there (`silu_and_mul`).
 SHARDSERVE_CPU_AMX=0 leaves every matmul to oneDNN.
 """
 
@@ -94,7 +94,7 @@ def replace_with_packed(module: nn.Module) -> bool:
 
 def silu_and_mul(x: torch.Tensor, amx: cpu_native.AmxWeight | None) -> torch.Tensor | None:
     """silu(gate) * up from the matmul itself for up to AMX_MAX_ROWS rows of x [..., in], amx the view of a gate_up
-    weight [gate; up]; None (more rows, no view, or a gate not whole tiles)."""
+    weight [gate; up]; None (more rows, no view, or a gate not in whole 32-column blocks)."""
     if amx is None:
         return None
     return _on_amx(x, lambda rows: cpu_native.linear_amx_silu_and_mul(rows, amx))
