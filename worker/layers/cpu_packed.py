@@ -34,7 +34,9 @@ from shardserve.kernels import cpu_native
 ENABLED = os.environ.get("SHARDSERVE_CPU_PACKED_WEIGHTS", "1") != "0"  # 0: F.linear everywhere (A/B runs)
 _PACK_HINT_ROWS = 32  # the batch size oneDNN tunes the layout for; measured the same at 32 and 2,048 rows
 AMX = os.environ.get("SHARDSERVE_CPU_AMX", "1") != "0"  # 0: oneDNN for every row count (A/B runs, memory)
-AMX_MAX_ROWS = 96  # the AMX loop's time against oneDNN's over 30 layers: 0.70x at 32 rows, 0.93x at 96, 1.02x at 128
+# the AMX loop's time against oneDNN's over 30 layers, on its own weight copy: 0.70x at 32 rows, 0.93x at 96, 1.02x
+# at 128; on oneDNN's layout 0.78-0.85x at 32 rows, 0.86-0.94x at 64 (docs/performance.md)
+AMX_MAX_ROWS = 96
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
