@@ -58,8 +58,8 @@ proto: $(SETUP)
 	PYTHON="$(if $(findstring /,$(PY)),$(abspath $(PY)),$(PY))" bash proto/generate.sh
 
 bench: $(SETUP)
-	$(PY) -m shardserve.cli bench offline $(BENCH_ARGS)
+	$(PY) -m shardserve.cli.main bench offline $(BENCH_ARGS)
 
 soak: $(SETUP)
-	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m shardserve.cli bench soak --device cpu --tp 3 --requests 10000 \
+	RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 $(PY) -m shardserve.cli.main bench soak --device cpu --tp 3 --requests 10000 \
 		--kills 3 --json-out $(SOAK_OUT) $(SOAK_ARGS)

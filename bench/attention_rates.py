@@ -96,7 +96,7 @@ def _case(heads: int, kv_heads: int, dim: int, batch: int, context: int, cache_d
 def _model_shape(model: str) -> tuple[int, int, int]:
     from transformers import AutoConfig
 
-    from shardserve.models import resolve_model
+    from shardserve.settings.model_source import resolve_model
 
     hf = AutoConfig.from_pretrained(resolve_model(model, "dummy").model_dir)
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from shardserve.bench.workload import Workload
-from shardserve.config import DTYPE_ALIASES
+from shardserve.settings.resolve import DTYPE_ALIASES
 
 METHODS = ("auto", "generate_batch", "padded")
 

@@ -29,7 +29,7 @@ def ray_importable() -> bool:
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    from shardserve.config import build_engine_config, read_model_facts
+    from shardserve.settings.resolve import build_engine_config, read_model_facts
 
     config = build_engine_config(**engine_kwargs)
     vocab = read_model_facts(config.model).vocab_size

@@ -19,7 +19,7 @@ import time
 def _streams(address: str, n: int, max_tokens: int, kill=None) -> tuple[list[list[int]], list[float]]:
     """Runs n streams (half greedy, half seeded); with kill, calls it once every stream has 4 tokens and returns,
     per stream, the tokens and the pause from the kill to its next token."""
-    from shardserve.client import Client
+    from shardserve.client.clients import Client
 
     tokens: list[list[int]] = [[] for _ in range(n)]
     pauses = [0.0] * n
@@ -63,10 +63,10 @@ def main() -> None:
 
     import ray
 
-    from shardserve.client import Client
-    from shardserve.config import build_engine_config
-    from shardserve.local_ray import LocalRay
-    from shardserve.ray_cluster import start_cluster
+    from shardserve.client.clients import Client
+    from shardserve.settings.resolve import build_engine_config
+    from shardserve.launch.local_ray import LocalRay
+    from shardserve.launch.ray_serving import start_cluster
 
     host = LocalRay.start(num_cpus=max(8, os.cpu_count() or 1))
     ray.init(address=host.address, logging_level="warning")

@@ -143,7 +143,7 @@ finish_step() {
 
 bench() {  # bench NAME ARGS...: the shardserve bench command with its JSON record in $WORK/json/NAME.json
   local name=$1; shift
-  echo "$PY -m shardserve.cli bench $* --json-out $WORK/json/$name.json"
+  echo "$PY -m shardserve.cli.main bench $* --json-out $WORK/json/$name.json"
 }
 
 setup
@@ -173,9 +173,9 @@ SWEEP=${SWEEP:-0}  # 1: the probes also sweep the decode kernel's launch setting
 SWEEP_SMALL=; SWEEP_BIG=; PROBE_LIMIT=150
 [ "$SWEEP" = 1 ] && SWEEP_SMALL="--sweep-attention 256x800,64x1600" && SWEEP_BIG="--sweep-attention 1x384,64x800" \
   && PROBE_LIMIT=270
-start_step probe_qwen3 $PROBE_LIMIT 60 0 $PY -m shardserve.cli bench probe --model $SMALL ${DEV/--num-kv-blocks 256/} \
+start_step probe_qwen3 $PROBE_LIMIT 60 0 $PY -m shardserve.cli.main bench probe --model $SMALL ${DEV/--num-kv-blocks 256/} \
   --batch-sizes 1,64,256 $PROBE_LENS $SWEEP_SMALL --json-out "$OUT/probe_qwen3.json"
-start_step probe_llama8b $PROBE_LIMIT 60 1 $PY -m shardserve.cli bench probe --model $BIG ${DEV/--num-kv-blocks 256/} \
+start_step probe_llama8b $PROBE_LIMIT 60 1 $PY -m shardserve.cli.main bench probe --model $BIG ${DEV/--num-kv-blocks 256/} \
   --batch-sizes 1,64,128 $PROBE_LENS $SWEEP_BIG --json-out "$OUT/probe_llama8b.json"
 finish_step probe_qwen3; finish_step probe_llama8b
 
@@ -193,7 +193,7 @@ finish_step offline_qwen3; finish_step latency_llama8b_tp1
 start_step offline_qwen3_fp8 120 40 0 $(bench offline_qwen3_fp8 offline --model $SMALL $DEV --kv-cache-dtype fp8 --repeats $REPEATS \
   --num-prompts $N_SMALL --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF)
 ATT_RATES="32x256,32x4096,64x1024,64x4096,256x800"; [ "$SMOKE" = 1 ] && ATT_RATES=""
-start_step probe_qwen3_fp8 $PROBE_LIMIT 60 1 $PY -m shardserve.cli bench probe --model $SMALL \
+start_step probe_qwen3_fp8 $PROBE_LIMIT 60 1 $PY -m shardserve.cli.main bench probe --model $SMALL \
   ${DEV/--num-kv-blocks 256/} --kv-cache-dtype fp8 --batch-sizes 64,256 $PROBE_LENS --prefill-tokens 0 \
   ${ATT_RATES:+--attention-rates $ATT_RATES} --json-out "$OUT/probe_qwen3_fp8.json"
 finish_step offline_qwen3_fp8; finish_step probe_qwen3_fp8
@@ -240,7 +240,7 @@ start_step control_plane_tp2 150 60 all $(bench control_plane_tp2 control-plane 
 finish_step control_plane_tp2
 
 # (p2) the fused layer kernels off (SHARDSERVE_FUSED_KERNELS=0): what they buy, Llama-3-8B [GPU 0]
-start_step probe_llama8b_unfused 120 50 0 env SHARDSERVE_FUSED_KERNELS=0 $PY -m shardserve.cli bench probe \
+start_step probe_llama8b_unfused 120 50 0 env SHARDSERVE_FUSED_KERNELS=0 $PY -m shardserve.cli.main bench probe \
   --model $BIG ${DEV/--num-kv-blocks 256/} --batch-sizes 1,64 $PROBE_LENS --prefill-tokens 0 \
   --json-out "$OUT/probe_llama8b_unfused.json"
 finish_step probe_llama8b_unfused

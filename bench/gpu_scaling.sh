@@ -122,7 +122,7 @@ scaling_pass() {  # $1: the out-dir suffix, $2: more flags
     left=$(( BUDGET_S - $(elapsed) - 10 ))
     limit=${LIMIT[$model]}; (( limit > left )) && limit=$left
     if (( limit < 60 )); then say "$model$1: skipped (${left}s of the budget left)"; continue; fi
-    CMD="$PY -m shardserve.cli bench scaling --model ${NAME[$model]} $DEV --ray-address $RAY_ADDRESS_ARG
+    CMD="$PY -m shardserve.cli.main bench scaling --model ${NAME[$model]} $DEV --ray-address $RAY_ADDRESS_ARG
          --placement spread --configs $CONFIGS --shared-configs 1x1,2x1 --routing cache-aware,round-robin
          --shared-kv-blocks $KV_BLOCKS $LOAD --client-procs $CLIENT_PROCS --out-dir $OUT/scaling_$model$1 $2"
     say "$model$1: start (limit ${limit}s): $(echo $CMD)"

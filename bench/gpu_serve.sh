@@ -86,7 +86,7 @@ run_model() {  # run_model KEY GPU: one sweep in the background
   if (( left < ${!min_var} )); then RC[$key]=skipped; say "$key: skipped (${left}s of the budget left)"; return; fi
   (( limit > left )) && limit=$left
   local plot=; [ "$PLOT" = 1 ] && plot="--plot $OUT/serve_$key.png"
-  local cmd="$PY -m shardserve.cli bench serve --model ${NAME[$key]} --load-format dummy $DEV --api $API
+  local cmd="$PY -m shardserve.cli.main bench serve --model ${NAME[$key]} --load-format dummy $DEV --api $API
     --gateway-workers $GATEWAY_WORKERS
     --request-rates ${!rates_var} --num-prompts $NUM_PROMPTS --input-len $INPUT_LEN --output-len $OUTPUT_LEN
     --json-out $OUT/serve_$key.json $plot"

@@ -125,16 +125,16 @@ class BenchEngine:
 
 def open_engine(config: EngineConfig, executor: str = "local") -> BenchEngine:
     """An Engine over a timed executor. "cluster": a local Ray (loopback), one placement group, GrpcExecutor."""
-    from shardserve.engine_factory import build_engine
+    from shardserve.settings.engine_factory import build_engine
 
     if executor not in EXECUTORS:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     closers: list[Callable[[], None]] = []
     if executor == "local":
-        from shardserve.llm import create_executor as make_executor
+        from shardserve.api.llm import create_executor as make_executor
     else:
-        from shardserve.launcher import ensure_ray, launch_worker_group
-        from shardserve.ray_cluster import GrpcExecutorFactory
+        from shardserve.launch.placement import ensure_ray, launch_worker_group
+        from shardserve.launch.ray_serving import GrpcExecutorFactory
 
         ensure_ray("local")
         group = launch_worker_group(config, startup_timeout_s=300.0)

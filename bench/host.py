@@ -60,8 +60,8 @@ class HostOnlyExecutor:
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.cluster.engine import Engine
     from shardserve.cluster.sampling_params import SamplingParams
-    from shardserve.config import build_engine_config, read_model_facts
-    from shardserve.engine_factory import load_tokenizer
+    from shardserve.settings.resolve import build_engine_config, read_model_facts
+    from shardserve.settings.engine_factory import load_tokenizer
 
     config = build_engine_config(**engine_kwargs)
     facts = read_model_facts(config.model)

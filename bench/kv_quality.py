@@ -47,7 +47,7 @@ def prompt_ids(llm, num_prompts: int, seed: int = 0) -> list[list[int]]:
     tokenizer = llm.get_tokenizer()
     if tokenizer is not None:
         return [tokenizer.encode(p) for p in (PROMPTS * (1 + num_prompts // len(PROMPTS)))[:num_prompts]]
-    from shardserve.config import read_model_facts
+    from shardserve.settings.resolve import read_model_facts
 
     high = min(read_model_facts(llm.config.model).vocab_size, 30000)
     rng = random.Random(seed)
@@ -128,7 +128,7 @@ def compare(ref_tokens, fp8_tokens, ref_logprobs, fp8_logprobs) -> dict:
 
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
-    from shardserve.config import build_engine_config
+    from shardserve.settings.resolve import build_engine_config
 
     engine_kwargs = {k: v for k, v in engine_kwargs.items() if k not in ("kv_cache_dtype", "quantization")}
     engine_kwargs.setdefault("max_num_seqs", args.num_prompts)

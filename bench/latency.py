@@ -21,7 +21,7 @@ SKIPPED_DECODE_STEPS = 3  # first decode steps: allocator and caches settling
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.bench.roofline import ModelShape, measure_rates, weight_read_bound_ms
-    from shardserve.config import build_engine_config, read_model_facts
+    from shardserve.settings.resolve import build_engine_config, read_model_facts
 
     engine_kwargs = dict(engine_kwargs)
     if engine_kwargs.get("max_num_seqs") is None:

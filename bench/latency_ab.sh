@@ -29,7 +29,7 @@ for model in $MODELS; do
   for run in $RUNS; do
     for v in $VALUES; do
       name=latency_${model}_${AB}${v}_$run
-      env "$AB=$v" timeout 90 python3 -m shardserve.cli bench latency --model $model --device cuda \
+      env "$AB=$v" timeout 90 python3 -m shardserve.cli.main bench latency --model $model --device cuda \
         --load-format dummy --tp 1 --input-len 128 --output-len 256 --max-model-len 1024 \
         --json-out "$WORK/$name.json" > "$WORK/$name.txt" 2>&1
       say "$name: exit $? $(grep -h 'ms/token\|ms per token' "$WORK/$name.txt" | tail -1)"

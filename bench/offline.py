@@ -43,7 +43,7 @@ def resolve_workload_args(args: argparse.Namespace, device: str) -> None:
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.bench.roofline import measure_rates
-    from shardserve.config import build_engine_config, read_model_facts
+    from shardserve.settings.resolve import build_engine_config, read_model_facts
 
     config = build_engine_config(offline=True, **engine_kwargs)
     resolve_workload_args(args, config.device)

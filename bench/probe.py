@@ -189,7 +189,7 @@ def _print_part(result: dict) -> None:
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.bench.attention_rates import split_specs
-    from shardserve.config import build_engine_config, read_model_facts
+    from shardserve.settings.resolve import build_engine_config, read_model_facts
     from shardserve.worker.model_runner import ModelRunner
 
     rate_shapes, rate_spread = split_specs(args.attention_rates)  # a malformed spec fails now, not after the probe
@@ -253,7 +253,7 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
 
     from shardserve.bench.attention_rates import graph_ms
     from shardserve.kernels.paged_decode import choose_num_splits, paged_decode_attention
-    from shardserve.models import resolve_model
+    from shardserve.settings.model_source import resolve_model
 
     hf = AutoConfig.from_pretrained(resolve_model(model, "dummy").model_dir)
     heads, kv_heads = hf.num_attention_heads, hf.num_key_value_heads

@@ -52,7 +52,7 @@ def _stream_gaps(client, output_len: int) -> tuple[list[float], str | None]:
 def _flood(address: str, text: str, stop: threading.Event, codes: Counter, lock: threading.Lock) -> None:
     import grpc
 
-    from shardserve.client import Client
+    from shardserve.client.clients import Client
 
     with Client(address, timeout=600) as client:
         while not stop.is_set():
@@ -75,7 +75,7 @@ def _summary(measured: tuple[list[float], str | None]) -> dict:
 
 
 def measure(address: str, args: argparse.Namespace) -> dict:
-    from shardserve.client import Client
+    from shardserve.client.clients import Client
 
     size = int(args.prompt_mb * 1e6)
     text = ("The quick brown fox jumps over the lazy dog. " * (size // 45 + 1))[:size]
@@ -99,7 +99,7 @@ def measure(address: str, args: argparse.Namespace) -> dict:
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.bench.serve_server import LaunchedServer, engine_flags
-    from shardserve.config import build_engine_config
+    from shardserve.settings.resolve import build_engine_config
 
     server = None
     address = args.address

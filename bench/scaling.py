@@ -32,7 +32,7 @@ import time
 
 from shardserve.bench.record import BenchRecord, Stats
 from shardserve.bench.scaling_report import write_outputs
-from shardserve.replica_hosts import use_replica_hosts
+from shardserve.launch.replica_actors import use_replica_hosts
 
 
 def add_scaling_parser(kinds, add_engine_args, run) -> None:
@@ -141,7 +141,7 @@ def run_config(config, replicas: int, args: argparse.Namespace, workloads, bar, 
     to --shared-kv-blocks before each; read the replicas' counters around every run; shut it down."""
     import ray
 
-    from shardserve.ray_cluster import start_cluster
+    from shardserve.launch.ray_serving import start_cluster
 
     offline, shared_prompts = workloads
     policies = args.routing.split(",")
@@ -187,9 +187,9 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from tqdm import tqdm
 
     from shardserve.bench.scaling_client import ClientPool
-    from shardserve.config import build_engine_config, read_model_facts
-    from shardserve.launcher import ensure_ray
-    from shardserve.serve import resolve_ray_address
+    from shardserve.settings.resolve import build_engine_config, read_model_facts
+    from shardserve.launch.placement import ensure_ray
+    from shardserve.launch.server_process import resolve_ray_address
 
     base = build_engine_config(**engine_kwargs)
     ensure_ray(resolve_ray_address(args.ray_address))

@@ -32,7 +32,7 @@ def _serve_jobs(conn: Connection) -> None:
 
 async def _run_job(conn: Connection, address: str, prompts: list[list[int]], max_tokens: int,
                    concurrency: int, final_only: bool) -> dict:
-    from shardserve.client import AsyncClient
+    from shardserve.client.clients import AsyncClient
 
     results: list = [None] * len(prompts)
     slots = asyncio.Semaphore(max(1, concurrency))

@@ -29,7 +29,7 @@ from shardserve.bench.workload import parse_range, random_workload
 
 
 def add_serve_parser(kinds, add_engine_args, run) -> None:
-    """Registers `bench serve` (bench/cli.py calls this); the engine flags only matter when it starts the server."""
+    """Registers `bench serve` (bench/commands.py calls this); the engine flags only matter when it starts the server."""
     parser = kinds.add_parser("serve", help="online serving: request rate or concurrency against gRPC or HTTP")
     add_engine_args(parser)
     add_serve_args(parser)
@@ -109,7 +109,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
 def model_info(address: str | None, http_url: str | None) -> dict:
     """What the benchmark needs to know of the served model: over gRPC when it can, else the gateway's /v1/models."""
     if address:
-        from shardserve.client import Client
+        from shardserve.client.clients import Client
 
         with Client(address, timeout=30) as client:
             m = client.model_info()

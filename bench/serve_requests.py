@@ -53,7 +53,7 @@ class GrpcSender:
     name = "grpc"
 
     def __init__(self, address: str, sampling: dict) -> None:
-        from shardserve.client import AsyncClient
+        from shardserve.client.clients import AsyncClient
 
         self.client = AsyncClient(address)
         self.sampling = sampling

@@ -39,7 +39,7 @@ class LaunchedServer:
         self.log = tempfile.NamedTemporaryFile("w+", prefix="shardserve-bench-serve-", suffix=".log", delete=False)
         self.gateway = None
         in_process = http and gateway_workers == 0
-        command = [sys.executable, "-m", "shardserve.cli", "serve", *flags, "--host", "127.0.0.1", "--port", "0",
+        command = [sys.executable, "-m", "shardserve.cli.main", "serve", *flags, "--host", "127.0.0.1", "--port", "0",
                    "--ray-address", ray_address, "--drain-timeout", "5"] + (["--http-port", "0"] if in_process else [])
         env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")}
         if ray_address == "local":  # else ray.init() joins any Ray already running on this host (pgrep)
@@ -51,7 +51,7 @@ class LaunchedServer:
             while self.address is None or (in_process and self.http_url is None):
                 self.address, self.http_url = self._ready(self.proc, lines, deadline, self.address, self.http_url)
             if http and not in_process:
-                self.gateway, lines = self._start([sys.executable, "-m", "shardserve.cli", "gateway", "--upstream",
+                self.gateway, lines = self._start([sys.executable, "-m", "shardserve.cli.main", "gateway", "--upstream",
                                                    self.address, "--port", "0", "--workers", str(gateway_workers)],
                                                   env)
                 while self.http_url is None:

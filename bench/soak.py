@@ -75,7 +75,7 @@ def memory_table(samples: list[dict], rows: int = 12) -> str:
 
 async def _leftover_blocks(address: str, timeout_s: float = 60.0) -> dict:
     """Polls the server's stats until nothing is running, waiting or holding blocks (or timeout_s): the last stats."""
-    from shardserve.client import AsyncClient
+    from shardserve.client.clients import AsyncClient
 
     async with AsyncClient(address) as client:
         deadline = time.monotonic() + timeout_s
@@ -92,7 +92,7 @@ async def _soak(server, args) -> dict:
     from shardserve.bench import soak_run
     from shardserve.bench.soak_procs import ray_session
     from shardserve.bench.soak_requests import Limits, make_pool, make_schedule
-    from shardserve.client import AsyncClient
+    from shardserve.client.clients import AsyncClient
 
     rng = random.Random(args.schedule_seed)
     session = ray_session(server.proc.pid)
@@ -117,7 +117,7 @@ async def _soak(server, args) -> dict:
 
 def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     from shardserve.bench.serve_server import LaunchedServer, engine_flags
-    from shardserve.config import build_engine_config
+    from shardserve.settings.resolve import build_engine_config
 
     flags = engine_flags(args) + ["--max-request-bytes", str(args.max_request_bytes),
                                   "--max-prompt-bytes", str(args.max_prompt_bytes)]

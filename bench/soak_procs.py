@@ -1,7 +1,7 @@
 """The processes of the server `shardserve bench soak` started: finding its worker ranks (to SIGKILL) and sampling
 their memory.
 
-serve starts its local Ray in a session of its own (shardserve/local_ray.py): a child of serve leading a session
+serve starts its local Ray in a session of its own (shardserve/launch/local_ray.py): a child of serve leading a session
 whose members are Ray's processes (GCS, raylet, the controller and worker actors). Every process found here is one
 the soak started (serve, or a descendant of it through that session); nothing else is ever signalled.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from shardserve.local_ray import command_line, session_members, stat_fields
+from shardserve.launch.local_ray import command_line, session_members, stat_fields
 
 WORKER, CONTROLLER = "ray::WorkerActor", "ray::Controller"
 

@@ -165,7 +165,7 @@ async def _sampler(serve_pid: int, session: int, interval_s: float, state: SoakS
 
 async def run(address: str, serve_pid: int, session: int, schedule, pool, reference, limits: Limits, args,
               state: SoakState) -> None:
-    from shardserve.client import AsyncClient
+    from shardserve.client.clients import AsyncClient
 
     n = len(schedule)
     kill_at = [n * (k + 1) // (args.kills + 1) for k in range(args.kills)]

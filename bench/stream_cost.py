@@ -5,7 +5,7 @@
 A real Controller (gRPC server on 127.0.0.1) whose replicas are Engines over bench/routing.py's SimulatedExecutor
 (a decode step takes --step-ms of wall time, computes nothing), read by bench/scaling_client.py's client processes
 (other processes: their CPU does not count). With --replica-hosts process each replica's engine runs in a Ray actor
-of its own (shardserve/replica_hosts.py; a local Ray is started), so the controller's CPU is routing, streaming and
+of its own (shardserve/launch/replica_actors.py; a local Ray is started), so the controller's CPU is routing, streaming and
 the hosts' reports only. Per --stream-interval (or "final": final_only requests, answered in one message each):
 output tok/s, the controller process's CPU per output token (all its threads: engine loops, event loop, gRPC) and
 the event loop thread's own part. One process
@@ -83,8 +83,8 @@ def main() -> None:
         build_engine=SimulatedEngine(args.step_ms), name=f"stream-cost-{uuid.uuid4().hex[:6]}",
         num_replicas=args.replicas, max_live_requests=1 << 20, routing="round-robin")
     if args.replica_hosts == "process":
-        from shardserve.local_ray import init_local_ray
-        from shardserve.replica_hosts import RayReplicaHosts
+        from shardserve.launch.local_ray import init_local_ray
+        from shardserve.launch.replica_actors import RayReplicaHosts
 
         init_local_ray(4, log_to_driver=False)
         base.replica_hosts = RayReplicaHosts(base.name, "cpu")

@@ -42,7 +42,7 @@ class ControllerConfig:
     # One replica's factory, called once per replica start, in the controller, off its event loop: loads the
     # tokenizer, starts and connects to the group's workers (returning once every rank has loaded and allocated
     # its cache) and builds the Engine; the engine's shutdown stops the group. `shardserve serve` passes
-    # shardserve/ray_cluster.py's RayGroupFactory (over engine_factory.py's build_engine, the one engine wiring).
+    # shardserve/launch/ray_serving.py's RayGroupFactory (over engine_factory.py's build_engine, the one engine wiring).
     build_engine: Callable[[EngineConfig], Engine]
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port
@@ -60,7 +60,7 @@ class ControllerConfig:
     stream_interval: int = 1
     # Where each replica's Engine and EngineLoop run: None = threads of the controller process; else a factory of
     # host processes (start(replica_id, engine, build_engine, health_s, restart_tries, backoff_s) -> a Ray actor
-    # handle running cluster/replica_host.py's ReplicaHost; kill(handle)): shardserve/replica_hosts.py.
+    # handle running cluster/replica_host.py's ReplicaHost; kill(handle)): shardserve/launch/replica_actors.py.
     replica_hosts: object | None = None
 
 

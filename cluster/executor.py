@@ -1,7 +1,7 @@
 """The Executor interface the Engine drives, its one error type, and GrpcExecutor: the controller's Executor
 over gRPC, one long-lived bidirectional Step stream per TP rank.
 
-GrpcExecutor drives every worker that is not in the caller's process: Ray actors (shardserve/launcher.py) and
+GrpcExecutor drives every worker that is not in the caller's process: Ray actors (shardserve/launch/placement.py) and
 local TP processes (worker/local_workers.py) run the same Worker service (worker/worker_service.py).
 
 Startup (the order worker.proto gives): Init on every rank at once (they rendezvous together, so one at a time

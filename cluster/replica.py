@@ -10,7 +10,7 @@ state, its health and its load.
     await replica.start()                         # a stopped or failed replica can start again (a new group)
 
 `build_engine` is the group's factory: a callable EngineConfig -> Engine that runs off the event loop. Under
-`shardserve serve` it places the group's placement group and worker actors itself (shardserve/ray_cluster.py:
+`shardserve serve` it places the group's placement group and worker actors itself (shardserve/launch/ray_serving.py:
 RayGroupFactory), so starting again means a fresh group; the engine's shutdown takes the group down with it.
 
 A lost group (a rank died, hung past the step deadline or failed a step) is replaced when restart_tries > 0: the

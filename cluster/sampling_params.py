@@ -30,13 +30,13 @@ def _is_number(value) -> bool:
 
 
 def _param(default, help: str, cli: bool = True):
-    """cli=False: an API and wire field only, with no command-line flag (shardserve/flags.py)."""
+    """cli=False: an API and wire field only, with no command-line flag (shardserve/cli/flags.py)."""
     return field(default=default, metadata={"help": help, "cli": cli})
 
 
 @dataclass
 class SamplingParams:
-    """Every field is also a GenerateRequest field (generation.proto) and a command-line flag (shardserve/flags.py),
+    """Every field is also a GenerateRequest field (generation.proto) and a command-line flag (shardserve/cli/flags.py),
     mapped by name; the fields a worker needs go on to SamplingSpec (proto/plan.py) by name too (to_spec)."""
 
     temperature: float = _param(1.0, "0 = greedy")

@@ -3,11 +3,11 @@
 Each field's metadata says what it is and how a user sets it:
 - `help`: what the setting does;
 - `user`: True for a user setting: it is an `LLM(...)` keyword and a command-line flag, both derived from this
-  list (shardserve/config.py, shardserve/flags.py); False for what shardserve fills in itself;
+  list (shardserve/settings/resolve.py, shardserve/cli/flags.py); False for what shardserve fills in itself;
 - `flags`: the flag's spellings where they are not `--` + the name with dashes; `choices`: the allowed values;
   `off_flags`: older spellings that turn a default-on switch off (kept working, not shown in --help);
 - `user_default`: the value a user leaves unset where it differs from the field's default: "auto" and None are
-  resolved (device, dtype, the model folder, max_model_len ...) by shardserve/config.py build_engine_config, so
+  resolved (device, dtype, the model folder, max_model_len ...) by shardserve/settings/resolve.py build_engine_config, so
   the dataclass itself only ever holds resolved values.
 """
 

@@ -19,7 +19,7 @@ except PackageNotFoundError:  # a source tree on sys.path without an installed d
 def __getattr__(name: str):
     # LLM pulls in torch and the engine: import it only when asked for, so `shardserve.client` stays light.
     if name == "LLM":
-        from shardserve.llm import LLM
+        from shardserve.api.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -2,6 +2,6 @@
 
 import sys
 
-from shardserve.cli import main
+from shardserve.cli.main import main
 
 sys.exit(main())

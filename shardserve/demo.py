@@ -93,10 +93,10 @@ def main() -> int:
 
     import ray
 
-    from shardserve.client import Client
-    from shardserve.config import build_engine_config
-    from shardserve.launcher import ensure_ray
-    from shardserve.ray_cluster import start_cluster
+    from shardserve.client.clients import Client
+    from shardserve.settings.resolve import build_engine_config
+    from shardserve.launch.placement import ensure_ray
+    from shardserve.launch.ray_serving import start_cluster
 
     start = time.perf_counter()
     config = build_engine_config(tensor_parallel_size=3, device="cpu", num_kv_blocks=512)  # converts once

@@ -9,7 +9,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # Ray binds the machine's external address unless this is set; tests run on 127.0.0.1 only.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# dtype="auto" on CPU is bfloat16 where the CPU has AMX units (shardserve/config.py: cpu_auto_dtype), so the suite
+# dtype="auto" on CPU is bfloat16 where the CPU has AMX units (shardserve/settings/resolve.py: cpu_auto_dtype), so the suite
 # pins it to float32 on every host: the greedy parity with transformers is held in float32, and a test's numbers
 # must not depend on which machine CI lands on. Inherited by what a test starts (ranks, serve, Ray's actors).
 os.environ.setdefault("SHARDSERVE_CPU_DTYPE", "float32")
@@ -82,7 +82,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def default_model_dir() -> str:
     """SmolLM2-135M-Instruct as a local HF folder (converted into the user's cache on first use, ~15 s)."""
-    from shardserve.models import default_model_dir as convert_or_reuse
+    from shardserve.settings.model_source import default_model_dir as convert_or_reuse
 
     return convert_or_reuse()
 

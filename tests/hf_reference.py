@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from shardserve.models import hub_offline
+from shardserve.settings.model_source import hub_offline
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3")
 

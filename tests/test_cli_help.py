@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from shardserve.cli import build_parser
-from shardserve.flags import engine_kwargs, sampling_kwargs
+from shardserve.cli.main import build_parser
+from shardserve.cli.flags import engine_kwargs, sampling_kwargs
 
 
 def _commands(parser: argparse.ArgumentParser, path: str = "shardserve"):

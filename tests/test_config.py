@@ -1,6 +1,6 @@
 """Engine settings are listed once, in EngineConfig's fields (proto/config.py): the CLI's engine flags, their
 kwargs, LLM's keywords and build_engine_config all follow from that list, and user-level values resolve in one
-function (shardserve/config.py build_engine_config). Built-in configs need no weights, so nothing here loads one."""
+function (shardserve/settings/resolve.py build_engine_config). Built-in configs need no weights, so nothing here loads one."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from dataclasses import fields
 
 import pytest
 
-from shardserve.config import CPU_DTYPE_ENV, build_engine_config, cpu_auto_dtype, cpu_has_amx_bf16
-from shardserve.flags import add_engine_args, engine_kwargs
+from shardserve.settings.resolve import CPU_DTYPE_ENV, build_engine_config, cpu_auto_dtype, cpu_has_amx_bf16
+from shardserve.cli.flags import add_engine_args, engine_kwargs
 from shardserve.proto.config import EngineConfig, user_default, user_settings
 
 BUILTIN = "qwen3-0.6b"  # max_position_embeddings 40960, 16 heads, 8 KV heads
@@ -134,7 +134,7 @@ def test_llm_names_an_unknown_keyword_before_loading_anything():
 def test_vllm_flag_spellings_work_beside_ours():
     import argparse
 
-    from shardserve.flags import add_engine_args, engine_kwargs
+    from shardserve.cli.flags import add_engine_args, engine_kwargs
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

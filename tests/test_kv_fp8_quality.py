@@ -57,7 +57,7 @@ def test_fp8_weights_keep_the_default_models_next_token_distributions(fp32_cache
     assert result["teacher_forced_top1_agreement"] >= WEIGHTS_TOP1_FLOOR, result
 
 
-# bfloat16 (what dtype="auto" is on CPUs with AMX, shardserve/config.py: cpu_auto_dtype) against float32, the same
+# bfloat16 (what dtype="auto" is on CPUs with AMX, shardserve/settings/resolve.py: cpu_auto_dtype) against float32, the same
 # setting, on 2026-12-03: mean KL 1.1e-3 nats (p99 4.6e-3), top-1 agreement 96.1% (16 prompts x 64 tokens, `python
 # -m shardserve.bench.dtype_quality`: 1.1e-3 and 98.2%). The KL bound sits ~4.6x above the measurement (the FP8
 # cache's 5e-3 is at it), the top-1 floor at the FP8 cache's.

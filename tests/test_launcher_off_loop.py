@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from shardserve.launcher import launch_worker_group, place_group
+from shardserve.launch.placement import launch_worker_group, place_group
 from shardserve.proto.config import EngineConfig
 
 CONFIG = EngineConfig(model="unused", tensor_parallel_size=2)

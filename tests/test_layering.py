@@ -5,13 +5,13 @@ imported; an edge is any import of one of our modules, at module level, inside a
 makes a circle) or under TYPE_CHECKING, with `from shardserve.x import y` counted as an import of shardserve.x.y
 where y is a module.
 
-The floors, top to bottom: the face (shardserve/*.py) and bench/ -> cluster/ and worker/ -> kernels/, with proto/
+The floors, top to bottom: the face (shardserve/ and its rooms) and bench/ -> cluster/ and worker/ -> kernels/, with proto/
 under both sides. The rules:
   - no import circles;
   - cluster/ and worker/ never import each other, and cluster/ never imports kernels/;
   - kernels/ imports only kernels/; proto/ imports only proto/;
-  - nothing below the face (cluster/, worker/, kernels/, proto/) imports the face (`shardserve`, shardserve.llm,
-    shardserve.cli, ...) or shardserve.bench;
+  - nothing below the face (cluster/, worker/, kernels/, proto/) imports the face (`shardserve`, shardserve.api.llm,
+    shardserve.cli.main, ...) or shardserve.bench;
   - worker/layers never imports worker/models;
   - bench/ never reaches into private names (`_x`) of worker/ or kernels/, nor into another object's private
     attributes (`runner._state`);
@@ -227,7 +227,8 @@ def test_the_package_has_no_import_circle_and_no_forbidden_import():
 
 # ---- the checker catches what it must: a tree with planted bad edges ------------------------------------------
 def _plant(root: Path, files: dict[str, str]) -> dict[str, Path]:
-    packages = {"shardserve": "shardserve", "shardserve.cluster": "cluster", "shardserve.worker": "worker",
+    packages = {"shardserve": "shardserve", "shardserve.api": "shardserve/api", "shardserve.settings": "shardserve/settings",
+                "shardserve.cluster": "cluster", "shardserve.worker": "worker",
                 "shardserve.worker.layers": "worker/layers", "shardserve.worker.models": "worker/models",
                 "shardserve.kernels": "kernels", "shardserve.proto": "proto", "shardserve.bench": "bench"}
     for folder in packages.values():
@@ -250,7 +251,7 @@ def test_a_clean_planted_tree_passes(tmp_path):
         "worker/layers/attention.py": "from shardserve.kernels.backends import AttentionBackend\n",
         "worker/models/llama.py": "from shardserve.worker.layers import attention\nfrom shardserve.proto.plan import X\n",
         "cluster/engine.py": "from shardserve.proto.plan import StepPlan\n",
-        "shardserve/llm.py": "from shardserve.cluster.engine import Engine\nfrom shardserve.worker.models import llama\n",
+        "shardserve/api/llm.py": "from shardserve.cluster.engine import Engine\nfrom shardserve.worker.models import llama\n",
         "bench/probe.py": "from shardserve.worker.models.llama import Llama\n\ndef f(self):\n    return self._x\n",
     }) == []
 
@@ -282,8 +283,8 @@ def test_a_planted_kernels_to_worker_import_and_a_planted_circle_are_reported(tm
      "shardserve.proto.plan -> shardserve.kernels.backends (proto/plan.py:1): proto/ imports only proto/"),
     ({"cluster/engine.py": "from shardserve import SamplingParams\n"},
      "shardserve.cluster.engine -> shardserve (cluster/engine.py:1): cluster/ is below the face"),
-    ({"worker/loader.py": "def f():\n    from shardserve.config import X\n", "shardserve/config.py": ""},
-     "shardserve.worker.loader -> shardserve.config (worker/loader.py:2): worker/ is below the face"),
+    ({"worker/loader.py": "def f():\n    from shardserve.settings.resolve import X\n", "shardserve/settings/resolve.py": ""},
+     "shardserve.worker.loader -> shardserve.settings.resolve (worker/loader.py:2): worker/ is below the face"),
     ({"cluster/engine.py": "import shardserve.bench.harness\n", "bench/harness.py": ""},
      "shardserve.cluster.engine -> shardserve.bench.harness (cluster/engine.py:1): cluster/ is below the face"),
     ({"worker/layers/linear.py": "from shardserve.worker.models.llama import X\n", "worker/models/llama.py": ""},

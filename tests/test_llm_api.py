@@ -104,7 +104,7 @@ def test_invalid_sampling_value_names_the_field(field, value):
 def test_best_of_is_refused_as_not_supported(kwargs):
     import grpc
 
-    from shardserve.client import build_request
+    from shardserve.client.clients import build_request
     from shardserve.cluster.generation_service import request_from_proto, status_of
 
     with pytest.raises(ValueError, match="not supported") as refused:
@@ -239,7 +239,7 @@ def test_dummy_weights_run_on_token_ids_without_a_tokenizer(tiny_model):
 def test_cli_generate_streams_text(default_model_dir):
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     done = subprocess.run(
-        [sys.executable, "-m", "shardserve.cli", "generate", "The capital of France is", "--max-tokens", "8"],
+        [sys.executable, "-m", "shardserve.cli.main", "generate", "The capital of France is", "--max-tokens", "8"],
         capture_output=True, text=True, timeout=300, env=env,
     )
     assert done.returncode == 0, done.stderr
@@ -248,7 +248,7 @@ def test_cli_generate_streams_text(default_model_dir):
 
 def test_cli_reports_a_bad_flag_value_as_an_error(default_model_dir):
     done = subprocess.run(
-        [sys.executable, "-m", "shardserve.cli", "generate", "Hi", "--top-p", "0"],
+        [sys.executable, "-m", "shardserve.cli.main", "generate", "Hi", "--top-p", "0"],
         capture_output=True, text=True, timeout=300,
     )
     assert done.returncode == 2 and "top_p" in done.stderr
@@ -303,7 +303,7 @@ def test_sliding_window_model_is_refused_unless_requests_fit_the_window(tmp_path
     import json
     import shutil
 
-    from shardserve.config import build_engine_config
+    from shardserve.settings.resolve import build_engine_config
 
     source = tiny_model("llama", tie_word_embeddings=True, num_heads=4, num_kv_heads=2)
     mistral = tmp_path / "mistral"

@@ -14,7 +14,7 @@ import sys
 import pytest
 import ray
 
-from shardserve import local_ray
+from shardserve.launch import local_ray
 
 RAY_TIMEOUT = Exception("The current node timed out during startup. This could happen because some of the raylet "
                         "failed to startup or the GCS has become overloaded.")

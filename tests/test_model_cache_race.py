@@ -14,7 +14,7 @@ import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
-CONVERT_IN_CHILD = "from shardserve.models import default_model_dir; print(default_model_dir())"
+CONVERT_IN_CHILD = "from shardserve.settings.model_source import default_model_dir; print(default_model_dir())"
 
 
 @pytest.mark.slow

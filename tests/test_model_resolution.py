@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from shardserve.models import (
+from shardserve.settings.model_source import (
     BUILTIN_CONFIGS,
     DEFAULT_MODEL_NAME,
     converted_dir_for,
@@ -121,7 +121,7 @@ def test_local_folder_is_used_as_is(tiny_model):
 
 def test_folder_without_safetensors_needs_dummy_weights(tmp_path):
     (tmp_path / "config.json").write_text(
-        (REPO_ROOT / "shardserve" / "configs" / "qwen3-0.6b" / "config.json").read_text()
+        (REPO_ROOT / "shardserve" / "settings" / "configs" / "qwen3-0.6b" / "config.json").read_text()
     )
     with pytest.raises(ValueError, match="no \\*.safetensors"):
         resolve_model(str(tmp_path), "auto")
@@ -140,7 +140,7 @@ def test_unknown_load_format_raises_value_error():
 
 
 def test_display_name_is_the_model_as_given_without_server_paths(default_model_dir, tiny_model, tmp_path):
-    from shardserve.models import display_name
+    from shardserve.settings.model_source import display_name
 
     assert display_name(None) == display_name(default_model_dir) == "SmolLM2-135M-Instruct"  # not the cache folder
     assert os.path.basename(default_model_dir) != "SmolLM2-135M-Instruct"  # which has a hash suffix
@@ -156,7 +156,7 @@ def test_a_conversion_parses_a_gguf_header_once_and_restores_gguf(tmp_path):
     import gguf
     import numpy as np
 
-    from shardserve.models import gguf_parsed_once
+    from shardserve.settings.model_source import gguf_parsed_once
 
     path = tmp_path / "tiny.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")

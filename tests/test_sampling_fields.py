@@ -9,10 +9,10 @@ from dataclasses import fields
 
 import pytest
 
-from shardserve.client import build_request
+from shardserve.client.clients import build_request
 from shardserve.cluster.generation_service import request_from_proto
 from shardserve.cluster.sampling_params import SamplingParams
-from shardserve.flags import CLI_SAMPLING_DEFAULTS, add_sampling_args, sampling_kwargs
+from shardserve.cli.flags import CLI_SAMPLING_DEFAULTS, add_sampling_args, sampling_kwargs
 from shardserve.proto.plan import SamplingSpec
 
 NAMES = [f.name for f in fields(SamplingParams)]
@@ -99,7 +99,7 @@ def test_params_map_onto_the_workers_spec_by_name():
 def test_a_value_the_request_cannot_hold_is_a_field_error_naming_the_field(prompt, sampling, field, says):
     """What protobuf refuses to hold (an integer beyond its field, a lone surrogate) is a ValueError naming the field,
     which the gateway answers with 400 (not a 500 from an unexpected exception)."""
-    from shardserve.client import FieldError
+    from shardserve.client.clients import FieldError
 
     with pytest.raises(FieldError) as refused:
         build_request(prompt, None, sampling)

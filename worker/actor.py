@@ -1,6 +1,6 @@
 """WorkerActor: the Ray actor that hosts one rank's Worker gRPC server in its own process.
 
-A plain class: shardserve/launcher.py applies ray.remote (with the placement-group bundle and the environment),
+A plain class: shardserve/launch/placement.py applies ray.remote (with the placement-group bundle and the environment),
 so importing this file needs no Ray (nor torch). Ray only places the process and tells the controller the
 endpoint; every step then travels over gRPC (worker/worker_service.py), never through Ray's object store.
 """

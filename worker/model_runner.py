@@ -32,7 +32,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype of a resolved EngineConfig.dtype (shardserve/config.py resolves "auto" and aliases)."""
+    """The torch dtype of a resolved EngineConfig.dtype (shardserve/settings/resolve.py resolves "auto" and aliases)."""
     return _DTYPES[name]
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from shardserve.bench.compare_hf import hf_dtype
-from shardserve.cli import main as cli
+from shardserve.cli.main import main as cli
 
 SCHEMA = ("benchmark", "model", "load_format", "device", "num_gpus", "tp", "replicas", "workload",
           "output_tokens_per_s", "total_tokens_per_s", "ceiling_output_tokens_per_s", "ms_per_token", "ratio_vs_hf",
@@ -98,7 +98,7 @@ def test_ceiling_arithmetic_reproduces_the_h200_numbers():
 
     from shardserve.bench.roofline import DeviceRates, ModelShape, weight_read_bound_ms, workload_ceiling
     from shardserve.bench.workload import random_workload
-    from shardserve.models import builtin_config_dir
+    from shardserve.settings.model_source import builtin_config_dir
 
     h200 = DeviceRates("H200 (environment notes)", 4.25e12, 785e12, 2 << 30, 8192)
     llama = AutoConfig.from_pretrained(builtin_config_dir("llama-3-8b"))
@@ -119,7 +119,7 @@ def test_ceiling_with_fp8_weights_reads_a_byte_a_weight_and_multiplies_at_twice_
 
     from shardserve.bench.roofline import DeviceRates, ModelShape, weight_read_bound_ms, workload_ceiling
     from shardserve.bench.workload import random_workload
-    from shardserve.models import builtin_config_dir
+    from shardserve.settings.model_source import builtin_config_dir
 
     h200 = DeviceRates("H200 (environment notes)", 4.25e12, 785e12, 2 << 30, 8192)
     llama = AutoConfig.from_pretrained(builtin_config_dir("llama-3-8b"))

@@ -29,7 +29,7 @@ def test_scaling_runs_every_config_with_equal_outputs_and_writes_every_file(tiny
     out = tmp_path / "scaling"
     env = dict(os.environ, RAY_ADDRESS="", RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0", PYTHONPATH=str(REPO))
     run = subprocess.run(
-        [sys.executable, "-m", "shardserve.cli", "bench", "scaling", "--model", model, "--device", "cpu",
+        [sys.executable, "-m", "shardserve.cli.main", "bench", "scaling", "--model", model, "--device", "cpu",
          "--dtype", "float32", "--max-model-len", "128", "--num-kv-blocks", "64", "--ray-address", "local",
          "--configs", "1x1,2x1,1x2", "--num-prompts", "4", "--input-len", "16", "--output-len", "4",
          "--prefixes", "2", "--prefix-len", "48", "--per-prefix", "4", "--suffix-len", "4",
@@ -63,7 +63,7 @@ def test_scaling_runs_every_config_with_equal_outputs_and_writes_every_file(tiny
 
 
 def test_routing_bench_router_part_runs_for_8_and_64_replicas(capsys):
-    from shardserve.cli import main as cli
+    from shardserve.cli.main import main as cli
 
     assert cli(["bench", "routing", "--replicas", "8,64", "--duration", "0", "--route-requests", "300",
                 "--input-len", "256"]) == 0

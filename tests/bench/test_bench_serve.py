@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from shardserve.cli import main as cli
+from shardserve.cli.main import main as cli
 
 SCHEMA = ("benchmark", "model", "load_format", "device", "num_gpus", "tp", "replicas", "workload",
           "output_tokens_per_s", "total_tokens_per_s", "ttft_ms", "tpot_ms", "itl_ms", "e2e_ms", "command", "date",

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 
 from shardserve.bench.soak_requests import EXPECTED
-from shardserve.cli import main as cli
+from shardserve.cli.main import main as cli
 
 
 def test_bench_soak_kills_a_rank_mid_run_and_loses_nothing_answers_every_status_and_leaks_no_block(tiny_model,

@@ -61,7 +61,7 @@ def test_serve_command_parser_finds_a_non_node_worker_host():
 def _serve_flags() -> set[str]:
     import argparse
 
-    from shardserve.cluster_cli import add_cluster_parsers
+    from shardserve.cli.server_commands import add_cluster_parsers
 
     sub = argparse.ArgumentParser().add_subparsers()
     add_cluster_parsers(sub)

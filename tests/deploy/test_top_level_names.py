@@ -77,7 +77,7 @@ def test_transformers_hub_kernels_import_from_the_repository_root():
         "import kernels\n"
         "import transformers.integrations.hub_kernels as hub\n"
         "from transformers import AutoConfig, AutoModelForCausalLM\n"
-        "from shardserve.models import default_model_dir\n"
+        "from shardserve.settings.model_source import default_model_dir\n"
         "model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(default_model_dir()))\n"
         "print(kernels.__file__, hub.__name__, model.config.model_type, sep='|')"
     )

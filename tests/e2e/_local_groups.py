@@ -9,7 +9,7 @@ import signal
 import threading
 import time
 
-from shardserve.client import Client
+from shardserve.client.clients import Client
 from shardserve.cluster.step_deadline import StepDeadline
 
 NUM_STREAMS = 16

@@ -101,9 +101,9 @@ def _wait_for_port(ns: str, host: str, port: int, timeout_s: float = 60.0) -> No
 def driver(model_dir: str, address: str) -> None:
     import ray
 
-    from shardserve.client import Client
-    from shardserve.config import build_engine_config
-    from shardserve.ray_cluster import start_cluster
+    from shardserve.client.clients import Client
+    from shardserve.settings.resolve import build_engine_config
+    from shardserve.launch.ray_serving import start_cluster
 
     ray.init(address=address, logging_level="warning", log_to_driver=False, _temp_dir=os.environ["SS_NETNS_TEMP"])
     deadline = time.monotonic() + 60

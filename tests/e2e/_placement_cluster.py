@@ -20,11 +20,11 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only, before R
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-from shardserve.client import Client  # noqa: E402
-from shardserve.config import build_engine_config  # noqa: E402
-from shardserve.launcher import PlacementError, launch_worker_group  # noqa: E402
+from shardserve.client.clients import Client  # noqa: E402
+from shardserve.settings.resolve import build_engine_config  # noqa: E402
+from shardserve.launch.placement import PlacementError, launch_worker_group  # noqa: E402
 from shardserve.proto.config import EngineConfig  # noqa: E402
-from shardserve.ray_cluster import start_cluster  # noqa: E402
+from shardserve.launch.ray_serving import start_cluster  # noqa: E402
 
 
 def _describe(group) -> dict:

@@ -22,7 +22,7 @@ def ray_session():
     pytest-xdist each worker process has a Ray of its own."""
     import ray
 
-    from shardserve.local_ray import init_local_ray
+    from shardserve.launch.local_ray import init_local_ray
 
     started_here = not ray.is_initialized()
     if started_here:

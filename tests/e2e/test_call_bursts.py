@@ -11,7 +11,7 @@ import asyncio
 import grpc
 import pytest
 
-from shardserve.client import AsyncClient
+from shardserve.client.clients import AsyncClient
 from shardserve.cluster.api_security import ApiSecurity, pending_call_limits
 from tests.e2e.test_client_security import _serve
 

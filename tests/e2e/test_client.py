@@ -1,4 +1,4 @@
-"""shardserve.client against a real controller and gRPC server (no Ray): the default model at TP=1 in process,
+"""shardserve.client.clients against a real controller and gRPC server (no Ray): the default model at TP=1 in process,
 the controller on an event loop of its own thread, as a Ray actor would run it.
 
 Proves: health is NOT_SERVING (and Generate UNAVAILABLE) until the engine has loaded; a stream's deltas add up to
@@ -17,10 +17,10 @@ import time
 import grpc
 import pytest
 
-from shardserve.client import AsyncClient, Client
+from shardserve.client.clients import AsyncClient, Client
 from shardserve.cluster.controller import ControllerConfig, ServedModel
-from shardserve.config import build_engine_config, model_facts
-from shardserve.engine_factory import EngineFactory
+from shardserve.settings.resolve import build_engine_config, model_facts
+from shardserve.settings.engine_factory import EngineFactory
 from tests.e2e._controller_thread import ControllerThread
 
 
@@ -180,7 +180,7 @@ def test_client_side_argument_errors_raise_before_sending(address):
 
 
 def test_importing_the_client_pulls_in_no_torch():
-    code = "import sys, shardserve.client; sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)"
+    code = "import sys, shardserve.client.clients; sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)"
     assert subprocess.run([sys.executable, "-c", code], timeout=60).returncode == 0
 
 

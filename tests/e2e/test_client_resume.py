@@ -11,7 +11,7 @@ import signal
 import grpc
 import pytest
 
-from shardserve.client import Client
+from shardserve.client.clients import Client
 from tests.e2e._local_groups import NUM_STREAMS, LocalGroups, run_streams, wait_for
 
 

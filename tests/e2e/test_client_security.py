@@ -10,7 +10,7 @@ import subprocess
 import grpc
 import pytest
 
-from shardserve.client import Client
+from shardserve.client.clients import Client
 from shardserve.cluster.api_security import ApiSecurity
 from shardserve.proto import generation_pb2 as pb
 
@@ -152,7 +152,7 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(certs, tiny_llama_dir
 def test_the_gateway_forwards_the_bearer_token_401_without_it(token_server):
     import httpx
 
-    from shardserve.gateway import GatewayThread
+    from shardserve.gateway.app import GatewayThread
 
     gateway = GatewayThread(token_server.address, "127.0.0.1", 0)
     try:

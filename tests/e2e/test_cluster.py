@@ -1,5 +1,5 @@
 """The cluster end to end on a real Ray (loopback) with real gRPC: the default model served with TP=3 by Ray-actor
-workers and the controller actor, driven through shardserve.client. It gives the in-process TP=1 engine's greedy
+workers and the controller actor, driven through shardserve.client.clients. It gives the in-process TP=1 engine's greedy
 tokens (near-ties aside), survives bad input, aborts and cancels without leaking KV blocks, and shuts down without
 leaving an actor, a placement group or a process. A worker failure ends the streams and flips health."""
 
@@ -13,9 +13,9 @@ import urllib.request
 import grpc
 import pytest
 
-from shardserve.client import AsyncClient, Client
+from shardserve.client.clients import AsyncClient, Client
 from shardserve.cluster.step_deadline import StepDeadline
-from shardserve.config import build_engine_config
+from shardserve.settings.resolve import build_engine_config
 
 NUM_TOKENS = 16
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time,", "The three primary colors are"]
@@ -48,7 +48,7 @@ def cluster_and_reference(ray_session, default_model_dir):
     """The TP=3 cluster, and the TP=1 reference computed here while the workers load."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from shardserve.ray_cluster import start_cluster
+    from shardserve.launch.ray_serving import start_cluster
 
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(_reference_outputs, default_model_dir)

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from shardserve.client import Client
+from shardserve.client.clients import Client
 from tests.e2e._local_groups import MAX_TOKENS, NUM_STREAMS, LocalGroups, local_controller, run_streams, wait_for
 
 @pytest.fixture

@@ -9,14 +9,14 @@ import signal
 
 import pytest
 
-from shardserve.client import Client
+from shardserve.client.clients import Client
 from tests.e2e._local_groups import MAX_TOKENS, NUM_STREAMS, run_streams
 
 
 @pytest.fixture(scope="module", params=["controller", "process"])
 def cluster(request, ray_session, tiny_llama_dir, e2e_config):
     """The replica's engine in the controller process, then in a host process of its own (the restart runs there)."""
-    from shardserve.ray_cluster import start_cluster
+    from shardserve.launch.ray_serving import start_cluster
 
     running = start_cluster(e2e_config(tiny_llama_dir, tensor_parallel_size=2, max_num_seqs=NUM_STREAMS),
                             host="127.0.0.1", port=0, replica_hosts=request.param)

@@ -17,7 +17,7 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from shardserve.client import AsyncClient, Client  # noqa: E402
+from shardserve.client.clients import AsyncClient, Client  # noqa: E402
 from shardserve.cluster.api_security import ApiSecurity  # noqa: E402
 from tests.e2e.test_client_security import _serve  # noqa: E402
 from tests.hf_reference import assert_greedy_match, hf_greedy  # noqa: E402

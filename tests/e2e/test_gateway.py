@@ -20,8 +20,8 @@ import httpx
 import openai
 import pytest
 
-from shardserve.client import Client
-from shardserve.gateway import GatewayThread
+from shardserve.client.clients import Client
+from shardserve.gateway.app import GatewayThread
 from shardserve.proto import generation_pb2 as pb
 from tests.e2e.test_serve_cli import ServeProcess, serve_default_model
 

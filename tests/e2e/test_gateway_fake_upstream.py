@@ -20,7 +20,7 @@ import psutil
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from shardserve.gateway import GatewayThread
+from shardserve.gateway.app import GatewayThread
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
 
@@ -222,7 +222,7 @@ def test_a_stream_the_server_cancelled_resumes_one_the_caller_cancelled_does_not
     """CANCELLED from the server's side (gRPC cancels calls still open when a stopping server's grace ends) is a
     break like UNAVAILABLE: the client sends the request again with its tokens and seed. The caller's own cancel()
     ends the stream for good."""
-    from shardserve.client import Client
+    from shardserve.client.clients import Client
 
     with Client(fake[3], timeout=30) as client:
         result = client.generate("MIDSTREAM_RESUME_CANCELLED", max_tokens=2)
@@ -291,7 +291,7 @@ def test_metrics_count_requests_by_endpoint_and_status(fake):
 def test_the_gateway_command_serves_until_sigterm_then_exits_0(fake):
     """`shardserve gateway` on its own, as a second gateway in front of the same server."""
     servicer, upstream = fake[0], fake[3]
-    proc = subprocess.Popen([sys.executable, "-m", "shardserve.cli", "gateway", "--upstream", upstream, "--port", "0"],
+    proc = subprocess.Popen([sys.executable, "-m", "shardserve.cli.main", "gateway", "--upstream", upstream, "--port", "0"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline()  # printed once the socket listens
@@ -306,7 +306,7 @@ def test_the_gateway_command_serves_until_sigterm_then_exits_0(fake):
 
 
 def _start_gateway(upstream: str, *flags: str) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "shardserve.cli", "gateway", "--upstream", upstream, "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "shardserve.cli.main", "gateway", "--upstream", upstream, "--port", "0",
                              *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     line = proc.stdout.readline()  # printed once every worker listens
     match = re.search(r"shardserve gateway ready: (http://\S+)/v1 -> gRPC (\S+)", line)

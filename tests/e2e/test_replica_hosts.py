@@ -1,4 +1,4 @@
-"""Replicas in host processes of their own (cluster/replica_host.py, shardserve/replica_hosts.py) under
+"""Replicas in host processes of their own (cluster/replica_host.py, shardserve/launch/replica_actors.py) under
 `start_cluster` (real Ray on loopback, real gRPC, the tiny Llama at TP=1, two replicas).
 
 Proves: each replica's engine runs in a process that is neither the controller's nor another replica's; the greedy
@@ -14,14 +14,14 @@ import signal
 
 import pytest
 
-from shardserve.client import Client
+from shardserve.client.clients import Client
 from tests.e2e._local_groups import NUM_STREAMS, run_streams, wait_for
 from tests.e2e.test_replicas import _generate_all, _reference, _unrelated
 
 
 @pytest.fixture(scope="module")
 def cluster(ray_session, tiny_llama_dir, e2e_config):
-    from shardserve.ray_cluster import start_cluster
+    from shardserve.launch.ray_serving import start_cluster
 
     config = e2e_config(tiny_llama_dir, num_kv_blocks=128, max_num_seqs=NUM_STREAMS)
     running = start_cluster(config, host="127.0.0.1", port=0, replicas=2, routing="round-robin")

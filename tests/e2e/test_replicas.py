@@ -1,5 +1,5 @@
 """Replicas behind the global scheduler (cluster/router.py), without Ray: a controller in a thread with three
-replicas, each a real gRPC worker server with the tiny Llama, driven through shardserve.client.
+replicas, each a real gRPC worker server with the tiny Llama, driven through shardserve.client.clients.
 
 Proves: requests sharing a long prefix land on the replica that holds it and hit its prefix cache; unrelated
 requests spread over the replicas; the greedy tokens equal one in-process engine's; the replica id is in every
@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from shardserve.client import AsyncClient, Client
+from shardserve.client.clients import AsyncClient, Client
 
 NUM_REPLICAS = 3
 VOCAB = 384

@@ -20,7 +20,7 @@ import time
 import grpc
 import pytest
 
-from shardserve.client import Client
+from shardserve.client.clients import Client
 
 READY = re.compile(r"shardserve ready: .* serving on (\S+:\d+)")
 
@@ -28,7 +28,7 @@ READY = re.compile(r"shardserve ready: .* serving on (\S+:\d+)")
 class ServeProcess:
     def __init__(self, args: list[str]) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shardserve.cli", "serve", *args],
+            [sys.executable, "-m", "shardserve.cli.main", "serve", *args],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         self.stdout: queue.SimpleQueue = queue.SimpleQueue()
@@ -65,7 +65,7 @@ class ServeProcess:
 
 
 def _client_cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardserve.cli", "client", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "shardserve.cli.main", "client", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -89,7 +89,7 @@ def served(ray_session, default_model_dir):
 
 
 def test_ready_line_and_model_info_name_the_model_without_server_paths(served, default_model_dir):
-    from shardserve.client import Client
+    from shardserve.client.clients import Client
 
     server, address = served
     with Client(address, timeout=30) as client:

@@ -1,6 +1,6 @@
 """`shardserve serve` as a user runs it, hit from outside. SIGTERM to its whole process group (systemd's default
 KillMode, `kill -- -PGID`) drains and exits 0 with no process left: serve starts its local Ray in a session of its
-own (shardserve/local_ray.py), so the signal reaches serve alone, which drains through the controller, then stops
+own (shardserve/launch/local_ray.py), so the signal reaches serve alone, which drains through the controller, then stops
 that Ray. A SIGKILLed controller actor is started again on the same address, and resuming clients finish their
 streams with the tokens of an undisturbed run.
 
@@ -22,8 +22,8 @@ import time
 import grpc
 import pytest
 
-from shardserve.client import Client
-from shardserve.local_ray import _process_table, command_line, session_members
+from shardserve.client.clients import Client
+from shardserve.launch.local_ray import _process_table, command_line, session_members
 
 READY = re.compile(r"shardserve ready: .* serving on (\S+:\d+)")
 DRAIN_S = 5.0
@@ -47,7 +47,7 @@ class Serve:
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "shardserve.cli", "serve", "--model", model_dir, "--device", "cpu", "--tp", "2",
+            [sys.executable, "-m", "shardserve.cli.main", "serve", "--model", model_dir, "--device", "cpu", "--tp", "2",
              "--num-kv-blocks", "64", "--max-model-len", "256", "--max-num-seqs", "16", "--ray-address", "local",
              "--drain-timeout", str(DRAIN_S), *extra],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,

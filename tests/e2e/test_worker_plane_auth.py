@@ -7,7 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from shardserve.client import Client
+from shardserve.client.clients import Client
 from shardserve.proto import worker_pb2 as pb
 from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.auth import WORKER_SECRET_KEY
@@ -22,7 +22,7 @@ NUM_NEW = 10
 
 @pytest.fixture(scope="module")
 def tp2_cluster(ray_session, tiny_llama_dir, e2e_config):
-    from shardserve.ray_cluster import start_cluster
+    from shardserve.launch.ray_serving import start_cluster
 
     running = start_cluster(e2e_config(tiny_llama_dir, tensor_parallel_size=2), host="127.0.0.1", port=0)
     yield running

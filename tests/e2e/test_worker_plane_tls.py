@@ -11,7 +11,7 @@ import subprocess
 import grpc
 import pytest
 
-from shardserve.client import Client
+from shardserve.client.clients import Client
 from shardserve.proto import worker_pb2 as pb
 from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.auth import WORKER_TLS_NAME, WorkerTLS
@@ -46,7 +46,7 @@ def tls_pair(tmp_path_factory) -> tuple[WorkerTLS, WorkerTLS]:
 
 @pytest.fixture(scope="module")
 def tls_cluster(ray_session, tiny_llama_dir, e2e_config, tls_pair):
-    from shardserve.ray_cluster import start_cluster
+    from shardserve.launch.ray_serving import start_cluster
 
     running = start_cluster(e2e_config(tiny_llama_dir, tensor_parallel_size=2), host="127.0.0.1", port=0,
                             worker_tls=tls_pair[0])
@@ -83,7 +83,7 @@ def test_only_a_certificate_of_the_launch_ca_reaches_a_worker(tls_cluster, tls_p
 
 
 def test_the_serve_flags_go_together_and_the_files_must_be_readable(tls_pair, tmp_path):
-    from shardserve.cluster_cli import worker_tls
+    from shardserve.cli.server_commands import worker_tls
 
     ours = tls_pair[0]
 

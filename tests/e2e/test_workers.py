@@ -11,7 +11,7 @@ from shardserve.cluster.engine import Engine
 from shardserve.cluster.executor import GrpcExecutor, WorkerError
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.step_deadline import StepDeadline
-from shardserve.launcher import launch_worker_group
+from shardserve.launch.placement import launch_worker_group
 from shardserve.proto import worker_pb2 as pb
 from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.convert import step_plan_to_proto

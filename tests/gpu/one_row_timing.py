@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from shardserve.bench.attention_rates import graph_ms
 from shardserve.kernels import gemv as gemv_module
-from shardserve.kernels.activation import silu_and_mul
+from shardserve.kernels.silu_and_mul import silu_and_mul
 from shardserve.kernels.gemv import gemv, gemv_fused
 from shardserve.kernels.rmsnorm import add_rms_norm
 

@@ -144,7 +144,7 @@ def test_greedy_on_the_gpu_in_fp32_equals_transformers(arch, tmp_path):
 
 def test_kv_sizing_reserves_at_least_what_the_graphs_take():
     """Qwen3-0.6B shapes (dummy weights), 64 sequences: the dry-run reserve against the real capture."""
-    from shardserve.config import build_engine_config
+    from shardserve.settings.resolve import build_engine_config
     from shardserve.worker.model_runner import ModelRunner
 
     config = build_engine_config(model="qwen3-0.6b", device="cuda", max_num_seqs=64, max_model_len=2048,

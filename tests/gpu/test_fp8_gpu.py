@@ -123,7 +123,7 @@ def test_fp8_decode_graphs_equal_fp8_eager(tmp_path):
 
 
 def test_an_fp8_cache_holds_twice_the_blocks_in_the_same_memory():
-    from shardserve.config import build_engine_config
+    from shardserve.settings.resolve import build_engine_config
     from shardserve.worker.model_runner import ModelRunner
 
     counts = {}

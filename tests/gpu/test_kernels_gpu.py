@@ -119,7 +119,7 @@ def test_rope_bf16_llama_shapes():
 
 @pytest.mark.parametrize("width", [3072, 14336])  # Qwen3-0.6B and Llama-3-8B intermediate sizes
 def test_silu_and_mul_bf16(width):
-    from shardserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+    from shardserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 
     gate_up = torch.randn(257, 2 * width, dtype=torch.bfloat16, device="cuda") * 3
     torch.testing.assert_close(silu_and_mul(gate_up).float(), _float_ref(silu_and_mul_ref, gate_up), **BF16)
@@ -185,7 +185,7 @@ def test_the_pdl_chain_computes_what_plain_launches_do(monkeypatch):
     launched as programmatic dependents, eagerly and replayed in a CUDA graph, gives bit for bit what plain launches
     give: each kernel waits for the one before it before its first load."""
     from shardserve.kernels import pdl
-    from shardserve.kernels.activation import silu_and_mul
+    from shardserve.kernels.silu_and_mul import silu_and_mul
     from shardserve.kernels.gemv import gemv
     from shardserve.kernels.rmsnorm import add_rms_norm
     from shardserve.kernels.store_kv import KVWrite

@@ -5,7 +5,7 @@ CPU, where the layers would otherwise never take it)."""
 import pytest
 import torch
 
-from shardserve.kernels.activation import silu_and_mul, silu_and_mul_ref
+from shardserve.kernels.silu_and_mul import silu_and_mul, silu_and_mul_ref
 from shardserve.kernels.rmsnorm import rms_norm_ref
 from shardserve.kernels.rope import apply_rope_, rope_ref
 

@@ -5,7 +5,7 @@ path forced on gives the logits and the cache of the torch layers (interpreter o
 import pytest
 import torch
 
-from shardserve.kernels.activation import silu_and_mul
+from shardserve.kernels.silu_and_mul import silu_and_mul
 from shardserve.kernels.gemv import gemv, gemv_fused
 from shardserve.kernels.kv_fp8 import FP8_DTYPE
 from shardserve.kernels.rmsnorm import rms_norm

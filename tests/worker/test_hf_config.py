@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from shardserve.config import read_model_facts
-from shardserve.models import BUILTIN_CONFIGS, builtin_config_dir
+from shardserve.settings.resolve import read_model_facts
+from shardserve.settings.model_source import BUILTIN_CONFIGS, builtin_config_dir
 from shardserve.worker.layers.rotary import rope_settings
 from shardserve.worker.models.decoder import head_dim_of
 from shardserve.worker.models.hf_config import DEFAULTS, MODEL_TYPES, read_hf_config
@@ -126,7 +126,7 @@ def test_a_workers_model_is_built_without_importing_transformers(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(CASES["llama-small"]))
     script = f"""
 import sys
-from shardserve.config import build_engine_config
+from shardserve.settings.resolve import build_engine_config
 from shardserve.worker.model_runner import ModelRunner
 config = build_engine_config(model={str(tmp_path)!r}, load_format="dummy", device="cpu", num_kv_blocks=8,
                              max_model_len=64)

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardserve import LLM, SamplingParams
-from shardserve.config import build_engine_config
+from shardserve.settings.resolve import build_engine_config
 from shardserve.worker.model_runner import ModelRunner
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

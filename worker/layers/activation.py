@@ -13,7 +13,7 @@ class SiluAndMul(nn.Module):
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
         """[..., 2 * d] (gate, then up) -> silu(gate) * up, [..., d]."""
         if _fused.use_fused(gate_up):
-            from shardserve.kernels.activation import silu_and_mul
+            from shardserve.kernels.silu_and_mul import silu_and_mul
 
             return silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)

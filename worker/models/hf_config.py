@@ -1,5 +1,5 @@
 """A model folder's config.json read without transformers: the fields the models (decoder.py, rotary.py) and the
-controller's model facts (shardserve/config.py) use, each as transformers' config class for the model type would
+controller's model facts (shardserve/settings/resolve.py) use, each as transformers' config class for the model type would
 set it, defaults included where the file leaves a field out.
 
 Why not AutoConfig: building transformers' Llama or Qwen config class imports its modelling helpers, whose chain

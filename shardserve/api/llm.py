@@ -1,7 +1,7 @@
 """LLM: offline generation in one process (TP=1) or with local worker processes (TP > 1), on one TP group or
 (data_parallel_size=M) on M of them.
 
-Its settings resolve into an EngineConfig (shardserve/config.py), and shardserve/engine_factory.py wires the
+Its settings resolve into an EngineConfig (shardserve/settings/resolve.py), and shardserve/settings/engine_factory.py wires the
 controller-side Engine (cluster/) to an Executor (worker/): the two talk only through StepPlan and StepResult
 (proto/plan.py), so the same Engine drives the in-process worker and gRPC workers (local processes or Ray actors). Requests are admitted as
 the server admits them (Engine.admit: cluster/admission.py).
@@ -27,8 +27,8 @@ from shardserve.cluster.replica import ReplicaLoad
 from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
 from shardserve.cluster.outputs import RequestDelta, RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams, output_seed
-from shardserve.config import build_engine_config
-from shardserve.engine_factory import build_engine
+from shardserve.settings.resolve import build_engine_config
+from shardserve.settings.engine_factory import build_engine
 from shardserve.proto.config import EngineConfig
 
 

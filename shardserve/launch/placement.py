@@ -58,7 +58,7 @@ def ensure_ray(address: str = "local") -> None:
     if address == "local":
         # Without this, Ray binds the machine's external address; the local cluster stays on 127.0.0.1.
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        from shardserve.local_ray import init_local_ray
+        from shardserve.launch.local_ray import init_local_ray
 
         init_local_ray(max(8, os.cpu_count() or 1))
     else:

@@ -1,4 +1,4 @@
-"""Ray orchestration of `shardserve serve` (shardserve/serve.py): the controller actor, its TP worker groups.
+"""Ray orchestration of `shardserve serve` (shardserve/launch/server_process.py): the controller actor, its TP worker groups.
 
     cluster = start_cluster(config, host="127.0.0.1", port=50051)   # after ensure_ray(...)
     ...                                                              # clients talk to cluster.address
@@ -19,9 +19,9 @@ from typing import Any
 
 from shardserve.cluster.executor import GrpcExecutor
 from shardserve.cluster.step_deadline import StepDeadline
-from shardserve.config import model_facts
+from shardserve.settings.resolve import model_facts
 from shardserve.proto.config import EngineConfig
-from shardserve.replica_hosts import RayReplicaHosts, use_replica_hosts
+from shardserve.launch.replica_actors import RayReplicaHosts, use_replica_hosts
 
 
 @dataclass
@@ -42,7 +42,7 @@ class GroupExecutor(GrpcExecutor):
     """A GrpcExecutor over a Ray worker group it owns: its shutdown also stops the group."""
 
     def __init__(self, config: EngineConfig, group, deadline: StepDeadline | None = None) -> None:
-        self.group = group  # shardserve.launcher.WorkerGroup
+        self.group = group  # shardserve.launch.placement.WorkerGroup
         super().__init__(config, group.endpoints, group.init_method, secret=group.secret, tls=group.tls,
                          deadline=deadline)
 
@@ -61,7 +61,7 @@ class GroupExecutor(GrpcExecutor):
 @dataclass
 class RayGroupFactory:
     """One replica's start, run inside the controller actor (ControllerConfig.build_engine; Ray pickles it): places
-    the TP group's placement group and worker actors (shardserve/launcher.py), then builds the Engine over them
+    the TP group's placement group and worker actors (shardserve/launch/placement.py), then builds the Engine over them
     (engine_factory.build_engine). Every call starts a fresh group, named "{name}-g<random>"; the engine's shutdown
     stops the group again."""
 
@@ -70,11 +70,11 @@ class RayGroupFactory:
     strategy: str = "STRICT_PACK"
     step_deadline: StepDeadline | None = None  # the settings; each group measures its own step times
     tls: Any = None  # proto.auth.WorkerTLS: the worker plane over mutual TLS, or None
-    placement_group: Any = None  # a replica host's (shardserve/replica_hosts.py): every group of it goes there
+    placement_group: Any = None  # a replica host's (shardserve/launch/replica_actors.py): every group of it goes there
 
     def __call__(self, config: EngineConfig):
-        from shardserve.engine_factory import build_engine
-        from shardserve.launcher import launch_worker_group
+        from shardserve.settings.engine_factory import build_engine
+        from shardserve.launch.placement import launch_worker_group
 
         group = launch_worker_group(config, self.worker_host, self.strategy,
                                     name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}", tls=self.tls,
@@ -130,8 +130,8 @@ class RunningCluster:
 
 
 def model_name_of(config: EngineConfig, requested: str | None) -> str:
-    """--served-model-name, else the model's name without its server path (shardserve/models.py: display_name)."""
-    from shardserve.models import display_name
+    """--served-model-name, else the model's name without its server path (shardserve/settings/model_source.py: display_name)."""
+    from shardserve.settings.model_source import display_name
 
     return requested or display_name(config.model.rstrip("/"))
 
@@ -179,7 +179,7 @@ def start_cluster(
     replica_hosts: str = "auto",
 ) -> RunningCluster:
     """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
-    shardserve.launcher.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
+    shardserve.launch.placement.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
     any of it fails. security: the client API's token, TLS and size limit (cluster/api_security.py ApiSecurity;
     None = none, the default limit). worker_tls: proto.auth.WorkerTLS, the worker plane over mutual TLS."""
     import ray

@@ -48,7 +48,7 @@ class LocalRay:
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # loopback only, for the host and for this process
         env = dict(os.environ)
         env.pop("RAY_ADDRESS", None)  # the host starts a new Ray; it must not look for another
-        proc = subprocess.Popen([sys.executable, "-m", "shardserve.local_ray", str(num_cpus)], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "shardserve.launch.local_ray", str(num_cpus)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
         host = cls("", proc)
         deadline = time.monotonic() + timeout_s

@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from shardserve.bench.cli import add_bench_parser
-from shardserve.cluster_cli import add_cluster_parsers
-from shardserve.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
-from shardserve.gateway_cli import add_gateway_parser
+from shardserve.bench.commands import add_bench_parser
+from shardserve.cli.server_commands import add_cluster_parsers
+from shardserve.cli.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from shardserve.cli.gateway_commands import add_gateway_parser
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

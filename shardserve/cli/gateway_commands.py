@@ -1,4 +1,4 @@
-"""`shardserve gateway`: the OpenAI-compatible HTTP gateway (shardserve/gateway.py) in front of a running server.
+"""`shardserve gateway`: the OpenAI-compatible HTTP gateway (shardserve/gateway/app.py) in front of a running server.
 Kept apart from gateway.py so that building the command line needs no FastAPI."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def add_gateway_parser(sub) -> None:
     gateway.add_argument("--workers", type=int, default=1,
                          help="gateway processes sharing the port (SO_REUSEPORT): one core's worth of streams each")
     gateway.add_argument("--worker-of-parent", action="store_true", help=argparse.SUPPRESS)  # started by --workers
-    from shardserve.cluster_cli import add_connection_args
+    from shardserve.cli.server_commands import add_connection_args
 
     add_connection_args(gateway.add_argument_group("upstream TLS (a server's token comes from each HTTP request's "
                                                    "Authorization header)"), prefix="upstream-")
@@ -25,8 +25,8 @@ def add_gateway_parser(sub) -> None:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from shardserve.cluster_cli import connection_kwargs
-    from shardserve.gateway import run_gateway
+    from shardserve.cli.server_commands import connection_kwargs
+    from shardserve.gateway.app import run_gateway
 
     tls = connection_kwargs(args, prefix="upstream-")
     tls.pop("token")

@@ -1,4 +1,4 @@
-"""How Client and AsyncClient (shardserve/client.py) reach a server: a bearer token added to every call's metadata
+"""How Client and AsyncClient (shardserve/client/clients.py) reach a server: a bearer token added to every call's metadata
 (`authorization: Bearer <token>`), and TLS, mutual when a client certificate is given."""
 
 from __future__ import annotations

@@ -29,11 +29,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from shardserve.client import AsyncClient
-from shardserve.gateway_requests import Gateway, GatewayError, metadata_of
-from shardserve.gateway_workers import Workers, bind, exit_with_stdin
-from shardserve.openai_format import error_body
-from shardserve.openai_schema import ChatCompletionRequest, CompletionRequest
+from shardserve.client.clients import AsyncClient
+from shardserve.gateway.generation import Gateway, GatewayError, metadata_of
+from shardserve.gateway.processes import Workers, bind, exit_with_stdin
+from shardserve.gateway.openai_format import error_body
+from shardserve.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
 
 
 def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tls: dict | None = None) -> FastAPI:
@@ -168,7 +168,7 @@ def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, reques
                 access_log: bool = False, workers: int = 1, worker_of_parent: bool = False,
                 upstream_tls: dict | None = None) -> int:
     """`shardserve gateway`: serves until SIGINT/SIGTERM (uvicorn's graceful shutdown). workers > 1: this process
-    and workers - 1 more on the same port (shardserve/gateway_workers.py)."""
+    and workers - 1 more on the same port (shardserve/gateway/processes.py)."""
     if workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers}")
     sock = bind(host, port, reuse_port=workers > 1 or worker_of_parent)

@@ -1,4 +1,4 @@
-"""The OpenAI request bodies the HTTP gateway accepts (shardserve/gateway.py), as pydantic models.
+"""The OpenAI request bodies the HTTP gateway accepts (shardserve/gateway/app.py), as pydantic models.
 
 Three kinds of fields:
 - mapped onto the gRPC GenerateRequest (temperature, top_p, seed, stop, max_tokens, logprobs, logit_bias, ...;

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shardserve.cluster.engine import Engine
-from shardserve.config import model_facts
+from shardserve.settings.resolve import model_facts
 from shardserve.proto.config import EngineConfig
 from shardserve.cluster.executor import Executor
 

@@ -13,7 +13,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from shardserve.models import resolve_model
+from shardserve.settings.model_source import resolve_model
 from shardserve.proto.config import EngineConfig, user_default, user_settings
 from shardserve.worker.models import SUPPORTED_ARCHITECTURES
 from shardserve.worker.models.hf_config import read_hf_config

@@ -1,4 +1,4 @@
-"""`shardserve serve` (the cluster) and `shardserve client` (the gRPC client), added to shardserve/cli.py's parser."""
+"""`shardserve serve` (the cluster) and `shardserve client` (the gRPC client), added to shardserve/cli/main.py's parser."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
-from shardserve.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from shardserve.cli.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
 
 
 def add_cluster_parsers(sub) -> None:
@@ -163,16 +163,16 @@ def _check_port_free(host: str, port: int | None, flag: str) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from shardserve.cluster.step_deadline import StepDeadline
-    from shardserve.config import build_engine_config
-    from shardserve.local_ray import exit_past_broken_ray
-    from shardserve.serve import serve
+    from shardserve.settings.resolve import build_engine_config
+    from shardserve.launch.local_ray import exit_past_broken_ray
+    from shardserve.launch.server_process import serve
 
     _check_port_free(args.host, args.port, "--port")
     if args.metrics_port:
         _check_port_free("0.0.0.0", args.metrics_port, "--metrics-port")
     if args.http_port:
         _check_port_free(args.http_host or args.host, args.http_port, "--http-port")
-    from shardserve.models import display_name
+    from shardserve.settings.model_source import display_name
 
     if args.stream_interval < 1:
         raise ValueError(f"--stream-interval {args.stream_interval}: give a number >= 1")
@@ -202,7 +202,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
-    from shardserve.client import Client
+    from shardserve.client.clients import Client
 
     if (args.prompt is None) == (args.file is None):
         print("error: give a prompt or --file (not both)", file=sys.stderr)

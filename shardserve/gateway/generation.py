@@ -1,4 +1,4 @@
-"""How the gateway answers a generation request (shardserve/gateway.py has the routes): the upstream gRPC client,
+"""How the gateway answers a generation request (shardserve/gateway/app.py has the routes): the upstream gRPC client,
 the OpenAI request -> Generate streams (admission errors become HTTP errors before any stream begins), the streams
 -> one JSON body or server-sent events, and the gRPC status -> HTTP status mapping."""
 
@@ -13,10 +13,10 @@ import grpc
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from shardserve.client import AsyncClient, FieldError
+from shardserve.client.clients import AsyncClient, FieldError
 from shardserve.cluster.sampling_params import output_seed
-from shardserve.gateway_metrics import GatewayMetrics
-from shardserve.openai_format import DONE, Choice, error_body, prompt_tokens, response_body, sse, usage_chunk
+from shardserve.gateway.http_metrics import GatewayMetrics
+from shardserve.gateway.openai_format import DONE, Choice, error_body, prompt_tokens, response_body, sse, usage_chunk
 from shardserve.proto import generation_pb2 as pb
 
 # gRPC status -> (HTTP status, OpenAI error type, code)

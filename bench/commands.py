@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from shardserve.flags import add_engine_args, engine_kwargs
+from shardserve.cli.flags import add_engine_args, engine_kwargs
 
 
 def add_bench_parser(sub) -> None:

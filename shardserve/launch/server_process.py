@@ -1,4 +1,4 @@
-"""`shardserve serve`: the long-running server process around a Ray cluster (shardserve/ray_cluster.py).
+"""`shardserve serve`: the long-running server process around a Ray cluster (shardserve/launch/ray_serving.py).
 
 It starts the cluster (and the HTTP gateway when asked), then watches it: a controller that failed or died is
 started again with fresh groups on the same address, up to CONTROLLER_RESTARTS times; SIGTERM or SIGINT drains the
@@ -14,9 +14,9 @@ import threading
 import time
 
 from shardserve.cluster.step_deadline import StepDeadline
-from shardserve.local_ray import LocalRay, shutdown_broken_ray
+from shardserve.launch.local_ray import LocalRay, shutdown_broken_ray
 from shardserve.proto.config import EngineConfig
-from shardserve.ray_cluster import RunningCluster, check_cluster_gpus, model_name_of, start_cluster
+from shardserve.launch.ray_serving import RunningCluster, check_cluster_gpus, model_name_of, start_cluster
 
 CONTROLLER_RESTARTS = 3  # times `serve` starts a failed or dead controller (and its groups) again, then exits 1
 
@@ -44,11 +44,11 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
           stream_interval: int = 1, worker_tls=None, replica_hosts: str = "auto") -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails for good (exits 1): a controller
     actor that died, or whose groups could not be restarted, is started again (with fresh groups) on the same
-    address, up to CONTROLLER_RESTARTS times. http_port: also the HTTP gateway (shardserve/gateway.py), started
+    address, up to CONTROLLER_RESTARTS times. http_port: also the HTTP gateway (shardserve/gateway/app.py), started
     once the server is ready, stopped after the drain."""
     import ray
 
-    from shardserve.launcher import ensure_ray
+    from shardserve.launch.placement import ensure_ray
 
     address = resolve_ray_address(ray_address)
     if address == "local" and (host.startswith("127.") or host == "localhost"):
@@ -91,7 +91,7 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
               f"replicas={replicas_now}, {config.device}) serving on {cluster.address}{metrics} [{time.perf_counter() - start:.1f} s]",
               flush=True)
         if http_port is not None:
-            from shardserve.gateway import GatewayThread
+            from shardserve.gateway.app import GatewayThread
 
             gateway = GatewayThread(cluster.address, http_host or host, http_port, workers=http_workers)
             print(f"shardserve gateway ready: http://{gateway.address}/v1", flush=True)

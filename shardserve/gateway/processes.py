@@ -44,7 +44,7 @@ class Workers:
 
     def __init__(self, count: int, upstream: str, host: str, port: int, request_timeout_s: float | None,
                  access_log: bool, upstream_tls: dict | None = None, ready_timeout_s: float = 60.0) -> None:
-        command = [sys.executable, "-m", "shardserve.cli", "gateway", "--upstream", upstream, "--host", host,
+        command = [sys.executable, "-m", "shardserve.cli.main", "gateway", "--upstream", upstream, "--host", host,
                    "--port", str(port), "--worker-of-parent"]
         tls = upstream_tls or {}
         if tls.get("tls"):

@@ -1,5 +1,5 @@
 """The client's streams: a Generate call's messages folded into deltas and a GenerationResult, and resuming a stream
-that broke with UNAVAILABLE, or a CANCELLED the client did not ask for (shardserve/client.py's module docstring says
+that broke with UNAVAILABLE, or a CANCELLED the client did not ask for (shardserve/client/clients.py's module docstring says
 when and why that is exact)."""
 
 from __future__ import annotations

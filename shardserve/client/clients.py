@@ -37,8 +37,8 @@ from __future__ import annotations
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from shardserve.client_connection import Connection
-from shardserve.client_stream import (  # noqa: F401 (the result types are part of this module's API)
+from shardserve.client.connection import Connection
+from shardserve.client.stream import (  # noqa: F401 (the result types are part of this module's API)
     AsyncStream,
     GenerationResult,
     Stream,

@@ -44,13 +44,13 @@ class RayReplicaHosts:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from shardserve.cluster.replica_host import ReplicaHost
-        from shardserve.launcher import place_group
+        from shardserve.launch.placement import place_group
 
         index = replica_id.rsplit("/", 1)[-1]
         cpus = 1 if self.device == "cuda" else 0
         options = dict(name=f"{self.name}-host{index}", num_cpus=cpus, max_restarts=0, max_concurrency=1000)
         pg = None
-        if _takes_placement_group(build_engine):  # shardserve/ray_cluster.py's RayGroupFactory
+        if _takes_placement_group(build_engine):  # shardserve/launch/ray_serving.py's RayGroupFactory
             pg = place_group(config, build_engine.strategy, f"{self.name}-host{index}-pg", extra_cpus=cpus)
             build_engine = dataclasses.replace(build_engine, placement_group=pg)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(

@@ -1,0 +1,7 @@
+"""`python -m shardserve.cli ...`: the same as the `shardserve` command."""
+
+import sys
+
+from shardserve.cli.main import main
+
+sys.exit(main())

@@ -1,0 +1,2 @@
+"""The OpenAI-compatible HTTP gateway: routes (app.py), request bodies (openai_schema.py), the generation streams
+(generation.py), response bodies (openai_format.py), several processes on one port (processes.py), metrics."""
