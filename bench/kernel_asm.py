@@ -1,7 +1,7 @@
 """What the decode kernel compiles to on a GPU, on any machine: Triton compiles it for a given target (sm_90 by
 default) without a device, and this counts the PTX memory, conversion and tensor-core instructions per thread,
 the SASS instruction mix (nvdisasm, shipped with Triton) and the registers. This is how the FP8 decode kernel was
-found reading its e4m3 K tile back from shared memory a byte at a time (docs/performance.md), without device time.
+found reading its e4m3 K tile back from shared memory a byte at a time (docs/performance-history.md), without device time.
 
     python -m shardserve.bench.kernel_asm --cache fp8 --variant pairs [--block-n 128 --warps 4 --stages 2]
     python -m shardserve.bench.kernel_asm --one-row     # the one-row layer's kernels (gemv.py, rope.py)

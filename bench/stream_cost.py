@@ -9,7 +9,7 @@ of its own (shardserve/launch/replica_actors.py; a local Ray is started), so the
 the hosts' reports only. Per --stream-interval (or "final": final_only requests, answered in one message each):
 output tok/s, the controller process's CPU per output token (all its threads: engine loops, event loop, gRPC) and
 the event loop thread's own part. One process
-caps at about 1 / (CPU per token) tokens/s: the ceiling the two-GPU scaling runs met (docs/performance.md).
+caps at about 1 / (CPU per token) tokens/s: the ceiling the two-GPU scaling runs met (docs/performance-history.md).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ checked before any tokenizing (a prompt of 4 MB is refused in microseconds, not 
 
 Each pool thread tokenizes with its own copy of the tokenizer: the engine thread keeps its own (detokenizing), and
 a fast tokenizer's settings are not safe to share across threads. The Rust tokenizer releases the GIL for the
-bulk of the work, so the engine thread keeps stepping meanwhile (docs/performance.md has the measured gaps).
+bulk of the work, so the engine thread keeps stepping meanwhile (docs/performance-history.md has the measured gaps).
 """
 
 from __future__ import annotations

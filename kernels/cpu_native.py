@@ -4,7 +4,7 @@ bfloat16 matmuls of a decode step's few rows on AMX (cpu_amx.c).
 The torch formulation of the in-place decode (torch_paged_decode.py) takes ~15 torch ops a layer, each a pass over
 the step's scores, and reads every key row once per query head; the C kernel reads each key and value once per KV
 head and keeps its sums in vector registers: the CPU benchmark's decode steps take about a third less time
-(docs/performance.md). It is compiled here, not at install: `cc -O3 -march=native -fopenmp` makes code for the
+(docs/performance-history.md). It is compiled here, not at install: `cc -O3 -march=native -fopenmp` makes code for the
 host's own vector units, linked against the OpenMP runtime torch has loaded (`openmp_runtime`), so the shared object
 is cached per source, compiler, flags, runtime and CPU (`$XDG_CACHE_HOME/shardserve/native`, by default
 `~/.cache/shardserve/native`), written under a temporary name and renamed into place (processes building it at once

@@ -6,7 +6,7 @@ the activations x [M, K] are quantized the same way per token (row m, one pass o
 product runs on FP8 tensor cores with both scales applied to the float32 accumulator:
 y[m, n] = (sum_k xq[m, k] wq[n, k]) * sx[m] * sw[n]. On an H200 that halves the weights' bytes and runs the
 products at twice bf16's rate: Llama-3-8B's gate_up at 256 rows 94.7 -> 52.9 us, at 16,384 rows 1.9x faster
-(docs/performance.md). Small matrices at small M gain nothing or lose (Qwen3-0.6B's o_proj and down at <= 512 rows).
+(docs/performance-history.md). Small matrices at small M gain nothing or lose (Qwen3-0.6B's o_proj and down at <= 512 rows).
 
 The LM head and the embedding keep the model's dtype. Without CUDA (or where a dimension is not a multiple of 16,
 which the FP8 GEMM needs) `fp8_linear` computes the same quantized product in float32 in torch: the CPU runs the

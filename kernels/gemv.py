@@ -1,7 +1,7 @@
 """Triton GEMV for decode at batch 1-4: y = x W^T with W [N, K] read once, at the copy rate.
 
 At M = 1 the matmul is a pass over the weight. cuBLAS picks 64-wide tiles and split-K for Llama-3-8B's qkv
-(6,144 x 4,096) and o_proj (4,096 x 4,096) and reads them at ~72% of the H200's copy rate (docs/performance.md,
+(6,144 x 4,096) and o_proj (4,096 x 4,096) and reads them at ~72% of the H200's copy rate (docs/performance-history.md,
 bs=1 profile). Here each program owns BLOCK_N output columns and walks K in BLOCK_K steps, every row of x against
 the same weight tile (loaded once, coalesced along K), accumulating in float32; SPLIT_K > 1 gives each program
 1/SPLIT_K of K and adds its partial sums into a float32 buffer with atomics (for shapes with few columns).
@@ -40,12 +40,12 @@ from shardserve.kernels.pdl import supported as pdl_supported
 MAX_ROWS = 4
 # Programmatic dependent launch on CUDA (Hopper and later; SHARDSERVE_GEMV_PDL=0 turns it off): a GEMV may start, and
 # read its first weight tile, while the kernel before it finishes; it waits for that kernel before reading x. On an
-# H200 (docs/performance.md): Qwen3-0.6B bs=1 1.022 -> 0.968 ms; Llama-3-8B (weights of 34-235 MB) 4.304 -> 4.145 ms
+# H200 (docs/performance-history.md): Qwen3-0.6B bs=1 1.022 -> 0.968 ms; Llama-3-8B (weights of 34-235 MB) 4.304 -> 4.145 ms
 # with the FLAT GEMVs below (two pairs at c5ce5fd; before them it was slower, 4.608 -> 4.947, and was kept to
 # weights of at most 16 MB until then).
 PDL = os.environ.get("SHARDSERVE_GEMV_PDL", "1") != "0"
 # The one-row layer's GEMVs sum their products lane by lane and keep the weight tile out of shared memory (the
-# kernel's FLAT). Timed on an H200 (docs/performance.md, "FLAT one-row GEMVs"), flat against reduced, us:
+# kernel's FLAT). Timed on an H200 (docs/performance-history.md, "FLAT one-row GEMVs"), flat against reduced, us:
 # Llama-3-8B qkv+norm 15.5/15.9, gate_up+norm 57.0/60.2, down+silu+residual 30.6/36.3 (cuBLAS alone 31.9), o_proj
 # +residual 11.4/11.7 (4x2048 tiles, loading ahead); Qwen3-0.6B 3.2/4.3, 5.3/5.1, 4.0/5.6, o_proj 1.9/3.5. The plain
 # GEMV (the LM head at batch 1) stays reduced: flat it read Qwen3-0.6B's in 81.8 us against 72.2. Hence "auto": flat
@@ -55,15 +55,15 @@ FLAT = os.environ.get("SHARDSERVE_GEMV_FLAT", "auto")
 if FLAT not in ("auto", "0", "1"):
     raise ValueError(f"SHARDSERVE_GEMV_FLAT={FLAT!r}: auto, 0 or 1")
 # e4m3 weights read this many elements at a time (_weight_tile's VEC; 0: Triton's choice, 16 = 16 bytes), x being in
-# the model's dtype. On an H200 (docs/performance.md), Llama-3-8B's FP8 gate_up 38.7 -> 37.0 us, down 19.1 -> 18.4,
+# the model's dtype. On an H200 (docs/performance-history.md), Llama-3-8B's FP8 gate_up 38.7 -> 37.0 us, down 19.1 -> 18.4,
 # qkv 11.3 -> 11.0. SHARDSERVE_GEMV_FP8_VEC (A/B runs).
 FP8_VEC = int(os.environ.get("SHARDSERVE_GEMV_FP8_VEC", "8"))
 # The FLAT GEMV over e4m3 weights sums each step's products this many at a time in the lane first (0: not): on an
 # H200 Llama-3-8B's FP8 gate_up 37.1 -> 29.0 us (4.05 TB/s), down (8 x 2,048 tiles) 18.2 -> 16.8, bs=1 3.04 ->
-# 2.58 ms a token with the tiles of decoder.py (docs/performance.md). SHARDSERVE_GEMV_FP8_GROUP (A/B runs).
+# 2.58 ms a token with the tiles of decoder.py (docs/performance-history.md). SHARDSERVE_GEMV_FP8_GROUP (A/B runs).
 FP8_GROUP = int(os.environ.get("SHARDSERVE_GEMV_FP8_GROUP", "8"))
 # Half-precision weights are not grouped: timed on an H200 (2026-12-03), Llama-3-8B's bf16 qkv 14.4 -> 16.9 us and
-# down 29.0 -> 41.5 at the default tiles, bs=1 4.09 -> 4.54 ms a token (docs/performance.md).
+# down 29.0 -> 41.5 at the default tiles, bs=1 4.09 -> 4.54 ms a token (docs/performance-history.md).
 
 
 def _flat(m: int, norm: bool, silu: bool, residual: bool) -> bool:

@@ -60,7 +60,7 @@ def scales_from_amax(amax: torch.Tensor, margin: float) -> torch.Tensor:
 
 
 # How the decode multiplies an FP8 cache's tiles (SHARDSERVE_FP8_DECODE selects one; the Triton loops are in
-# paged_decode.py / paged_decode_fp8.py, measured on an H200 in docs/performance.md): "pairs" (the default) reads the
+# paged_decode.py / paged_decode_fp8.py, measured on an H200 in docs/performance-history.md): "pairs" (the default) reads the
 # cache as int16 pairs of e4m3, which Triton copies and loads as it does a bf16 tile, and widens each pair into an
 # even-dims and an odd-dims fp16 tile (the products sum over the dims in any order): 96% of the copy rate at
 # 64 x 4,096 and offline Qwen3-0.6B 32.4-33.7k out tok/s against the "fp16" loop's 22.5k. Every other loop loads e4m3

@@ -156,7 +156,7 @@ def _merge_splits_kernel(
 # Launch settings per cache (keys per tile, warps, pipeline stages, stages where a context is one split and the
 # launch small), head_dim <= 128. An e4m3 tile of 128 keys moves the bytes of a bf16 tile of 64 (the loop's fixed
 # costs, the two products and the softmax, are paid per tile, so half-size FP8 tiles left the kernel at ~1.0-1.45
-# TB/s on an H200: docs/performance.md). bf16 takes a third stage where each program reads a whole context (one
+# TB/s on an H200: docs/performance-history.md). bf16 takes a third stage where each program reads a whole context (one
 # split) and the launch has at most DEEP_MAX_PROGRAMS programs: on an H200, 64 x 1,024 0.076 -> 0.065 ms, 64 x
 # 100-2,048 0.099 -> 0.092; with more programs (three stages fit 2 programs an SM, two stages 3) unequal contexts
 # ran slower (256 x 100-1,024 0.138 -> 0.141 ms; the offline run's decode steps at 128-256 sequences 1.7% slower),
@@ -197,7 +197,7 @@ def decode_launch(fp8: bool, head_dim: int, num_splits: int, programs: int) -> t
 # Programs the split-K decode aims for (SHARDSERVE_DECODE_PROGRAMS: another value, for measurements).
 TARGET_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_PROGRAMS", "528"))
 # Rows of the tensor-core products (the query group padded), for measurements: SHARDSERVE_DECODE_ROWS=64 (an H200
-# ran the e4m3_qk loop faster at 64 rows than at 16; docs/performance.md). 0: the fewest the loop can take.
+# ran the e4m3_qk loop faster at 64 rows than at 16; docs/performance-history.md). 0: the fewest the loop can take.
 DECODE_ROWS = int(os.environ.get("SHARDSERVE_DECODE_ROWS", "0"))
 
 

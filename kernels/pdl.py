@@ -8,7 +8,7 @@ The one-pass GEMV takes it by default (kernels/gemv.py: PDL), and so do RoPE wit
 attention and the split merge, RMSNorm (with its residual add) and SiLU-and-mul: each signals its dependents and
 waits at its very start, before any load, so it computes exactly what a plain launch computes. On an H200 the
 first three took bs=1 Llama-3-8B from 4.10 to 4.07 ms a token and Qwen3-0.6B from 0.867 to 0.828; the norms and
-SiLU-and-mul, which follow cuBLAS's GEMMs in a decode batch's layer, joined later (docs/performance.md).
+SiLU-and-mul, which follow cuBLAS's GEMMs in a decode batch's layer, joined later (docs/performance-history.md).
 SHARDSERVE_PDL_CHAIN=0 turns the chain off, =attention keeps only RoPE, decode attention and the merge (for
 measurements).
 """

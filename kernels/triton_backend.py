@@ -7,7 +7,7 @@ those to the decode kernel and the rest to the prefill kernel, two launches: the
 74-84% of the copy rate with a bf16 cache and 30-39% with FP8, the decode kernel at 83-107%. On an H200, timed warm,
 63 or 255 decodes beside a 512-token prefill ran 1.12-1.20x (bf16) and 1.42-1.80x (FP8) faster split; but with the
 split on from 32 decodes an offline Qwen3-0.6B run spent 2.43 s instead of 0.46 s in its prefill steps
-(docs/performance.md). The likely cause: the prefill kernel was handed seq_lens[decodes:], a view whose address is
+(docs/performance-history.md). The likely cause: the prefill kernel was handed seq_lens[decodes:], a view whose address is
 16-byte aligned only when decodes is a multiple of 4, and Triton compiles a new variant for an unaligned pointer
 (1.8-3.2 s for sm_90 on a 2-core machine, about the time lost). With the tails fresh tensors
 (AttentionMetadata.tail) the offline run lost no time to compiles, but gained nothing either (bf16 24,949 against
@@ -31,7 +31,7 @@ SPLIT_MIXED = int(os.environ.get("SHARDSERVE_SPLIT_MIXED", "0"))  # the default 
 # longest contexts first, "batch" the batch's order (AttentionMetadata.longest_first: one argsort a step, shared by
 # every layer). On an H200, kernel alone, batches of 128-256 unequal contexts (100-1,024 or
 # 100-2,048 tokens) read 7-20% faster longest first, 32-64 sequences over 100-4,096 faster or slower by case; the
-# offline Qwen3-0.6B run spent 2-3% less in its decode steps (docs/performance.md).
+# offline Qwen3-0.6B run spent 2-3% less in its decode steps (docs/performance-history.md).
 DECODE_ORDER = os.environ.get("SHARDSERVE_DECODE_ORDER", "longest")
 if DECODE_ORDER not in ("batch", "longest"):
     raise ValueError(f"SHARDSERVE_DECODE_ORDER: expected longest or batch, got {DECODE_ORDER!r}")

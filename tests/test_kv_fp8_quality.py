@@ -3,7 +3,7 @@ distributions stay close to float32's (the FP8 cache with the default FP8 decode
 e4m3, SHARDSERVE_FP8_DECODE=e4m3_qk, which the torch path mirrors). Teacher-forced (the prompt in one prefill, then
 the float32 run's greedy tokens one decode step at a time), KL(float32 || other) per position over the full
 vocabulary; the benches that measured the bounds are `shardserve bench kv-quality` and `python -m
-shardserve.bench.dtype_quality` (docs/performance.md, "FP8 KV cache: quality on the default model")."""
+shardserve.bench.dtype_quality` (docs/performance-history.md, "FP8 KV cache: quality on the default model")."""
 
 from __future__ import annotations
 

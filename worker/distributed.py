@@ -165,7 +165,7 @@ class _OneShotAllReduce:
 def enable_one_shot_all_reduce(dtype: torch.dtype, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES) -> bool:
     """Turns the one-shot path on for CUDA TP=2 groups when SHARDSERVE_SYMM_MEM_ALL_REDUCE=1. Off by default:
     measured on the H200 pair, Llama-3-8B bs=1 decode at TP=2 took 3.733 ms with it and 3.739 ms with NCCL alone
-    (docs/performance.md), so it does not yet pay for its extra start-up step. Checked once against NCCL on a test
+    (docs/performance-history.md), so it does not yet pay for its extra start-up step. Checked once against NCCL on a test
     tensor; on any failure or mismatch it stays off with a warning. Every rank must call it (collective)."""
     if _group.size != 2 or device.type != "cuda" or os.environ.get("SHARDSERVE_SYMM_MEM_ALL_REDUCE", "0") != "1":
         return False

@@ -11,7 +11,7 @@ Where they come from, in order:
    and computed once rather than from each batch so that a request's tokens never depend on what else ran before
    it. The margin leaves room for prompts that reach further than the calibration one; it costs nothing in
    precision for values within 448 / 2^15 of the largest, e4m3's normal range. Values beyond 448 x scale saturate.
-   docs/performance.md has the measured effect on the default model's outputs.
+   docs/performance-history.md has the measured effect on the default model's outputs.
 """
 
 from __future__ import annotations

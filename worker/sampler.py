@@ -132,7 +132,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
     untouched. No sort of the vocabulary: top-p's cut-off is found among each row's largest TOP_P_CANDIDATES
     logits (torch.topk, sorted), over probabilities normalised by the whole row's (or its top-k's) log-sum-exp,
     and looked for among 8x as many where some row's kept mass reaches past them (flat distributions). At 32 x
-    49,152 on the 2-core development VM torch.topk of 256 takes 2.4 ms, a full sort 44.5 (docs/performance.md)."""
+    49,152 on the 2-core development VM torch.topk of 256 takes 2.4 ms, a full sort 44.5 (docs/performance-history.md)."""
     n, vocab = logits.shape
     device = logits.device
     k = device_tensor([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, device).unsqueeze(1)
@@ -223,7 +223,7 @@ def _clamped_exp_(shifted: torch.Tensor) -> torch.Tensor:
     """In place: exp of values <= 0 (logits less their row's max), exactly 0 below -87 (e^-87 ~ 1.6e-38: weight
     nothing beside the row's largest, 1). torch's CPU exp takes a slow path for arguments whose result underflows:
     16-38x the time for those below -87 and 4x for -inf (the masked tokens), at 32 x 49,152 up to ~25 ms against
-    0.7 (docs/performance.md); temperature-scaled logits of a confident model reach there. In place (and the zeros
+    0.7 (docs/performance-history.md); temperature-scaled logits of a confident model reach there. In place (and the zeros
     by a threshold rather than a mask): each new 6 MB tensor of that size is paid in page faults."""
     return torch.nn.functional.threshold_(shifted.clamp_(min=-87.0).exp_(), _UNDERFLOW, 0.0)
 
@@ -236,7 +236,7 @@ def inverse_cdf(weights: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
     the first index whose cumulative weight reaches draw x the row's total. In two levels: the blocks' sums
     (float32, 256 weights each) and their cumulative sum (float64) find the block, then that block's own cumulative
     sum (float64) the token: one pass over the weights instead of a float64 copy and a cumulative sum of the whole
-    vocabulary (docs/performance.md). A token of weight 0 is never drawn: were the block's own sums to round below
+    vocabulary (docs/performance-history.md). A token of weight 0 is never drawn: were the block's own sums to round below
     the draw, its last token of weight > 0 is taken."""
     n, vocab = weights.shape
     pad = (-vocab) % CDF_BLOCK
@@ -258,7 +258,7 @@ def _sample_rows_gumbel(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.
     per-row key). With top-p in the batch, top-k, top-p and min-p become one cut-off per row, searched without a
     sort (kernels/sampling_filter.py; ties at the cut-off are kept), which the draw applies as it reads the unscaled
     logits. Without top-p, top-k (torch.topk's k-th value) and min-p mask a scaled copy as before: that path never
-    sorted, and it was as fast as the search for top-k 50 at batch 256 and faster at batch <= 32 (docs/performance.md;
+    sorted, and it was as fast as the search for top-k 50 at batch 256 and faster at batch <= 32 (docs/performance-history.md;
     SEARCH_TOP_K sends top-k through the search instead)."""
     from shardserve.kernels.sampling import gumbel_sample
     from shardserve.kernels.sampling_filter import filter_thresholds, filter_thresholds_ref
@@ -386,7 +386,7 @@ _WARM_SPECS = (SamplingSpec(temperature=1.0), SamplingSpec(temperature=1.0, top_
 def warm_up(vocab: int, dtype: torch.dtype, device: torch.device) -> None:
     """Compiles the GPU sampler's kernel variants at start-up instead of in the first step that meets each one: cold
     (no Triton cache on disk), the first offline step took 0.4-0.7 s more than warm, ~9% of a 6.8 s run on an H200
-    (docs/performance.md). Nothing to do on CPU, which compiles nothing."""
+    (docs/performance-history.md). Nothing to do on CPU, which compiles nothing."""
     if device.type != "cuda":
         return
     logits = torch.zeros(2, vocab, dtype=dtype, device=device)

@@ -111,7 +111,7 @@ def cpu_has_amx_bf16() -> bool:
 def cpu_auto_dtype(amx_bf16: bool | None = None) -> str:
     """What dtype="auto" is on CPU: bfloat16 where the CPU multiplies it in AMX tiles (there the default model's
     matmuls at 32 rows take 0.36x float32's time, its decode steps ~0.66x and its prefill ~0.35x:
-    docs/performance.md), else float32 (without AMX, bfloat16 is converted to float32 around every product).
+    docs/performance-history.md), else float32 (without AMX, bfloat16 is converted to float32 around every product).
     SHARDSERVE_CPU_DTYPE overrides the choice (float32 or bfloat16)."""
     chosen = os.environ.get(CPU_DTYPE_ENV)
     if chosen:
@@ -156,7 +156,7 @@ def _check_tensor_parallel_size(tp, facts: ModelFacts) -> None:
 # offline batch (LLM, `bench offline`). At 8192 a prefill step's launching took ~14 ms of an H200 host's time
 # (20-30 ms while that host ran slow) against ~20 ms of device time, and the device waited for it; the host's work
 # is per launch, not per token, while the device's doubles at 16384. Qwen3-0.6B's offline prefill steps took
-# 0.33-0.43 s at 16384 against 0.37-0.59 s at 8192 (docs/performance.md).
+# 0.33-0.43 s at 16384 against 0.37-0.59 s at 8192 (docs/performance-history.md).
 MAX_NUM_BATCHED_TOKENS = {"serve": 8192, "offline": 16384}
 
 

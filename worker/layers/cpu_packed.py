@@ -17,7 +17,7 @@ libraries' do.
 On a CPU with AMX, the matmuls of up to AMX_MAX_ROWS rows (decode steps) of a bfloat16 weight run on AMX tiles
 (`kernels/cpu_amx.c`), reading the weight oneDNN packed in place (its blocked layout is the tiles' own; checked per
 weight at load, `cpu_native.amx_weight`, so the weights are held once): oneDNN read the default model's 30 layers'
-weights at 32 rows in 16.0-16.4 ms, the AMX loop in 13.3-13.9 (docs/performance.md; beyond ~128 rows oneDNN is
+weights at 32 rows in 16.0-16.4 ms, the AMX loop in 13.3-13.9 (docs/performance-history.md; beyond ~128 rows oneDNN is
 faster: prefill keeps it). The MLP's gate_up matmul does SiLU-and-mul in its store there (`silu_and_mul`).
 SHARDSERVE_CPU_AMX=0 leaves every matmul to oneDNN.
 """
@@ -35,7 +35,7 @@ ENABLED = os.environ.get("SHARDSERVE_CPU_PACKED_WEIGHTS", "1") != "0"  # 0: F.li
 _PACK_HINT_ROWS = 32  # the batch size oneDNN tunes the layout for; measured the same at 32 and 2,048 rows
 AMX = os.environ.get("SHARDSERVE_CPU_AMX", "1") != "0"  # 0: oneDNN for every row count (A/B runs, memory)
 # the AMX loop's time against oneDNN's over 30 layers, on its own weight copy: 0.70x at 32 rows, 0.93x at 96, 1.02x
-# at 128; on oneDNN's layout 0.78-0.85x at 32 rows, 0.86-0.94x at 64 (docs/performance.md)
+# at 128; on oneDNN's layout 0.78-0.85x at 32 rows, 0.86-0.94x at 64 (docs/performance-history.md)
 AMX_MAX_ROWS = 96
 
 

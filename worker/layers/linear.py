@@ -22,7 +22,7 @@ from shardserve.worker.layers._sharding import attach_loader, copy_into, narrow_
 
 
 # Decode at batch 1 on CUDA: the Triton GEMV (kernels/gemv.py) instead of cuBLAS, which reads narrow weights at
-# M = 1 below the copy rate (docs/performance.md: Qwen3-0.6B's o_proj 12.7 -> 3.1 us, Llama-3-8B's qkv and o_proj
+# M = 1 below the copy rate (docs/performance-history.md: Qwen3-0.6B's o_proj 12.7 -> 3.1 us, Llama-3-8B's qkv and o_proj
 # 6-13% faster). Not where K > GEMV_MAX_K (Llama-3-8B's down projection, K = 14,336, measured 2% slower), except
 # for e4m3 weights (cuBLAS's FP8 product at M = 1 read Llama-3-8B's down no faster than bf16's: 36.6 against 35.2 us).
 # SHARDSERVE_GEMV=0 turns it off (A/B runs).

@@ -101,7 +101,7 @@ class DecoderMLP(nn.Module):
         return self.down_proj(h if h is not None else self.act(self.gate_up_proj(x)))
 
 
-# The one-row layer's GEMV tiles (block_n x block_k), the fastest timed on an H200 (docs/performance.md,
+# The one-row layer's GEMV tiles (block_n x block_k), the fastest timed on an H200 (docs/performance-history.md,
 # kernels/gemv.py): bf16 weights 8 x 1,024 but o_proj 4 x 2,048; e4m3 weights (products summed 8 at a time)
 # 8 x 2,048 for qkv and down, 8 x 1,024 for o_proj and gate_up.
 _TILES = {"qkv": {}, "o_proj": dict(block_n=4, block_k=2048), "gate_up": {}, "down": {}}
