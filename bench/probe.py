@@ -102,7 +102,8 @@ def probe_decode(runner, batch: int, context: int, temperature: float, vocab: in
     from torch.profiler import profile
 
     from shardserve.worker.cuda_graphs import padded_batch_size
-    from shardserve.worker.sampler import SamplingRow, sample_tokens
+    from shardserve.worker.sampler import sample_tokens
+    from shardserve.worker.sampling_row import SamplingRow
 
     b = _Batch(runner, batch, context, _decode_steps(repeats), temperature, vocab)
     out: dict = {"batch": batch, "context": context, "temperature": temperature}

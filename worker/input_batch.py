@@ -35,7 +35,8 @@ from shardserve.kernels.backends import AttentionMetadata
 from shardserve.proto.plan import SamplingSpec, StepPlan, cdiv
 from shardserve.worker.block_tables import DeviceBlockTables
 from shardserve.worker.device_copy import device_tensor
-from shardserve.worker.sampler import SamplingRow, uses_penalties
+from shardserve.worker.logit_processors import uses_penalties
+from shardserve.worker.sampling_row import SamplingRow
 from shardserve.worker.step_in_flight import StepInFlight
 
 PENDING = -1  # a token sampled on the device whose value the host has not read yet

@@ -24,8 +24,9 @@ from shardserve.worker import cuda_graphs, graph_memory, kv_cache, kv_scales
 from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.layers import cpu_packed
 from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
-from shardserve.worker.sampler import SamplingRow, plain_greedy, sample, sample_tokens
-from shardserve.worker.sampler import warm_up as sampler_warm_up
+from shardserve.worker.sampler import plain_greedy, sample, sample_tokens
+from shardserve.worker.sampler_warm_up import warm_up as sampler_warm_up
+from shardserve.worker.sampling_row import SamplingRow
 from shardserve.worker.step_in_flight import StepInFlight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

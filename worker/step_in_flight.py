@@ -17,7 +17,8 @@ import torch
 
 from shardserve.proto.plan import PromptLogprobs, StepResult
 from shardserve.worker.device_copy import copy_to_host
-from shardserve.worker.sampler import SamplingRow, logprobs_of, token_logprobs
+from shardserve.worker.sampling_row import SamplingRow
+from shardserve.worker.token_logprobs import logprobs_of, token_logprobs
 
 
 @dataclass(slots=True, eq=False)

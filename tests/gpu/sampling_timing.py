@@ -18,9 +18,11 @@ import torch
 
 from shardserve.kernels import sampling, sampling_filter
 from shardserve.kernels.sampling import gumbel_sample, split_keys
-from shardserve.worker import sampler
 from shardserve.proto.plan import SamplingSpec
-from shardserve.worker.sampler import SamplingRow, _filter, sample_tokens
+from shardserve.worker import gpu_draw
+from shardserve.worker.logit_filter import filter_logits
+from shardserve.worker.sampler import sample_tokens
+from shardserve.worker.sampling_row import SamplingRow
 from shardserve.worker.sampling_keys import row_key
 
 VOCAB = 151936
@@ -44,7 +46,7 @@ def _sort_top_p(logits, rows):
     inv_t = torch.tensor([1.0 / r.spec.temperature for r in rows], device="cuda")
     keys = torch.tensor(split_keys([row_key(r.spec.seed, r.output_index) for r in rows]), dtype=torch.int64,
                         device="cuda").view(-1, 2)
-    return gumbel_sample(_filter(logits * inv_t.unsqueeze(1), rows), keys, torch.ones_like(inv_t))
+    return gumbel_sample(filter_logits(logits * inv_t.unsqueeze(1), rows), keys, torch.ones_like(inv_t))
 
 
 class _TimedKernel:
@@ -148,9 +150,9 @@ def main(path: str) -> None:
                 temperature=2.0, top_p=0.9, seed=i), [1], 1) for i in range(batch)])),
             "top_k_50_cut_off_kernel": _ms(lambda: sampling_filter.filter_thresholds(logits, inv_t, k50, ones, zeros)),
         }
-        sampler.SEARCH_TOP_K = True
+        gpu_draw.SEARCH_TOP_K = True
         row["top_k_50_through_the_search"] = _ms(lambda: sample_tokens(logits, spec(top_k=50)))
-        sampler.SEARCH_TOP_K = False
+        gpu_draw.SEARCH_TOP_K = False
         per_sm = sampling._PROGRAMS_PER_SM
         for programs in (1, 2, 4, 16):  # the draw's programs per SM (the default: 8)
             sampling._PROGRAMS_PER_SM = programs

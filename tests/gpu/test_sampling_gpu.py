@@ -12,8 +12,9 @@ if not torch.cuda.is_available():
 from shardserve.kernels import sampling_filter  # noqa: E402
 from shardserve.kernels.sampling_filter import filter_thresholds, filter_thresholds_ref  # noqa: E402
 from shardserve.proto.plan import SamplingSpec  # noqa: E402
-from shardserve.worker import sampler  # noqa: E402
-from shardserve.worker.sampler import SamplingRow, sample_tokens  # noqa: E402
+from shardserve.worker import gpu_draw  # noqa: E402
+from shardserve.worker.sampler import sample_tokens  # noqa: E402
+from shardserve.worker.sampling_row import SamplingRow  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 VOCAB = 151936
@@ -81,9 +82,9 @@ def test_cut_offs_do_not_depend_on_the_compaction_capacity(cap, monkeypatch):
 
 
 def test_top_k_through_the_search_keeps_the_k_best(monkeypatch):
-    """Top-k alone through the cut-off search (sampler.SEARCH_TOP_K): the drawn tokens are among each row's k best
+    """Top-k alone through the cut-off search (gpu_draw.SEARCH_TOP_K): the drawn tokens are among each row's k best
     (float32 logits: distinct values, so exactly k are kept)."""
-    monkeypatch.setattr(sampler, "SEARCH_TOP_K", True)
+    monkeypatch.setattr(gpu_draw, "SEARCH_TOP_K", True)
     n = 64
     logits = _logits(n, torch.float32, seed=3)
     ks = [1, 5, 50, 1000]

@@ -1,5 +1,5 @@
 """The sort-free top-k/top-p/min-p cut-off (kernels/sampling_filter.py): the same thresholds as its sorted torch
-reference, the same kept set as the sampler's sort (worker/sampler._filter_top_k_top_p) where values are distinct,
+reference, the same kept set as the sampler's sort (worker/logit_filter.filter_top_k_top_p) where values are distinct,
 every tied token kept, and the Gumbel draw never leaving the kept set. Interpreted on CPU: small vocabularies."""
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 from shardserve.kernels.sampling import gumbel_sample, gumbel_sample_ref, split_keys
 from shardserve.kernels.sampling_filter import filter_thresholds, filter_thresholds_ref
-from shardserve.worker.sampler import _filter_top_k_top_p
+from shardserve.worker.logit_filter import filter_top_k_top_p
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 INF = float("inf")
@@ -41,7 +41,7 @@ def test_kept_set_equals_the_sorts_where_values_are_distinct():
     logits = torch.randn(len(SETTINGS), 1500, device=DEVICE) * 2  # float32: distinct values
     inv_t, top_k, top_p, min_p = _params(*zip(*SETTINGS))
     kept = logits * inv_t.unsqueeze(1) >= filter_thresholds(logits, inv_t, top_k, top_p, min_p).unsqueeze(1)
-    sorted_kept = _filter_top_k_top_p(logits * inv_t.unsqueeze(1), [int(k) for k in top_k.tolist()],
+    sorted_kept = filter_top_k_top_p(logits * inv_t.unsqueeze(1), [int(k) for k in top_k.tolist()],
                                       top_p.tolist()) > -INF
     min_p_kept = logits * inv_t.unsqueeze(1) >= (logits * inv_t.unsqueeze(1)).max(1, keepdim=True).values \
         + torch.log(min_p).unsqueeze(1)

@@ -1,14 +1,14 @@
-"""The CPU draw's two-level inverse CDF (worker/sampler.inverse_cdf) against a cumulative sum of the whole row."""
+"""The CPU draw's two-level inverse CDF (worker/cpu_draw.inverse_cdf) against a cumulative sum of the whole row."""
 
 from __future__ import annotations
 
 import torch
 
-from shardserve.worker.sampler import CDF_BLOCK, inverse_cdf
+from shardserve.worker.cpu_draw import CDF_BLOCK, inverse_cdf
 
 
 def test_the_two_level_inverse_cdf_is_the_whole_vocabularys():
-    """worker/sampler.inverse_cdf (block sums, then one block's cumulative sum) draws what a cumulative sum over the
+    """worker/cpu_draw.inverse_cdf (block sums, then one block's cumulative sum) draws what a cumulative sum over the
     whole row does, across block edges and a ragged last block, and never a token of weight 0."""
     gen = torch.Generator().manual_seed(0)
     n, vocab = 2000, 3 * CDF_BLOCK + 77

@@ -8,19 +8,21 @@ import pytest
 import torch
 
 from shardserve.proto.plan import SamplingSpec
-from shardserve.worker.sampler import SamplingRow, apply_logit_bias, apply_min_tokens, apply_penalties, sample
+from shardserve.worker.logit_processors import apply_logit_bias, apply_min_tokens, apply_penalties
+from shardserve.worker.sampler import sample
+from shardserve.worker.sampling_row import SamplingRow
 from shardserve.worker.sampling_keys import row_key, splitmix64, uniform_draw
 
 
 @pytest.fixture(autouse=True, params=["inverse-cdf", "gumbel"])
 def draw_path(request, monkeypatch):
     """Every test runs on both draws: the CPU one (inverse CDF) and the CUDA one (Gumbel-max over hashed
-    uniforms, worker/sampler._sample_rows_gumbel), the latter with its torch reference in place of the kernel."""
+    uniforms, worker/gpu_draw.draw_rows_gumbel), the latter with its torch reference in place of the kernel."""
     if request.param == "gumbel":
         from shardserve.kernels import sampling as kernels
-        from shardserve.worker import sampler
+        from shardserve.worker import gpu_draw, sampler
 
-        monkeypatch.setattr(sampler, "_sample_rows", sampler._sample_rows_gumbel)
+        monkeypatch.setattr(sampler, "draw_rows", gpu_draw.draw_rows_gumbel)
         monkeypatch.setattr(kernels, "gumbel_sample", kernels.gumbel_sample_ref)
     return request.param
 
@@ -206,11 +208,11 @@ def test_logprobs_are_the_raw_log_softmax():
 def test_rows_without_top_p_keep_their_whole_tail_next_to_rows_with_it():
     """In a batch where another row asks for top-p, a row with top_p 1.0 keeps every token, even where its float32
     running sum of sorted probabilities rounds up to 1 before the end of the vocabulary."""
-    from shardserve.worker import sampler
+    from shardserve.worker import logit_filter
 
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(2, 5000, generator=gen) * 3
-    filtered = sampler._filter_top_k_top_p(logits, [0, 0], [0.5, 1.0])
+    filtered = logit_filter.filter_top_k_top_p(logits, [0, 0], [0.5, 1.0])
     assert int(torch.isfinite(filtered[0]).sum()) < 100
     assert torch.equal(filtered[1], logits[1])
 
@@ -232,7 +234,7 @@ def _sorted_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[floa
 def test_top_p_without_a_sort_keeps_what_the_sort_keeps(dtype):
     """The partial search's kept set equals a full sort's, including rows whose nucleus reaches past the first
     TOP_P_CANDIDATES logits (a flat row: the search widens) and rows with a top-k beside their top-p."""
-    from shardserve.worker import sampler
+    from shardserve.worker import logit_filter
 
     gen = torch.Generator().manual_seed(5)
     vocab = 5000
@@ -241,7 +243,7 @@ def test_top_p_without_a_sort_keeps_what_the_sort_keeps(dtype):
     logits[4, 50:] = float("-inf")  # a masked row (min_tokens-style): 50 finite tokens
     logits = logits.to(dtype)
     top_k, top_p = [0, 0, 40, 3000, 0, 0], [0.9, 0.9, 0.8, 0.95, 0.99, 1.0]
-    kept = torch.isfinite(sampler._filter_top_k_top_p(logits, top_k, top_p))
+    kept = torch.isfinite(logit_filter.filter_top_k_top_p(logits, top_k, top_p))
     by_sort = _sorted_top_k_top_p(logits, top_k, top_p)
     if dtype == torch.float32:  # distinct values: the same set
         assert torch.equal(kept, by_sort)
@@ -249,22 +251,22 @@ def test_top_p_without_a_sort_keeps_what_the_sort_keeps(dtype):
         smallest = logits.float().masked_fill(~by_sort, float("inf")).amin(1, keepdim=True)
         assert torch.equal(kept, by_sort | (logits.float() == smallest))
         assert (kept & ~by_sort).any()  # (ties do occur here)
-    assert kept[1].sum() > 8 * sampler.TOP_P_CANDIDATES and kept[5].all()  # widened; untouched
+    assert kept[1].sum() > 8 * logit_filter.TOP_P_CANDIDATES and kept[5].all()  # widened; untouched
     assert kept[2].sum() <= 40 and kept[4].sum() <= 50
 
 
 def test_top_p_keeps_every_token_tied_at_its_cut_off():
-    from shardserve.worker import sampler
+    from shardserve.worker import logit_filter
 
     logits = torch.tensor([[3.0, 2.0, 2.0, 2.0, 1.0, 0.0]])  # top-p 0.7: past the 3.0 (0.60), into the 2.0s
-    assert torch.isfinite(sampler._filter_top_k_top_p(logits, [0], [0.7]))[0].tolist() == [True] * 4 + [False] * 2
+    assert torch.isfinite(logit_filter.filter_top_k_top_p(logits, [0], [0.7]))[0].tolist() == [True] * 4 + [False] * 2
 
 
 def test_draw_weights_are_exp_of_the_shift_and_exactly_zero_past_float32s_normal_range():
-    from shardserve.worker import sampler
+    from shardserve.worker import cpu_draw
 
     logits = torch.tensor([[10.0, -40.0, -76.9, -77.5, -190.0, float("-inf")]])  # shifted by the max, 10
-    weights = sampler._shifted_exp_(logits.clone())
+    weights = cpu_draw.shifted_exp_(logits.clone())
     expected = torch.tensor([[1.0, math.exp(-50.0), math.exp(-86.9), 0.0, 0.0, 0.0]])
     assert torch.allclose(weights, expected, rtol=1e-4, atol=0.0) and (weights[0, 3:] == 0).all()
 
