@@ -9,7 +9,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
 # Ray binds the machine's external address unless this is set; tests run on 127.0.0.1 only.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-# dtype="auto" on CPU is bfloat16 where the CPU has AMX units (shardserve/settings/resolve.py: cpu_auto_dtype), so the suite
+# dtype="auto" on CPU is bfloat16 where the CPU has AMX or AVX-512 BF16 (shardserve/settings/resolve.py: cpu_auto_dtype), so the suite
 # pins it to float32 on every host: the greedy parity with transformers is held in float32, and a test's numbers
 # must not depend on which machine CI lands on. Inherited by what a test starts (ranks, serve, Ray's actors).
 os.environ.setdefault("SHARDSERVE_CPU_DTYPE", "float32")

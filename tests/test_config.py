@@ -5,11 +5,12 @@ function (shardserve/settings/resolve.py build_engine_config). Built-in configs 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import fields
 
 import pytest
 
-from shardserve.settings.resolve import CPU_DTYPE_ENV, build_engine_config, cpu_auto_dtype, cpu_has_amx_bf16
+from shardserve.settings.resolve import CPU_DTYPE_ENV, build_engine_config, cpu_auto_dtype, cpu_bf16_fast
 from shardserve.cli.flags import add_engine_args, engine_kwargs
 from shardserve.proto.config import EngineConfig, user_default, user_settings
 
@@ -79,15 +80,23 @@ def test_user_values_are_resolved_in_build_engine_config():
     assert auto.device in ("cpu", "cuda") and auto.dtype == ("bfloat16" if auto.device == "cuda" else "float32")
 
 
-def test_auto_dtype_on_cpu_is_bfloat16_only_where_the_cpu_has_amx(monkeypatch):
-    """dtype="auto" on CPU: bfloat16 with AMX bf16 units, else float32; SHARDSERVE_CPU_DTYPE decides where set
-    (the suite sets float32, conftest.py), and a bad value is an error, not a silent float32."""
+def test_auto_dtype_on_cpu_is_bfloat16_where_the_cpu_multiplies_it_natively(monkeypatch):
+    """dtype="auto" on CPU: bfloat16 with AMX bf16 units or AVX-512 BF16 (an AMD EPYC of the Zen 4 family has the
+    second and not the first), else float32; SHARDSERVE_CPU_DTYPE decides where set (the suite sets float32,
+    conftest.py), and a bad value is an error, not a silent float32."""
+    assert cpu_bf16_fast({"amx_bf16": True, "avx512_bf16": True})  # Xeon since Sapphire Rapids
+    assert cpu_bf16_fast({"amx_bf16": False, "avx512_bf16": True})  # AMD EPYC Zen 4
+    assert not cpu_bf16_fast({"amx_bf16": False, "avx512_bf16": False, "avx512_f": True})  # AVX-512 alone
+    assert not cpu_bf16_fast({})
     monkeypatch.delenv(CPU_DTYPE_ENV)
-    assert cpu_auto_dtype(amx_bf16=True) == "bfloat16" and cpu_auto_dtype(amx_bf16=False) == "float32"
-    assert build_engine_config(model=BUILTIN, device="cpu").dtype == ("bfloat16" if cpu_has_amx_bf16() else "float32")
+    assert cpu_auto_dtype(bf16_fast=True) == "bfloat16" and cpu_auto_dtype(bf16_fast=False) == "float32"
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    if "amx_bf16" in flags or "avx512_bf16" in flags:  # this host's own answer, from the kernel's flags
+        assert build_engine_config(model=BUILTIN, device="cpu").dtype == "bfloat16"
+    assert build_engine_config(model=BUILTIN, device="cpu").dtype == ("bfloat16" if cpu_bf16_fast() else "float32")
     assert build_engine_config(model=BUILTIN, device="cpu", dtype="fp32").dtype == "float32"  # given: kept
     monkeypatch.setenv(CPU_DTYPE_ENV, "bf16")
-    assert cpu_auto_dtype(amx_bf16=False) == "bfloat16"
+    assert cpu_auto_dtype(bf16_fast=False) == "bfloat16"
     assert build_engine_config(model=BUILTIN, device="cpu").dtype == "bfloat16"
     assert build_engine_config(model=BUILTIN, device="cuda").dtype == "bfloat16"  # (CUDA: always bfloat16)
     monkeypatch.setenv(CPU_DTYPE_ENV, "int8")

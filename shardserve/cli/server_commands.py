@@ -58,6 +58,9 @@ def add_cluster_parsers(sub) -> None:
     api = serve.add_argument_group("client API security (docs/security.md)")
     api.add_argument("--auth-token-file", default=None, metavar="PATH",
                      help="clients must send 'authorization: Bearer <the token in this file>' (health stays open)")
+    api.add_argument("--api-key", default=None, metavar="KEY",
+                     help=f"the token itself, as vLLM spells it (visible to `ps`: prefer ${API_KEY_ENV} or "
+                     "--auth-token-file); default: the environment variable " + API_KEY_ENV)
     api.add_argument("--tls-cert", default=None, metavar="PEM", help="serve the client API over TLS with this certificate")
     api.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
     api.add_argument("--tls-client-ca", default=None, metavar="PEM",
@@ -91,10 +94,32 @@ def add_cluster_parsers(sub) -> None:
     client.set_defaults(func=cmd_client)
 
 
+# The token from the environment, where no flag gives one (serve: the one clients must send; client: the one it sends),
+# as vLLM reads VLLM_API_KEY and OpenAI's SDK OPENAI_API_KEY. A secret, not an engine setting.
+API_KEY_ENV = "SHARDSERVE_API_KEY"
+
+
+def token_of(token_file: str | None, api_key: str | None, token_flag: str) -> str | None:
+    """The bearer token of --token-file / --auth-token-file (token_flag names it), --api-key or $SHARDSERVE_API_KEY,
+    in that order; None when none is given. Both flags at once: a ValueError naming them."""
+    from shardserve.proto.auth import read_token_file
+
+    if token_file and api_key:
+        raise ValueError(f"{token_flag} and --api-key both give the token: give one")
+    if token_file:
+        return read_token_file(token_file)
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is not None and not key.strip():
+        raise ValueError(("--api-key" if api_key is not None else API_KEY_ENV) + " is empty")
+    return key.strip() if key else None
+
+
 def add_connection_args(parser, prefix: str = "") -> None:
     """How a client reaches a server with a token or TLS (the client command; the gateway's upstream, prefixed)."""
     if not prefix:
         parser.add_argument("--token-file", default=None, metavar="PATH", help="send the bearer token in this file")
+        parser.add_argument("--api-key", default=None, metavar="KEY",
+                            help="send this bearer token (default: the environment variable " + API_KEY_ENV + ")")
     parser.add_argument(f"--{prefix}tls-ca", default=None, metavar="PEM",
                         help="connect over TLS, verifying the server with this CA certificate")
     parser.add_argument(f"--{prefix}tls", action="store_true", help="connect over TLS with the system's CA roots")
@@ -104,11 +129,9 @@ def add_connection_args(parser, prefix: str = "") -> None:
 
 def connection_kwargs(args: argparse.Namespace, prefix: str = "") -> dict:
     """Client/AsyncClient keywords from add_connection_args' flags."""
-    from shardserve.proto.auth import read_token_file
-
     p = prefix.replace("-", "_")
-    token_file = getattr(args, "token_file", None) if not prefix else None
-    return dict(token=read_token_file(token_file) if token_file else None, tls=getattr(args, f"{p}tls"),
+    token = None if prefix else token_of(args.token_file, args.api_key, "--token-file")
+    return dict(token=token, tls=getattr(args, f"{p}tls"),
                 tls_root_cert=getattr(args, f"{p}tls_ca"), tls_client_cert=getattr(args, f"{p}tls_cert"),
                 tls_client_key=getattr(args, f"{p}tls_key"))
 
@@ -116,7 +139,6 @@ def connection_kwargs(args: argparse.Namespace, prefix: str = "") -> dict:
 def api_security(args: argparse.Namespace):
     """The serve command's ApiSecurity (a ValueError naming the flag when the files do not make sense)."""
     from shardserve.cluster.api_security import DEFAULT_MAX_REQUEST_BYTES, ApiSecurity
-    from shardserve.proto.auth import read_token_file
 
     for flag in ("auth_token_file", "tls_cert", "tls_key", "tls_client_ca"):
         path = getattr(args, flag)
@@ -124,7 +146,7 @@ def api_security(args: argparse.Namespace):
             raise ValueError(f"--{flag.replace('_', '-')} {path}: no such file")
     if args.tls_cert and args.http_port is not None:
         raise ValueError("--http-port with --tls-cert: run `shardserve gateway --upstream-tls-ca ...` instead")
-    token = read_token_file(args.auth_token_file) if args.auth_token_file else None
+    token = token_of(args.auth_token_file, args.api_key, "--auth-token-file")
     return ApiSecurity(token=token, tls_cert=args.tls_cert, tls_key=args.tls_key, client_ca=args.tls_client_ca,
                        max_request_bytes=args.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
                        max_prompt_bytes=args.max_prompt_bytes)

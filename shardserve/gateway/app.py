@@ -7,7 +7,9 @@ GET /v1/models, GET /health (200 while the server is SERVING, else 503), GET /me
 Each request becomes one gRPC Generate stream per prompt on the one channel this process keeps (one AsyncClient);
 the chat template is applied by the server, as for the gRPC API's chat messages. Nothing is kept between requests,
 so any number of gateways may front one server. An `Authorization` header is forwarded as the gRPC metadata
-`authorization` (the server does not check tokens yet). A client that disconnects cancels its gRPC streams, and
+`authorization`, which the server checks where it was given a token (`serve --api-key`, `--auth-token-file`): every
+path but /health answers a caller the server refuses with 401, /v1/models and /metrics included (what the gateway
+caches of the server is kept per Authorization header). A client that disconnects cancels its gRPC streams, and
 the server frees the request's KV blocks.
 
 Status mapping (OpenAI error bodies {"error": {"message", "type", "param", "code"}}): invalid input (ours, or the
@@ -136,7 +138,11 @@ def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tl
         return JSONResponse({"status": "ok", "upstream": upstream})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        try:  # the server's rule for every path but health: its token where it asks for one
+            await gateway.model_info(metadata_of(request))
+        except GatewayError as e:
+            return e.response()
         return Response(gateway.metrics.text(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -32,6 +32,7 @@ HTTP_OF = {
     grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
 }
 MODEL_INFO_TTL_S = 30.0
+MODEL_INFO_CALLERS = 64  # cached model infos, one per Authorization header the server accepted (oldest dropped)
 _LEADING_FIELD = re.compile(r"(\w+) must be ")
 # cluster/admission.py's refusals of a prompt that does not fit: "prompt (N tokens) + max_tokens ... exceeds
 # max_model_len (L)", "... leaves no room to generate within max_model_len", "... needs K KV blocks ... the cache"
@@ -70,17 +71,24 @@ class Gateway:
         self.request_timeout_s = request_timeout_s
         self.metrics = GatewayMetrics()
         self.client: AsyncClient | None = None
-        self._info: pb.ModelInfo | None = None
-        self._info_at = 0.0
+        self._info: dict[str | None, tuple[pb.ModelInfo, float]] = {}  # Authorization header -> (info, when)
 
     async def model_info(self, metadata) -> pb.ModelInfo:
-        if self._info is None or time.monotonic() - self._info_at > MODEL_INFO_TTL_S:
+        """The server's model info as the caller may see it: cached per Authorization header, so that an answer the
+        server gave one caller's token is never handed to a caller without it (a wrong or missing token goes to
+        the server, which refuses it: 401). Also how the gateway's own endpoints check a caller."""
+        key = dict(metadata or ()).get("authorization")
+        cached = self._info.get(key)
+        if cached is None or time.monotonic() - cached[1] > MODEL_INFO_TTL_S:
             try:
-                self._info = await self.client.model_info(timeout=10, metadata=metadata)
+                info = await self.client.model_info(timeout=10, metadata=metadata)
             except grpc.RpcError as e:
+                self._info.pop(key, None)
                 raise GatewayError.of_rpc(e) from None
-            self._info_at = time.monotonic()
-        return self._info
+            if key not in self._info and len(self._info) >= MODEL_INFO_CALLERS:
+                self._info.pop(next(iter(self._info)))
+            cached = self._info[key] = (info, time.monotonic())
+        return cached[0]
 
     # ---- one request ----------------------------------------------------------------------------------------
     async def generate(self, request: Request, body, chat: bool) -> Response:

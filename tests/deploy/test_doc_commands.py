@@ -93,3 +93,15 @@ def test_every_port_the_deploy_example_opens_is_in_the_port_table_and_the_aws_se
         assert re.search(rf"^\| {port} \|", table, flags=re.M), f"port {port} is not in deploy/README.md's table"
         assert f"FromPort: {port}, ToPort: {port}" in yaml_text, f"aws-gpu.yaml does not open port {port}"
     assert "One `shardserve serve` runs one TP group" not in readme  # beside --replicas auto, it never did
+
+
+def test_one_authentication_story_across_the_docs():
+    """README, deploy/README and security.md all give the token as --api-key or SHARDSERVE_API_KEY (beside
+    --auth-token-file in security.md), and none says the API has no authentication."""
+    from shardserve.cli.server_commands import API_KEY_ENV
+
+    for doc in DOCS:
+        text = (ROOT / doc).read_text()
+        assert "--api-key" in text and API_KEY_ENV in text, doc
+        for stale in ("does not check tokens", "API has no authentication", "API\n  has no authentication"):
+            assert stale not in text, (doc, stale)

@@ -167,3 +167,29 @@ def test_the_gateway_forwards_the_bearer_token_401_without_it(token_server):
         assert ok.json()["usage"]["completion_tokens"] == 2
     finally:
         gateway.stop()
+
+
+def test_one_rule_on_every_gateway_path_but_health_cached_model_card_included(token_server):
+    """The server asks for a token: after an authorized caller has filled the gateway's model-info cache, a caller
+    without the token (or with a wrong one) still gets 401 on /v1/models, /v1/models/{id} and /metrics, as on the
+    generation paths; /health stays open."""
+    import httpx
+
+    from shardserve.gateway.app import GatewayThread
+
+    gateway = GatewayThread(token_server.address, "127.0.0.1", 0)
+    good = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        base = f"http://{gateway.address}"
+        assert httpx.get(f"{base}/v1/models", headers=good, timeout=60).status_code == 200  # cached now
+        assert httpx.post(f"{base}/v1/completions", json={"prompt": PROMPT, "max_tokens": 1}, headers=good,
+                          timeout=60).status_code == 200
+        for path in ("/v1/models", "/v1/models/tiny", "/metrics"):
+            for headers in ({}, {"Authorization": "Bearer nope"}):
+                refused = httpx.get(base + path, headers=headers, timeout=60)
+                assert refused.status_code == 401, (path, headers, refused.text)
+                assert refused.json()["error"]["type"] == "authentication_error"
+            assert httpx.get(base + path, headers=good, timeout=60).status_code == 200, path
+        assert httpx.get(f"{base}/health", timeout=60).status_code == 200
+    finally:
+        gateway.stop()
