@@ -1,38 +1,39 @@
-"""What operators and benchmarks ask of a running controller, apart from serving requests: stats summed over the
-replicas (GetServerStats), each replica's worker group and step times, and a reset of the prefix caches between
-A/B runs. A mixin of cluster/controller.py's Controller, whose state (replicas, router, counters) it reads."""
+"""What operators and benchmarks ask of a running cluster, apart from serving requests: each replica's worker group
+and step times, and a reset of the prefix caches between A/B runs. ControllerViews reads the cluster through the
+ServedReplicas interface (the controller implements it), never through its fields."""
 
 from __future__ import annotations
 
 import asyncio
-import time
+from collections.abc import Sequence
+from typing import Protocol
 
-from shardserve.cluster.controller_types import State
-from shardserve.cluster.engine import EngineStats
-from shardserve.cluster.replica import ReplicaState
+from shardserve.cluster.replica import Replica
 from shardserve.cluster.router import POLICIES
 
 
+class ServedReplicas(Protocol):
+    """The replicas and what the fronts routing to them know."""
+
+    replicas: Sequence[Replica]
+
+    async def routed(self) -> list[int]:
+        """Requests routed to each replica, over every front."""
+        ...
+
+    async def reset_routing(self, policy: str | None) -> None:
+        """Every front forgets its prefix index and switches its policy (None: kept)."""
+        ...
+
+
 class ControllerViews:
-    async def server_stats(self) -> tuple[EngineStats | None, dict]:
-        """Fresh engine stats (taken between two steps), summed over the serving replicas, and the controller's
-        own counters, with each replica's id, state, routed requests and stats (None when not serving)."""
-        stats, each = None, [None] * len(self.replicas)
-        if self.state in (State.SERVING, State.DRAINING):
-            serving = [i for i, r in enumerate(self.replicas)
-                       if r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING)]
-            for i, s in zip(serving, await asyncio.gather(*(self.replicas[i].stats() for i in serving))):
-                each[i] = s
-            stats = _sum_stats([s for s in each if s is not None]) if serving else None
-        replicas = [dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i], stats=each[i])
-                    for i, r in enumerate(self.replicas)]
-        return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
-                       "uptime_s": time.time() - self._started_at, "replicas": replicas}
+    def __init__(self, source: ServedReplicas) -> None:
+        self.source = source
 
     async def worker_groups(self) -> list:
         """Each replica's current worker group (the executor's `group`, where it has one; None otherwise): endpoints,
         actors, the group's secret. For operators and tests holding the Ray cluster, which can drive it anyway."""
-        return [(await r.executor_facts())["group"] for r in self.replicas]
+        return [(await r.executor_facts())["group"] for r in self.source.replicas]
 
     async def replica_stats(self) -> list[dict]:
         """Per replica: id, state, requests routed to it, the nodes of its ranks (where the executor knows them),
@@ -40,10 +41,11 @@ class ControllerViews:
         group's, for the control-plane share), and (serving ones) its engine's prompt and cached-prompt
         token counts (the prefix-cache hit rate) and finished requests."""
         out = []
-        for i, r in enumerate(self.replicas):
+        routed = await self.source.routed()
+        for i, r in enumerate(self.source.replicas):
             facts = await r.executor_facts()
-            row = dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i], nodes=facts["nodes"],
-                       step_s=r.step_s_total, forward_s=facts["forward_s"])
+            row = dict(id=r.id, state=r.state.value, routed=routed[i], nodes=facts["nodes"],
+                       step_s=facts.get("step_s", r.step_s_total), forward_s=facts["forward_s"])
             if r.serving:
                 s = await r.stats()
                 row.update(prompt_tokens=s.num_prompt_tokens, cached_prompt_tokens=s.num_cached_prompt_tokens,
@@ -53,7 +55,7 @@ class ControllerViews:
 
     async def reset_caches(self, routing: str | None = None, kv_blocks: int | None = None) -> list[int]:
         """For A/B benchmarks on one running cluster, while no request is live: every serving replica forgets its
-        prefix cache (the router its index), routing becomes the policy (None: unchanged) and each replica keeps
+        prefix cache (the fronts their indexes), routing becomes the policy (None: unchanged) and each replica keeps
         kv_blocks usable KV blocks (BlockManager.limit_blocks; None: all). Returns each one's usable blocks."""
         if routing is not None and routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {routing!r}")
@@ -62,18 +64,10 @@ class ControllerViews:
             bm = engine.block_manager
             bm.reset_prefix_cache()
             usable = bm.limit_blocks(bm.num_blocks if kv_blocks is None else kv_blocks)
-            bm.take_events()  # forgotten here already: the router drops the replica's entries below
+            bm.take_events()  # forgotten here already: the fronts drop the replica's entries below
             return usable
 
-        usable = [await asyncio.wrap_future(r.submit(reset)) if r.serving else 0 for r in self.replicas]
-        for i in range(len(self.replicas)):
-            self.router.forget(i)
-        if routing is not None:
-            self.router.policy = routing
+        replicas = self.source.replicas
+        usable = [await asyncio.wrap_future(r.submit(reset)) if r.serving else 0 for r in replicas]
+        await self.source.reset_routing(routing)
         return usable
-
-
-def _sum_stats(stats: list[EngineStats]) -> EngineStats:
-    total = EngineStats(*(sum(getattr(s, f) for s in stats) for f in EngineStats.__slots__))
-    total.kv_usage = total.num_kv_blocks_used / max(total.num_kv_blocks, 1)
-    return total

@@ -1,7 +1,6 @@
 """The client-facing gRPC service: the Generation servicer, grpc.health.v1 Health, server reflection, and the
-mapping from the controller's exceptions to gRPC status codes. The controller (cluster/controller.py) starts it
-and is what it serves: any object with the controller's request methods (add_request, abort, cancel,
-note_rejected, server_stats) and attributes (config, has_chat_template).
+mapping from the controller's exceptions to gRPC status codes. A front (cluster/front.py) starts it and
+is what it serves, through the GenerationBackend interface below.
 
 A GenerateRequest becomes a prompt and SamplingParams by field names (every SamplingParams field is a
 GenerateRequest field; a test checks it); the request itself is checked where every front end's requests are, at
@@ -16,18 +15,22 @@ anything else -> INTERNAL. A user's error only ever ends that user's call.
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
+from dataclasses import dataclass, fields
+from typing import Protocol
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from shardserve.cluster.api_security import ApiSecurity
+from shardserve.cluster.controller_types import LiveRequest, ServedModel
+from shardserve.cluster.engine import EngineStats
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
 from shardserve.cluster.outputs import RequestDelta, top_entries
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
+from shardserve.proto.config import EngineConfig
 from shardserve.proto.convert import message_fields
 from shardserve.proto.transport import host_port
 
@@ -40,6 +43,36 @@ FINISH_REASONS = {
     "abort": pb.FINISH_REASON_ABORT,
 }
 _SAMPLING_FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+@dataclass
+class ModelFacts:
+    """What GetModelInfo reports."""
+
+    engine: EngineConfig
+    model: ServedModel
+    num_replicas: int
+    has_chat_template: bool
+
+
+class GenerationBackend(Protocol):
+    """What the servicer asks of the process serving requests (cluster/front.py: Front)."""
+
+    stream_interval: int  # after a stream's first tokens, one message per this many tokens
+    max_live_requests: int  # its admission limit (also sizes the server's concurrent streams)
+
+    async def add_request(self, prompt, params: SamplingParams, req_id: str | None = None,
+                          resumed: list[int] | None = None, echo: bool = False) -> LiveRequest: ...
+
+    async def abort(self, req_id: str) -> None: ...
+
+    def cancel(self, req_id: str) -> None: ...
+
+    def note_rejected(self) -> None: ...
+
+    async def server_stats(self) -> tuple[EngineStats | None, dict]: ...
+
+    def model_facts(self) -> ModelFacts: ...
 
 
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
@@ -108,19 +141,19 @@ def _add_logprobs(field, entries, n: int) -> None:
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
-    def __init__(self, controller) -> None:
-        self.controller = controller
+    def __init__(self, backend: GenerationBackend) -> None:
+        self.backend = backend
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         try:
             prompt, params, req_id = request_from_proto(request)
         except ValueError as e:
-            self.controller.note_rejected()
+            self.backend.note_rejected()
             await context.abort(*status_of(e))
         try:
-            live = await self.controller.add_request(prompt, params, req_id, resumed=list(request.resume_token_ids),
+            live = await self.backend.add_request(prompt, params, req_id, resumed=list(request.resume_token_ids),
                                                      echo=request.echo)
-        except (ValueError, ServerUnavailable, ServerOverloaded) as e:  # counted as rejected by the controller
+        except (ValueError, ServerUnavailable, ServerOverloaded) as e:  # counted as rejected by the front
             await context.abort(*status_of(e))
         finished = False
         try:
@@ -130,7 +163,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                                                     prompt_text=live.prompt_text,
                                                     prompt_first_token_text=live.prompt_first_token_text)
             )
-            interval, sent = self.controller.config.stream_interval, 0
+            interval, sent = self.backend.stream_interval, 0
             while True:
                 # Deltas queued meanwhile (the stream fell behind the engine) go out as one message: under load a
                 # message costs the server and the client more than its tokens do. With a stream interval > 1,
@@ -149,7 +182,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 if any(d.token_ids or d.text or d.prompt_logprobs for d in deltas):
                     yield merged_delta_to_proto(deltas, params)
                 if isinstance(item, BaseException):
-                    finished = True  # the controller has already forgotten it
+                    finished = True  # the front has already forgotten it
                     await context.abort(*status_of(item))
                 if item.delta.finished:
                     finished = True
@@ -164,28 +197,28 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     return
         finally:
             if not finished:  # the client cancelled or its deadline passed: free the request's blocks
-                self.controller.cancel(live.req_id)
+                self.backend.cancel(live.req_id)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         try:
-            await self.controller.abort(request.request_id)
+            await self.backend.abort(request.request_id)
         except (UnknownRequest, ServerUnavailable) as e:
             await context.abort(*status_of(e))
         return pb.AbortResponse()
 
     async def GetModelInfo(self, request, context: grpc.aio.ServicerContext) -> pb.ModelInfo:
-        c = self.controller
-        cfg, model = c.config.engine, c.config.model
+        facts = self.backend.model_facts()
+        cfg, model = facts.engine, facts.model
         info = pb.ModelInfo(
             model=model.name,
             architecture=model.architecture,
             max_model_len=cfg.max_model_len,
             vocab_size=model.vocab_size,
             eos_token_ids=model.eos_token_ids,
-            has_chat_template=c.has_chat_template,
+            has_chat_template=facts.has_chat_template,
             tokenizer=model.name if cfg.tokenizer else "",  # the model's own; never a server path
             tensor_parallel_size=cfg.tensor_parallel_size,
-            replicas=c.config.num_replicas,
+            replicas=facts.num_replicas,
             dtype=cfg.dtype,
             block_size=cfg.block_size,
         )
@@ -195,7 +228,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     async def GetServerStats(self, request, context: grpc.aio.ServicerContext) -> pb.ServerStats:
         try:
-            stats, counters = await self.controller.server_stats()
+            stats, counters = await self.backend.server_stats()
         except Exception as e:  # the engine loop died between the state check and the call
             await context.abort(*status_of(ServerUnavailable(str(e))))
         msg = pb.ServerStats(
@@ -224,13 +257,13 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         return msg
 
 
-async def start_server(controller, host: str, port: int, security: ApiSecurity | None = None):
+async def start_server(backend: GenerationBackend, host: str, port: int, security: ApiSecurity | None = None):
     """Starts the grpc.aio server on host:port (0 = a free port), with the token, TLS and size limit `security`
     gives (cluster/api_security.py). Returns (server, bound port, health servicer); health starts NOT_SERVING."""
     security = security or ApiSecurity()
     server = grpc.aio.server(interceptors=security.interceptors(),
-                             options=security.server_options(controller.config.max_live_requests))
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(controller), server)
+                             options=security.server_options(backend.max_live_requests))
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(backend), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

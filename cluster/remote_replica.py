@@ -26,7 +26,7 @@ from typing import Any
 from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import StepReport
 from shardserve.cluster.executor import WorkerError
-from shardserve.cluster.replica import ReplicaLoad, ReplicaState
+from shardserve.cluster.replica import ReplicaBase, ReplicaLoad, ReplicaState
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
 
@@ -37,35 +37,15 @@ class ReplicaHostLost(WorkerError):
     """The replica's host process died or stopped answering."""
 
 
-class RemoteReplica:
-    def __init__(
-        self,
-        replica_id: str,
-        engine_config: EngineConfig,
-        build_engine: Callable[[EngineConfig], Engine],
-        on_step: Callable[[Any, StepReport], None],
-        on_failure: Callable[[Any, BaseException], None],
-        health_check_interval_s: float = 5.0,
-        restart_tries: int = 3,
-        restart_backoff_s: float = 1.0,
-        on_state: Callable[[Any], None] = lambda replica: None,
-        hosts: Any = None,  # start(replica_id, config, build_engine, health_s, tries, backoff_s) -> handle; kill(handle)
-    ) -> None:
-        self.id = replica_id
-        self.engine_config = engine_config
-        self.state = ReplicaState.STOPPED
-        self.error: BaseException | None = None
-        self.load = ReplicaLoad()
+class RemoteReplica(ReplicaBase):
+    def __init__(self, *args, hosts: Any = None, **kwargs) -> None:
+        """ReplicaBase's arguments; hosts: start(replica_id, config, build_engine, health_s, tries, backoff_s) ->
+        a host actor handle, kill(handle)."""
+        super().__init__(*args, **kwargs)
         self.engine = None  # in the host process
-        self.tokenizer = None  # a copy of the host engine's, for the controller's prompt encoder
-        self._build = build_engine
-        self._on_step = on_step
-        self._on_failure = on_failure
-        self._on_state = on_state
-        self._settings = (health_check_interval_s, restart_tries, restart_backoff_s)
+        self.tokenizer = None  # a copy of the host engine's, for the prompt encoder
+        self._settings = (self._health_interval_s, self._restart_tries, self._restart_backoff_s)
         self._hosts = hosts
-        self.num_restarts = 0
-        self.step_s_total = 0.0
         self._host = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pump: asyncio.Task | None = None
@@ -73,16 +53,6 @@ class RemoteReplica:
         self._aborts: list[tuple[str, Future]] = []
         self._host_restarts = 0  # hosts replaced after dying (num_restarts adds the current host's group restarts)
         self._host_back: asyncio.Event | None = None  # set while a host serves (or the replica has failed)
-
-    @property
-    def state(self) -> ReplicaState:
-        return self._state
-
-    @state.setter
-    def state(self, value: ReplicaState) -> None:
-        self._state = value
-        self.serving = value is ReplicaState.SERVING
-        self.recovering = value is ReplicaState.RECOVERING
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -213,10 +183,8 @@ class RemoteReplica:
                 return
             for event in events:
                 if event[0] == "step":
-                    report = event[1]
-                    self.load.num_free_blocks = report.stats.num_kv_blocks - report.stats.num_kv_blocks_used
-                    self.step_s_total += report.step_s
-                    self._on_step(self, report)
+                    self._note_step(event[1])
+                    self._on_step(self, event[1])
                 elif event[0] == "state":
                     _, value, error, group_restarts = event
                     self.num_restarts = self._host_restarts + group_restarts

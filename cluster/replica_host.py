@@ -1,7 +1,7 @@
 """ReplicaHost: one replica's Engine and EngineLoop in a process of their own (a Ray actor), so that several
 replicas' host work (scheduling, plans, result handling, detokenizing) runs on several cores instead of sharing
 the controller's GIL. The controller talks to it through RemoteReplica (cluster/remote_replica.py), which keeps the
-`Replica` interface; inside, the host runs an ordinary `Replica` (cluster/replica.py): its engine thread, its
+`Replica` interface; inside, the host runs a `LocalReplica` (cluster/local_replica.py): its engine thread, its
 health watcher and its group restarts (the group factory runs here, so the group's actors are the host's and die
 with it).
 
@@ -10,7 +10,7 @@ with it).
     await host.admit_many([...]) # Engine.add_request for each, in one engine-thread command; errors come back
     await host.next_events()     # every step report, state change and failure queued since the last call
 
-Threads (inside the host): the actor's event loop runs these methods and the inner Replica's callbacks; the engine
+Threads (inside the host): the actor's event loop runs these methods and the inner LocalReplica's callbacks; the engine
 thread steps. Events queue on the event loop and leave in batches: one `next_events` call carries every step
 report queued since the previous one, so a slow controller costs fewer calls, not more.
 """
@@ -23,7 +23,7 @@ from collections.abc import Callable
 
 from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import StepReport
-from shardserve.cluster.replica import Replica
+from shardserve.cluster.local_replica import LocalReplica
 from shardserve.proto.config import EngineConfig
 
 GIL_SWITCH_INTERVAL_S = 0.0005  # as in the controller: an engine thread whose step came back waits less
@@ -36,7 +36,7 @@ Event = tuple
 class ReplicaHost:
     def __init__(self, replica_id: str, engine_config: EngineConfig, build_engine: Callable[[EngineConfig], Engine],
                  health_check_interval_s: float = 5.0, restart_tries: int = 3, restart_backoff_s: float = 1.0) -> None:
-        self.replica = Replica(replica_id, engine_config, build_engine, self._on_step, self._on_failure,
+        self.replica = LocalReplica(replica_id, engine_config, build_engine, self._on_step, self._on_failure,
                                health_check_interval_s, restart_tries, restart_backoff_s, self._on_state)
         self._events: list[Event] = []
         self._wake: asyncio.Event | None = None
@@ -104,13 +104,13 @@ class ReplicaHost:
         if self._wake is not None:
             self._wake.set()
 
-    def _on_step(self, replica: Replica, report: StepReport) -> None:
+    def _on_step(self, replica: LocalReplica, report: StepReport) -> None:
         self._push(("step", report))
 
-    def _on_state(self, replica: Replica) -> None:
+    def _on_state(self, replica: LocalReplica) -> None:
         self._push(("state", replica.state.value, _text(replica.error), replica.num_restarts))
 
-    def _on_failure(self, replica: Replica, error: BaseException) -> None:
+    def _on_failure(self, replica: LocalReplica, error: BaseException) -> None:
         self._push(("failed", _text(error)))
 
 

@@ -187,7 +187,7 @@ def test_importing_the_client_pulls_in_no_torch():
 def test_requests_beyond_the_admission_limit_get_resource_exhausted_and_harm_no_one(gated, address):
     """With max_live_requests 2 and two streams running, a third request is refused with RESOURCE_EXHAUSTED;
     the two finish normally, and once they have, a new request is admitted again."""
-    gated.controller.config.max_live_requests = 2
+    gated.controller.front.max_live_requests = 2
     try:
         with Client(address, timeout=120) as client:
             streams = [client.stream("Count slowly:", temperature=0, max_tokens=40, ignore_eos=True) for _ in range(2)]
@@ -207,7 +207,7 @@ def test_requests_beyond_the_admission_limit_get_resource_exhausted_and_harm_no_
                 time.sleep(0.05)
             assert client.generate("One more", temperature=0, max_tokens=4).finish_reason == "length"
     finally:
-        gated.controller.config.max_live_requests = 4096
+        gated.controller.front.max_live_requests = 4096
 
 
 def test_finished_reports_the_stop_string_or_stop_token_that_matched(address):

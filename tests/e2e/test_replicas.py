@@ -125,12 +125,12 @@ def test_a_stream_interval_sends_the_first_token_alone_then_messages_of_at_least
     prompt = _unrelated(300)
     with Client(thread.address, timeout=60) as client:
         whole = client.generate(prompt, temperature=0, max_tokens=14, ignore_eos=True).token_ids
-        thread.controller.config.stream_interval = 4  # read per stream
+        thread.controller.front.stream_interval = 4  # read per stream
         try:
             sizes = [len(d.token_ids) for d in client.stream(prompt, temperature=0, max_tokens=14, ignore_eos=True)
                      if d.token_ids]
         finally:
-            thread.controller.config.stream_interval = 1
+            thread.controller.front.stream_interval = 1
     assert sum(sizes) == len(whole) == 14 and sizes[0] == 1  # the first token is not held back
     assert all(n >= 4 for n in sizes[1:-1]) and len(sizes) <= 5, sizes  # then >= 4 a message (the last: the rest)
 
