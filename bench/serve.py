@@ -9,7 +9,9 @@ the first token / tokens after the first), ITL (between successive token-bearing
 (mean, p50, p99), and goodput: requests/s that met every SLO given (--slo-ttft-ms, --slo-tpot-ms).
 Workloads: random token ids (--input-len / --output-len, N or LOW-HIGH), shared prefixes (--prefix-len,
 --num-prefixes), or a JSON-lines --prompt-file ({"prompt"|"messages"|"token_ids": ..., "max_tokens": N}).
-Random prompts go as text when the model has a tokenizer the benchmark can load, else as token ids.
+Random prompts go as text when the benchmark has the model's tokenizer on this machine (--tokenizer PATH, or the
+model of the server it started), else as token ids. No model hub is ever asked: the server's model name is never
+looked up.
 --json-out: one BenchRecord ("serve") per run, a JSON list when there are several.
 """
 
@@ -19,6 +21,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import sys
 from dataclasses import asdict
@@ -63,6 +66,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: how many distinct prefixes")
     load.add_argument("--prompt-format", choices=["auto", "text", "token-ids"], default="auto",
                       help="random prompts as text (needs the tokenizer) or token ids; auto: text when possible")
+    load.add_argument("--tokenizer", default=None, metavar="PATH",
+                      help="a local folder with the served model's tokenizer files, to send random prompts as text "
+                      "to a running server (never looked up on a model hub; default: the started server's model)")
     load.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     load.add_argument("--no-ignore-eos", action="store_true", help="let requests stop at EOS (default: exact lengths)")
     load.add_argument("--warmup", type=int, default=2, help="requests sent before each API's first run")
@@ -89,6 +95,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
             raise SystemExit("bench serve: --api grpc needs --address, --api http needs --http (or neither: "
                              "the benchmark then starts its own server)")
         info = model_info(address, http_url)
+        info["started"] = server is not None  # its model's tokenizer is on this machine
         requests = build_requests(args, info)
         rates = [float(r) for r in args.request_rates.split(",")] if args.request_rates else [args.request_rate]
         records = asyncio.run(sweep(args, apis, address, http_url, requests, rates, info, server is not None))
@@ -136,24 +143,42 @@ def build_requests(args: argparse.Namespace, info: dict) -> list[BenchRequest]:
         prefixes = random_workload(args.num_prefixes, (args.prefix_len, args.prefix_len), (1, 1), info["vocab_size"],
                                    args.seed + 1, avoid_ids=info["eos"]).prompts
         prompts = [prefixes[i % len(prefixes)] + p for i, p in enumerate(prompts)]
-    tokenizer = load_tokenizer(info["tokenizer"]) if args.prompt_format != "token-ids" else None
+    tokenizer = None
+    if args.prompt_format != "token-ids":
+        tokenizer = load_tokenizer(local_tokenizer_dir(args, started=info.get("started", False)))
     if args.prompt_format == "text" and tokenizer is None:
-        raise SystemExit("bench serve: --prompt-format text needs the model's tokenizer, which could not be loaded")
+        raise SystemExit("bench serve: --prompt-format text against a running server needs the model's tokenizer on "
+                         "this machine: give --tokenizer PATH (a local folder)")
     info["prompt_format"] = "text" if tokenizer is not None else "token-ids"
     return [BenchRequest(tokenizer.decode(p) if tokenizer is not None else p, out, len(p))
             for p, out in zip(prompts, work.output_lens)]
 
 
+def local_tokenizer_dir(args: argparse.Namespace, started: bool) -> str | None:
+    """Where the served model's tokenizer is on this machine: --tokenizer, or for a server the benchmark started, its
+    model's own folder (the same resolution `serve` made here). A running server's model name is not a path here,
+    and is never looked up on a model hub."""
+    if getattr(args, "tokenizer", None):
+        return args.tokenizer
+    if started:
+        from shardserve.settings.model_source import resolve_model
+
+        return resolve_model(args.model, args.load_format).tokenizer_dir
+    return None
+
+
 def load_tokenizer(path: str | None):
+    """The tokenizer in a local folder (no hub lookup: local files only), or None without one."""
     if not path:
         return None
-    try:
-        from transformers import AutoTokenizer
+    if not os.path.isdir(path):
+        raise SystemExit(f"bench serve: --tokenizer {path}: no such folder (a local folder with the model's "
+                         "tokenizer files; nothing is fetched from a model hub)")
+    from shardserve.settings.model_source import hub_offline
+    from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # a server on another host: its tokenizer path means nothing here
-        print(f"bench serve: cannot load the tokenizer {path!r} ({e}); sending token ids", file=sys.stderr)
-        return None
+    with hub_offline():
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
 def file_requests(path: str, limit: int, output_len: tuple[int, int], rng: random.Random) -> list[BenchRequest]:

@@ -25,13 +25,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
             prompt_logprobs = delta.prompt_logprobs or prompt_logprobs
         sys.stdout.write("\n")
     if prompt_logprobs:
-        _print_logprobs("prompt", prompt_logprobs)
+        print_logprobs("prompt", prompt_logprobs)
     if logprobs:
-        _print_logprobs("generated", logprobs)
+        print_logprobs("generated", logprobs)
     return 0
 
 
-def _print_logprobs(title: str, positions) -> None:
+def print_logprobs(title: str, positions) -> None:
     """One line per position on stderr: the token, its logprob and rank, then the top alternatives."""
     print(f"[{title} logprobs: token (logprob, rank) | top]", file=sys.stderr)
     for entries in positions:

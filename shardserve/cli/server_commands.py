@@ -1,14 +1,13 @@
-"""`shardserve serve` (the cluster) and `shardserve client` (the gRPC client), added to shardserve/cli/main.py's parser."""
+"""`shardserve serve` (the cluster), added to shardserve/cli/main.py's parser with `shardserve client`
+(shardserve/cli/client_command.py); the connection and token flags both use."""
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
-from shardserve.cli.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
+from shardserve.cli.flags import add_engine_args, engine_kwargs
 
 
 def add_cluster_parsers(sub) -> None:
@@ -80,18 +79,9 @@ def add_cluster_parsers(sub) -> None:
                      "(default: 32 bytes per token of max_model_len, at least 64 KiB)")
     serve.set_defaults(func=cmd_serve)
 
-    client = sub.add_parser("client", help="send prompts to a running `shardserve serve`")
-    client.add_argument("prompt", nargs="?", help="one prompt; its text is printed as it arrives")
-    client.add_argument("--address", default="127.0.0.1:50051", help="the server's gRPC address, HOST:PORT")
-    client.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
-    client.add_argument("--file", help="a JSON-lines file of prompts: {\"prompt\": ...} or {\"messages\": [...]} "
-                        "or {\"token_ids\": [...]}, optionally with sampling fields")
-    client.add_argument("--concurrency", type=int, default=8, help="requests in flight with --file")
-    client.add_argument("--output", help="with --file: write the JSON-lines results here (default: stdout)")
-    client.add_argument("--timeout", type=float, default=None, help="deadline per request, seconds")
-    add_connection_args(client)
-    add_sampling_args(client)
-    client.set_defaults(func=cmd_client)
+    from shardserve.cli.client_command import add_client_parser
+
+    add_client_parser(sub)
 
 
 # The token from the environment, where no flag gives one (serve: the one clients must send; client: the one it sends),
@@ -219,92 +209,3 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  step_deadline=StepDeadline(floor_s=args.step_timeout_floor, factor=args.step_timeout_factor),
                  stream_interval=args.stream_interval, worker_tls=plane_tls, replica_hosts=args.replica_hosts)
     return exit_past_broken_ray(code)  # a Ray that died under serve: no interpreter finalization (it crashed)
-
-
-def cmd_client(args: argparse.Namespace) -> int:
-    import grpc
-
-    from shardserve.client.clients import Client
-
-    if (args.prompt is None) == (args.file is None):
-        print("error: give a prompt or --file (not both)", file=sys.stderr)
-        return 2
-    if args.file is not None and not os.path.isfile(args.file):
-        why = "is a folder, not a file" if os.path.isdir(args.file) else "does not exist"
-        print(f"error: --file {args.file} {why}", file=sys.stderr)
-        return 2
-    try:
-        connection = connection_kwargs(args)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    with Client(args.address, timeout=args.timeout, **connection) as client:
-        try:
-            if args.file:
-                return _run_batch(client, args)
-            prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
-            stream = client.stream(prompt, **sampling_kwargs(args))
-            for delta in stream:
-                sys.stdout.write(delta.text)
-                sys.stdout.flush()
-            sys.stdout.write("\n")
-            r = stream.result
-            print(f"[{r.finish_reason}: {r.usage.prompt_tokens} prompt + {r.usage.completion_tokens} generated "
-                  f"tokens, {r.replica}]", file=sys.stderr)
-        except grpc.RpcError as e:
-            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
-    return 0
-
-
-def _prompt_of(line: dict):
-    for key in ("prompt", "messages", "token_ids"):
-        if key in line:
-            return line[key]
-    raise ValueError(f"a line needs prompt, messages or token_ids: {line}")
-
-
-def _one(client, index: int, line: dict, defaults: dict) -> dict:
-    import grpc
-
-    sampling = {**defaults, **{k: v for k, v in line.items() if k not in ("prompt", "messages", "token_ids", "id")}}
-    record: dict = {"index": index}
-    if "id" in line:
-        record["id"] = line["id"]
-    try:
-        r = client.generate(_prompt_of(line), **sampling)
-        record.update(request_id=r.request_id, text=r.text, token_ids=r.token_ids, finish_reason=r.finish_reason,
-                      usage={"prompt_tokens": r.usage.prompt_tokens, "completion_tokens": r.usage.completion_tokens},
-                      replica=r.replica)
-    except grpc.RpcError as e:
-        record["error"] = {"code": e.code().name, "message": e.details()}
-    except (ValueError, TypeError) as e:
-        record["error"] = {"code": "INVALID_ARGUMENT", "message": str(e)}
-    return record
-
-
-def _run_batch(client, args: argparse.Namespace) -> int:
-    from tqdm import tqdm
-
-    with open(args.file) as f:
-        lines = [json.loads(text) for text in f if text.strip()]
-    out = open(args.output, "w") if args.output else sys.stdout
-    defaults = sampling_kwargs(args)
-    failures = 0
-    try:
-        with ThreadPoolExecutor(max(1, args.concurrency)) as pool, \
-                tqdm(total=len(lines), desc="requests", unit="req", file=sys.stderr, dynamic_ncols=True) as bar:
-            futures = [pool.submit(_one, client, i, line, defaults) for i, line in enumerate(lines)]
-            for future in futures:
-                future.add_done_callback(lambda _: bar.update(1))
-            for future in futures:  # written in input order, each as soon as it and those before it are done
-                record = future.result()
-                failures += "error" in record
-                out.write(json.dumps(record) + "\n")
-                out.flush()
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    if failures:
-        print(f"{failures} of {len(lines)} request(s) failed", file=sys.stderr)
-    return 1 if failures else 0

@@ -114,25 +114,42 @@ def test_client_cli_reports_a_server_error_with_its_status(served):
     assert "INVALID_ARGUMENT" in run.stderr and "temperature" in run.stderr
 
 
+def test_client_cli_prints_the_logprobs_it_was_asked_for(served):
+    _, address = served
+    run = _client_cli("The capital of France is", "--address", address, "--max-tokens", "3", "--logprobs", "2")
+    assert run.returncode == 0, run.stderr
+    assert "[generated logprobs: token (logprob, rank) | top]" in run.stderr
+    assert len([line for line in run.stderr.splitlines() if line.startswith("  '")]) == 3  # one line a token
+
+
 def test_client_cli_runs_a_jsonl_batch_and_writes_results_in_input_order(served, tmp_path):
+    """Per-line fields are kept (logprobs, stop and its stop_reason, cached tokens); a line that is not JSON, or
+    has no prompt, gets an error record naming the file and line, and the lines after it are still sent."""
     _, address = served
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(line) for line in [
-        {"id": "a", "prompt": "The capital of France is", "max_tokens": 4},
+        {"id": "a", "prompt": "The capital of France is", "max_tokens": 4, "logprobs": 1},
         {"id": "b", "messages": [{"role": "user", "content": "Say hi"}], "max_tokens": 6},
         {"id": "c", "prompt": "x", "temperature": -1},
         {"id": "d", "token_ids": [504, 2988, 314], "max_tokens": 3},
-    ]) + "\n")
+    ]) + "\n{not json\n" + json.dumps({"id": "f", "text": "no prompt key"}) + "\n"
+        + json.dumps({"id": "g", "prompt": "The capital of France is", "max_tokens": 8, "stop": [" Paris"]}) + "\n")
     out = tmp_path / "results.jsonl"
     run = _client_cli("--file", str(prompts), "--concurrency", "3", "--address", address, "--output", str(out))
-    assert run.returncode == 1  # one request failed
+    assert run.returncode == 1  # three lines failed
     records = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["id"] for r in records] == ["a", "b", "c", "d"] and [r["index"] for r in records] == [0, 1, 2, 3]
+    assert [r.get("id") for r in records] == ["a", "b", "c", "d", None, "f", "g"]
+    assert [r["index"] for r in records] == list(range(7)) and [r["line"] for r in records] == list(range(1, 8))
     assert "Paris" in records[0]["text"] and records[0]["usage"]["completion_tokens"] == 4
+    assert len(records[0]["logprobs"]) == 4 and records[0]["logprobs"][0][0]["rank"] >= 1
+    assert "cached_prompt_tokens" in records[0]["usage"] and "logprobs" not in records[1]
     assert records[1]["text"] and records[1]["usage"]["completion_tokens"] <= 6
     assert records[2]["error"]["code"] == "INVALID_ARGUMENT"
     assert len(records[3]["token_ids"]) == 3
-    assert "4/4" in run.stderr  # the progress bar reached the end
+    for bad in (records[4], records[5]):
+        assert bad["error"]["code"] == "INVALID_ARGUMENT" and f"{prompts} line {bad['line']}" in bad["error"]["message"]
+    assert records[6]["finish_reason"] == "stop" and records[6]["stop_reason"] == " Paris"
+    assert f"{prompts} line 5" in run.stderr and "7/7" in run.stderr  # the progress bar reached the end
 
 
 def test_serve_with_two_replicas_answers_from_both_and_warns_about_spread_placement(ray_session, default_model_dir):
