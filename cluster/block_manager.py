@@ -208,6 +208,18 @@ class BlockManager:
         seq.block_ids.extend(new)
         return new
 
+    def trim(self, seq: Request, num_tokens: int) -> None:
+        """Releases seq's blocks past those `num_tokens` positions need (rejected speculative tokens' slots).
+        The released blocks hold no registered content (only computed, kept tokens' full blocks are hashed)."""
+        keep = cdiv(num_tokens, self.block_size)
+        while len(seq.block_ids) > keep:
+            b = seq.block_ids.pop()
+            self._ref_count[b] -= 1
+            if self._ref_count[b] == 0:
+                self._free[b] = None
+                if self._hash[b] is None:
+                    self._free.move_to_end(b, last=False)
+
     def free(self, seq: Request) -> None:
         """Releases seq's table, tail first (see the eviction order in the module docstring)."""
         for b in reversed(seq.block_ids):

@@ -92,6 +92,10 @@ class Engine:
     @staticmethod
     def _resolve_async_scheduling(config: EngineConfig, executor: Executor) -> bool:
         wanted = config.async_scheduling if config.async_scheduling is not None else config.device == "cuda"
+        if config.speculative_config:  # each plan proposes from the tokens the previous step kept
+            if config.async_scheduling:
+                raise ValueError("speculative decoding runs without async scheduling")
+            return False
         can = callable(getattr(executor, "submit", None)) and callable(getattr(executor, "collect", None))
         if wanted and not can and config.async_scheduling:
             name = type(executor).__name__
@@ -233,12 +237,21 @@ class Engine:
         if result.prompt_logprobs:
             self._apply_prompt_logprobs(result)
         for seq in self.scheduler.update(plan, result):
-            self.num_generated_tokens += 1
-            if seq.logprobs is not None and seq.logprobs[-1] is not None:
-                lp = seq.logprobs[-1]
-                seq.cumulative_logprob += lp.logprob
-                seq.logprobs[-1] = position_logprobs(seq.output_token_ids[-1], lp, self._token_text)
-            reason = self._check_stop(seq)
+            # Usually one new token; a request that verified drafts may have several: each is checked in turn, and
+            # a stop among them drops the tokens after it.
+            total = len(seq.output_token_ids)
+            reason = None
+            for n in range(total - seq.num_new_tokens + 1, total + 1):
+                self.num_generated_tokens += 1
+                if seq.logprobs is not None and seq.logprobs[n - 1] is not None:
+                    lp = seq.logprobs[n - 1]
+                    seq.cumulative_logprob += lp.logprob
+                    seq.logprobs[n - 1] = position_logprobs(seq.output_token_ids[n - 1], lp, self._token_text)
+                reason = self._check_stop(seq, n)
+                if reason is not None:
+                    if n < total:
+                        seq.truncate_output(n)
+                    break
             if reason is not None:
                 self.scheduler.finish(seq, reason)
                 deltas.append(self._on_finished(seq))
@@ -256,9 +269,9 @@ class Engine:
                     token = seq.prompt_token_ids[position]
                     seq.prompt_logprobs[position] = position_logprobs(token, lp, self._token_text)
 
-    def _check_stop(self, seq: Request) -> str | None:
-        token = seq.output_token_ids[-1]
-        n = len(seq.output_token_ids)
+    def _check_stop(self, seq: Request, n: int) -> str | None:
+        """The stop checks after the request's n-th generated token."""
+        token = seq.output_token_ids[n - 1]
         min_tokens = seq.params.min_tokens
         # The workers mask stop ids for the first min_tokens tokens; the check here mirrors that.
         if token in seq.stop_token_set and n > min_tokens:
@@ -270,7 +283,7 @@ class Engine:
         if seq.detokenizer is not None and seq.detokenizer.add_token(token, check_stop=n >= min_tokens):
             seq.stop_reason = seq.detokenizer.stopped_by
             return "stop"
-        if n >= seq.params.max_tokens or len(seq.token_ids) >= self.config.max_model_len:
+        if n >= seq.params.max_tokens or seq.num_prompt_tokens + n >= self.config.max_model_len:
             return "length"
         return None
 

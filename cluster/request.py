@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shardserve.cluster.outputs import CompletionOutput, PositionLogprobs, RequestDelta, RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams
@@ -59,6 +59,8 @@ class Request:
     known_to_workers: bool = False  # False: the next plan must send it as a NewRequest (first time or resumed)
     epoch: int = 0  # +1 per preemption: results of plans made before it must not touch the new block table
     last_step_id: int = 0  # the last plan that computed it: its blocks stay allocated until that plan's result
+    num_new_tokens: int = 0  # tokens the last applied result appended (more than 1 where drafts were accepted)
+    draft_index: Any = None  # the speculative proposer's state for this request (cluster/speculation.py)
 
     # streaming
     detokenizer: IncrementalDetokenizer | None = None
@@ -91,6 +93,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Keeps the first num_output_tokens generated tokens (a stop inside a run of accepted drafts)."""
+        del self.token_ids[self.num_prompt_tokens + num_output_tokens :]
+        del self.output_token_ids[num_output_tokens:]
+        if self.logprobs is not None:
+            del self.logprobs[num_output_tokens:]
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.token_ids.append(token_id)

@@ -38,7 +38,9 @@ from collections import deque
 
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.request import RequestStatus, Request
+from shardserve.cluster.speculation import Speculator
 from shardserve.proto.config import EngineConfig
+from shardserve.proto.speculative import parse_speculative_config
 from shardserve.proto.plan import NewRequest, StepPlan, StepResult
 
 
@@ -59,6 +61,8 @@ class Scheduler:
         self._in_flight: dict[int, list[tuple[Request, int, int]]] = {}
         self._free_after: dict[int, list[Request]] = {}  # step id -> finished requests whose blocks it may write
         self.last_applied_step_id = 0  # the newest plan whose result update() has applied
+        spec = parse_speculative_config(config.speculative_config)
+        self.speculator: Speculator | None = Speculator(spec) if spec is not None else None
 
     # ---- admission -----------------------------------------------------------------------------------------
     def add(self, seq: Request) -> None:
@@ -152,6 +156,9 @@ class Scheduler:
         preempted = False
 
         max_model_len = self.config.max_model_len
+        speculator = self.speculator if self.speculator is not None and self.speculator.active(len(self.running)) \
+            else None
+        draft_token_ids: dict[str, list[int]] = {}
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
@@ -159,7 +166,17 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
+            drafts = None
+            if speculator is not None and n == 1 and not seq.num_pending_tokens:
+                # room for the drafts and the token after them within max_tokens, max_model_len and the budget
+                limit = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - len(seq.token_ids),
+                            budget) - 1
+                drafts = speculator.propose(seq, limit)
+                n += len(drafts)
             new = self.block_manager.append_slots(seq, seq.num_computed_tokens + n)
+            if new is None and drafts:  # no room for the drafts: decode one token rather than preempt for them
+                n, drafts = 1, None
+                new = self.block_manager.append_slots(seq, seq.num_computed_tokens + n)
             while new is None:  # out of blocks: preempt the latest arrival not yet scheduled
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -171,6 +188,8 @@ class Scheduler:
                 break  # seq preempted itself; everything after it is gone too
             if new:
                 new_block_ids[seq.req_id] = new
+            if drafts:
+                draft_token_ids[seq.req_id] = drafts
             req_ids.append(seq.req_id)
             num_tokens.append(n)
             scheduled.append(seq)
@@ -228,6 +247,14 @@ class Scheduler:
         self.step_id += 1
         in_flight = []
         for seq, n in zip(scheduled, num_tokens):
+            drafts = draft_token_ids.get(seq.req_id) if draft_token_ids else None
+            if drafts:
+                # verified this step: after the result, computed = the tokens kept less the new last one (update)
+                seq.num_computed_tokens += n - len(drafts)
+                seq.num_pending_tokens += 1
+                in_flight.append((seq, seq.epoch, -len(drafts)))
+                seq.last_step_id = self.step_id
+                continue
             seq.num_computed_tokens += n
             if seq.num_computed_tokens == len(seq.token_ids) + seq.num_pending_tokens:  # the end: one token sampled
                 seq.num_pending_tokens += 1
@@ -242,6 +269,7 @@ class Scheduler:
             new_block_ids=new_block_ids,
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
+            draft_token_ids=draft_token_ids,
         )
         self._finished_ids, self._preempted_ids = [], []
         return plan
@@ -256,20 +284,42 @@ class Scheduler:
             raise RuntimeError(f"result for step {result.step_id} does not match plan {plan.step_id}")
         records = self._in_flight.pop(plan.step_id)
         self.last_applied_step_id = plan.step_id
+        verified = []  # (seq, number of drafts) of the requests that verified drafts (computed < 0 marks them)
         for seq, epoch, computed in records:
             if epoch == seq.epoch and not seq.is_finished:
-                self.block_manager.register_full_blocks(seq, computed)
+                if computed < 0:
+                    verified.append((seq, -computed))
+                else:
+                    self.block_manager.register_full_blocks(seq, computed)
         for seq in self._free_after.pop(plan.step_id, ()):
             self.block_manager.free(seq)
         # By object, not by id: a finished request's id may already belong to a new request.
         planned = {seq.req_id: seq for seq, _, _ in records}
         got_token: list[Request] = []
         logprobs = result.logprobs or [None] * len(result.req_ids)
+        last = None
         for req_id, token, lp in zip(result.req_ids, result.token_ids, logprobs):
             seq = planned.get(req_id)
             if seq is None or seq.is_finished:  # finished or aborted after this plan was made: discarded
                 continue
-            seq.num_pending_tokens -= 1
+            if seq is not last:  # its first token of this result (a verifying request has several entries)
+                seq.num_pending_tokens -= 1
+                seq.num_new_tokens = 0
+                got_token.append(seq)
+                last = seq
+            seq.num_new_tokens += 1
             seq.append_token(token, lp)
-            got_token.append(seq)
+        for seq, num_drafts in verified:
+            self._settle_verified(seq, num_drafts)
         return got_token
+
+    def _settle_verified(self, seq: Request, num_drafts: int) -> None:
+        """After a verification step: the drafts kept are computed, the rejected ones' positions are free again
+        (the table cut to the blocks the tokens occupy, as the workers cut theirs), and only kept tokens' full
+        blocks enter the prefix cache."""
+        kept = seq.num_new_tokens - 1
+        if self.speculator is not None:
+            self.speculator.stats.observe(num_drafts, kept)
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        self.block_manager.trim(seq, len(seq.token_ids))
+        self.block_manager.register_full_blocks(seq, seq.num_computed_tokens)

@@ -80,6 +80,11 @@ class EngineConfig:
         0, flags=("--seed",),
         help="the engine's seed: dummy weights, and the sampling seed of every request that gives none (drawn in "
         "admission order), so one seed and the same requests give the same outputs")
+    speculative_config: str | None = _setting(
+        None, user_default=None,
+        help="speculative decoding as vLLM takes it, a JSON object (LLM: a dict): "
+        '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, '
+        '"disable_by_batch_size": 8}; off when unset (proto/speculative.py). Turns async scheduling off')
     dist_timeout_s: float = _setting(
         60.0, user=False, help="torch.distributed timeout in seconds: never the 30-minute default")
 

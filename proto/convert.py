@@ -82,6 +82,10 @@ def step_plan_to_proto(plan: StepPlan) -> pb.StepPlan:
         add_blocks = msg.new_block_ids.add
         for req_id, block_ids in plan.new_block_ids.items():
             add_blocks(req_id=req_id, block_ids=block_ids)
+    if plan.draft_token_ids:
+        add_drafts = msg.draft_token_ids.add
+        for req_id, token_ids in plan.draft_token_ids.items():
+            add_drafts(req_id=req_id, token_ids=token_ids)
     return msg
 
 
@@ -94,6 +98,7 @@ def step_plan_from_proto(msg: pb.StepPlan) -> StepPlan:
         new_block_ids={b.req_id: list(b.block_ids) for b in msg.new_block_ids},
         finished_req_ids=list(msg.finished_req_ids),
         preempted_req_ids=list(msg.preempted_req_ids),
+        draft_token_ids={d.req_id: list(d.token_ids) for d in msg.draft_token_ids},
     )
 
 

@@ -12,6 +12,12 @@ worker.proto. Plans carry deltas only:
   the end of the list (prefill complete, or a decode), the workers sample one token and append it to their own copy
   of the list, so the next decode step needs no token from the controller (this is what lets the controller plan
   step N+1 before step N's result is back).
+- Speculative decoding: `draft_token_ids` gives a request the d tokens proposed to follow its token list. The
+  workers append them, compute num_tokens = 1 + d positions (the last known token and the drafts: one forward),
+  sample at each of the d + 1 positions and keep the drafts up to the first one the sample differs from, plus the
+  sample there (worker/spec_verify.py). The result then lists the request once per token it gained (1 to d + 1,
+  consecutive entries), and both sides drop the rejected drafts: the request's computed count ends before its
+  new last token, and its block table is cut to the blocks its tokens occupy (the same rule on both sides).
 - `finished_req_ids` and `preempted_req_ids` tell the workers to drop a request's state. A preempted request comes
   back later in `new_requests` with all its tokens (prompt + generated so far): its KV is recomputed.
 
@@ -65,6 +71,7 @@ class StepPlan:
     new_block_ids: dict[str, list[int]] = field(default_factory=dict)  # blocks appended since the last plan
     finished_req_ids: list[str] = field(default_factory=list)  # finished or aborted: drop state (before this step)
     preempted_req_ids: list[str] = field(default_factory=list)  # preempted: drop state (before this step)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposed tokens to verify (speculation)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -98,7 +105,9 @@ class PromptLogprobs:
 @dataclass(slots=True)
 class StepResult:
     step_id: int
-    req_ids: list[str] = field(default_factory=list)  # requests that sampled a token this step, in batch order
+    # requests that sampled a token this step, in batch order; a request that verified drafts appears once per
+    # token it gained (consecutive entries, in token order)
+    req_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # the sampled token of each
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per entry, None where not asked
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # prompt positions this step computed

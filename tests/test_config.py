@@ -39,7 +39,7 @@ def test_the_flag_spellings_and_defaults_users_know_still_work():
         model=None, tensor_parallel_size=1, device="auto", dtype="auto", load_format="auto", block_size=16,
         max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None, enable_prefix_caching=True,
         kv_cache_dtype="auto", quantization="none", num_kv_blocks=None, kv_cache_memory_gb=None, gpu_memory_utilization=0.9,
-        attention_backend="auto", enforce_eager=False, async_scheduling=None, seed=0,
+        attention_backend="auto", enforce_eager=False, async_scheduling=None, seed=0, speculative_config=None,
     )
     given = engine_kwargs(parse(
         "--model", "m", "--tp", "2", "--device", "cpu", "--dtype", "bf16", "--load-format", "dummy",
@@ -47,12 +47,14 @@ def test_the_flag_spellings_and_defaults_users_know_still_work():
         "--num-kv-blocks", "40", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.8",
         "--attention-backend", "torch", "--enforce-eager", "--no-prefix-caching", "--no-async-scheduling",
         "--seed", "7", "--kv-cache-dtype", "fp8", "--quantization", "fp8",
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
     ))
     assert given == dict(
         model="m", tensor_parallel_size=2, device="cpu", dtype="bf16", load_format="dummy", block_size=32,
         max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, enable_prefix_caching=False,
         kv_cache_dtype="fp8", quantization="fp8", num_kv_blocks=40, kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, attention_backend="torch",
         enforce_eager=True, async_scheduling=False, seed=7,
+        speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
     )
     assert engine_kwargs(parse("--tensor-parallel-size", "4", "--async-scheduling"))["tensor_parallel_size"] == 4
     with pytest.raises(SystemExit):

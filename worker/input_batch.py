@@ -263,6 +263,8 @@ class InputBatch:
             state = self._state(req_id)
             tables.write(state.table_row, len(state.block_ids), blocks)
             state.block_ids.extend(blocks)
+        for req_id, drafts in plan.draft_token_ids.items():  # speculation: verified this step (spec_verify.py)
+            self._state(req_id).token_ids.extend(drafts)
 
     def _state(self, req_id: str) -> RequestState:
         state = self.requests.get(req_id)

@@ -27,6 +27,7 @@ from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from shardserve.worker.sampler import plain_greedy, sample, sample_tokens
 from shardserve.worker.sampler_warm_up import warm_up as sampler_warm_up
 from shardserve.worker.sampling_row import SamplingRow
+from shardserve.worker.spec_verify import launch_verify_step
 from shardserve.worker.step_in_flight import StepInFlight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -174,6 +175,8 @@ class ModelRunner:
         on the device as placeholders the next step reads there (worker/input_batch.py); finish_step reads them."""
         started = time.perf_counter()
         batch = self.input_batch.prepare(plan, self.decode_graphs)
+        if plan.draft_token_ids:  # speculative decoding: drafts verified in this step (worker/spec_verify.py)
+            return launch_verify_step(self, plan, batch)
         step = StepInFlight(StepResult(step_id=plan.step_id))
         if batch.states:
             step.start_device_timer(self.device)

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from shardserve.settings.model_source import resolve_model
+from shardserve.proto.speculative import parse_speculative_config
 from shardserve.proto.config import EngineConfig, user_default, user_settings
 from shardserve.worker.models import SUPPORTED_ARCHITECTURES
 from shardserve.worker.models.hf_config import read_hf_config
@@ -213,6 +214,11 @@ def build_engine_config(*, offline: bool = False, **settings) -> EngineConfig:
         dtype=resolve_dtype(s["dtype"], device),
         max_model_len=max_model_len,
     )
+    speculative = parse_speculative_config(s["speculative_config"])  # a dict or JSON text; ValueError if bad
+    s["speculative_config"] = speculative.to_json() if speculative is not None else None
+    if speculative is not None and s["async_scheduling"]:
+        raise ValueError("speculative decoding plans each step from the tokens the last one accepted: it runs "
+                         "without async scheduling (leave async_scheduling unset or False)")
     if s["kv_cache_dtype"] == "auto":  # the cache in the model's dtype, named so that records state it
         s["kv_cache_dtype"] = s["dtype"]
     if s["max_num_seqs"] is None:

@@ -1,0 +1,58 @@
+"""The n-gram proposer, the acceptance counters and the speculative settings' parsing (no model needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shardserve.cluster.speculation import NgramIndex, SpecDecodeStats
+from shardserve.proto.speculative import SpeculativeConfig, parse_speculative_config
+
+
+def test_ngram_index_proposes_what_followed_the_latest_earlier_occurrence_of_the_longest_suffix():
+    index = NgramIndex(1, 3)
+    tokens = [1, 2, 3, 4, 5, 9, 2, 3, 7, 1, 2, 3]
+    # suffix (1, 2, 3) occurred at the start, followed by 4, 5, 9; (2, 3) alone last led to 7
+    assert index.propose(tokens, 3) == [4, 5, 9]
+    tokens += [8]  # nothing ever followed an 8
+    assert index.propose(tokens, 3) == []
+    tokens += [5]  # (8, 5) unseen; (5,) was followed by 9 (the latest earlier 5)
+    assert index.propose(tokens, 4) == [9, 2, 3, 7]
+    assert index.propose(tokens, 2) == [9, 2]  # at most k
+
+
+def test_ngram_index_grows_with_appended_tokens_only():
+    tokens = list(range(20)) + [5, 6]
+    index = NgramIndex(2, 2)
+    assert index.propose(tokens, 2) == [7, 8]
+    assert index.indexed == len(tokens)
+    tokens += [7, 8, 30, 31]
+    assert index.propose(tokens, 3) == []  # (30, 31) new
+    tokens += [5, 6]
+    assert index.propose(tokens, 3) == [7, 8, 30]  # the latest (5, 6) was followed by 7, 8, 30
+
+
+def test_stats_count_drafts_acceptance_and_positions():
+    stats = SpecDecodeStats()
+    stats.observe(4, 2)
+    stats.observe(3, 0)
+    stats.observe(4, 4)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 11, 6)
+    assert stats.accepted_per_pos == [2, 2, 1, 1]
+    assert stats.acceptance_rate == pytest.approx(6 / 11)
+    assert stats.mean_acceptance_length == pytest.approx(1 + 6 / 3)
+
+
+def test_speculative_config_parses_dicts_and_json_and_refuses_what_is_wrong():
+    assert parse_speculative_config(None) is None and parse_speculative_config("") is None
+    cfg = parse_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 5})
+    assert cfg == SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=5)
+    assert parse_speculative_config(cfg.to_json()) == cfg
+    assert json.loads(cfg.to_json())["prompt_lookup_min"] == 1
+    for bad, says in [("{", "not valid JSON"), ("[1]", "JSON object"), ({"method": "medusa"}, "method"),
+                      ({"num_speculative_tokens": 2}, "needs a method"), ({"method": "ngram", "k": 2}, "unknown"),
+                      ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
+                      ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "exceeds")]:
+        with pytest.raises(ValueError, match=says):
+            parse_speculative_config(bad)
