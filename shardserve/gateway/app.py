@@ -137,6 +137,18 @@ def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tl
                                 "unavailable").response()
         return JSONResponse({"status": "ok", "upstream": upstream})
 
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's liveness path (SageMaker's): as /health
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        try:  # as every path but health: the server's token where it asks for one
+            await gateway.model_info(metadata_of(request))
+        except GatewayError as e:
+            return e.response()
+        from shardserve import __version__
+
+        return JSONResponse({"version": __version__})
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         try:  # the server's rule for every path but health: its token where it asks for one

@@ -115,7 +115,9 @@ class Gateway:
                 for j in range(n):
                     choice = Choice(chat, rid, info.model, len(choices), top_logprobs=sampling.get("logprobs"),
                                     usage_field=body.include_usage, token_ids=body.return_token_ids,
-                                    echo=sampling.get("echo", False), echo_only=body.echo_only)
+                                    echo=sampling.get("echo", False), echo_only=body.echo_only,
+                                    prompt_logprobs=body.prompt_logprobs is not None,
+                                    stop_token_ids=body.stop_token_ids or ())
                     choice.prompt_shared = j > 0
                     seeded = dict(sampling)  # a seeded request's choices differ: the j-th draws with seed + j
                     if "seed" in sampling:

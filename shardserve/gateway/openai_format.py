@@ -43,7 +43,8 @@ class Choice:
 
     def __init__(self, chat: bool, request_id: str, model: str, index: int, created: int | None = None,
                  top_logprobs: int | None = None, usage_field: bool = False, token_ids: bool = False,
-                 echo: bool = False, echo_only: bool = False) -> None:
+                 echo: bool = False, echo_only: bool = False, prompt_logprobs: bool = False,
+                 stop_token_ids=()) -> None:
         self.chat = chat
         self.index = index
         self.logprobs = top_logprobs is not None
@@ -64,6 +65,9 @@ class Choice:
         self.first_token_text = ""  # the prompt's first token, which has no logprob
         self.prompt_lp_entries: list = []  # pb.TokenLogprob of the prompt's second token on
         self.started = False
+        self.with_prompt_logprobs = prompt_logprobs  # vLLM's prompt_logprobs field of the choice (non-streaming)
+        self.stop_token_ids = set(stop_token_ids)  # a stop_reason that is one of them is a token id (an int)
+        self.stop_reason: str | int | None = None
         created = int(time.time()) if created is None else created
         kind = "chat.completion.chunk" if chat else "text_completion"
         head = {"id": request_id, "object": kind, "created": created, "model": model}
@@ -82,10 +86,14 @@ class Choice:
         self.prompt_tokens = msg.usage.prompt_tokens
         self.completion_tokens = 0 if self.echo_only else msg.usage.completion_tokens
         self.cached_tokens = msg.usage.cached_prompt_tokens
+        reason = msg.stop_reason or None  # vLLM's stop_reason: the stop string, or the stop token's id as a number
+        if reason is not None and reason.isdigit() and int(reason) in self.stop_token_ids:
+            reason = int(reason)
+        self.stop_reason = reason
 
     def add(self, delta: pb.GenerateResponse.Delta) -> None:
         """Non-streaming: keeps the delta for body()."""
-        if self.echo and delta.prompt_logprobs:
+        if (self.echo or self.with_prompt_logprobs) and delta.prompt_logprobs:
             self.prompt_lp_entries.extend(delta.prompt_logprobs)
         if self.echo_only:
             return
@@ -132,7 +140,8 @@ class Choice:
     def last_chunk(self) -> bytes:
         reason = _dumps(self.finish_reason).encode()
         body = b',"delta":{}' if self.chat else b',"text":""'
-        return self._chunk(body + b',"logprobs":null,"finish_reason":' + reason)
+        return self._chunk(body + b',"logprobs":null,"finish_reason":' + reason + b',"stop_reason":'
+                           + _dumps(self.stop_reason).encode())
 
     def _chunk(self, body: bytes) -> bytes:
         return self._prefix + body + self._suffix
@@ -149,8 +158,11 @@ class Choice:
                     "logprobs": logprobs, "finish_reason": self.finish_reason}
         else:
             body = {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": self.finish_reason}
+        body["stop_reason"] = self.stop_reason
         if self.with_ids:
             body["token_ids"] = self.ids
+        if self.with_prompt_logprobs:  # vLLM's shape: None for the first token, then {token id: its logprob entry}
+            body["prompt_logprobs"] = [None] + [_prompt_position(e) for e in self.prompt_lp_entries]
         return body
 
     # ---- logprobs -----------------------------------------------------------------------------------------
@@ -181,6 +193,14 @@ class Choice:
         return {"tokens": [e.text for e in entries], "token_logprobs": [e.logprob for e in entries],
                 "top_logprobs": [{t.text: t.logprob for t in e.top_logprobs} for e in entries],
                 "text_offset": offsets}
+
+
+def _prompt_position(entry) -> dict:
+    """One prompt position as vLLM's prompt_logprobs have it: the token and its top alternatives, keyed by id."""
+    out = {str(entry.token_id): {"logprob": entry.logprob, "rank": entry.rank, "decoded_token": entry.text}}
+    for rank, top in enumerate(entry.top_logprobs, start=1):
+        out.setdefault(str(top.token_id), {"logprob": top.logprob, "rank": rank, "decoded_token": top.text})
+    return out
 
 
 def response_body(chat: bool, request_id: str, model: str, choices: list[Choice], replica: str = "") -> dict:

@@ -3,8 +3,10 @@
 Three kinds of fields:
 - mapped onto the gRPC GenerateRequest (temperature, top_p, seed, stop, max_tokens, logprobs, logit_bias, ...;
   `n`: as many requests a prompt, the i-th with seed + i), plus vLLM's
-  extensions the engine has (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids) and its
-  `return_token_ids` (the output's token ids next to its text: a model without a tokenizer has no text);
+  extensions the engine has (top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+  skip_special_tokens, include_stop_str_in_output, prompt_logprobs; priority 0, the only one a first-come
+  scheduler has) and its `return_token_ids` (the output's token ids next to its text: a model without a tokenizer
+  has no text);
 - OpenAI fields that change nothing here and are accepted and ignored (`user`, `metadata`, `store`, ...);
 - OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `suffix`, `tools`, ...):
   `unsupported()` names them, and the gateway answers 400 with that field as `param`.
@@ -59,6 +61,10 @@ class _Request(BaseModel):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     return_token_ids: bool = False  # each choice (and chunk) also carries its token ids: for token-id-only models
+    skip_special_tokens: bool | None = None  # absent: true (eos, chat markers left out of the text)
+    include_stop_str_in_output: bool | None = None  # the matched stop string stays in the text
+    prompt_logprobs: int | None = None  # each prompt token's logprob and the top N, as vLLM's choices carry them
+    priority: int = 0  # vLLM's priority scheduling: this server schedules first come, first served (0 only)
     # accepted and ignored: they change nothing about the answer
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -73,6 +79,11 @@ class _Request(BaseModel):
         return False
 
     def unsupported(self) -> UnsupportedField | None:
+        if self.priority != 0:
+            return UnsupportedField("priority", f"priority {self.priority}: this server schedules first come, first "
+                                    "served (priority scheduling is not supported; leave it 0)")
+        if self.prompt_logprobs is not None and self.stream:
+            return UnsupportedField("prompt_logprobs", "prompt_logprobs is supported without stream only")
         if self.n is not None and not 1 <= self.n <= MAX_N:
             return UnsupportedField("n", f"n must be an integer in [1, {MAX_N}], got {self.n}")
         for token in self.logit_bias or ():
@@ -87,7 +98,9 @@ class _Request(BaseModel):
                       min_p=self.min_p, repetition_penalty=self.repetition_penalty, min_tokens=self.min_tokens,
                       ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids,
                       logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias
-                      else None)
+                      else None, skip_special_tokens=self.skip_special_tokens,
+                      include_stop_str_in_output=self.include_stop_str_in_output,
+                      prompt_logprobs=self.prompt_logprobs)
         return {k: v for k, v in fields.items() if v is not None}
 
     @property
@@ -126,7 +139,7 @@ class CompletionRequest(_Request):
             fields["logprobs"] = self.logprobs
         if self.echo:  # the prompt (and with logprobs its tokens' logprobs) comes before the completion
             fields["echo"] = True
-            if self.logprobs is not None:
+            if self.logprobs is not None and self.prompt_logprobs is None:
                 fields["prompt_logprobs"] = self.logprobs
             if self.echo_only:
                 fields["max_tokens"] = 1  # one token is made and left out of the answer

@@ -330,6 +330,42 @@ def test_n_choices_are_the_seeded_requests_seed_plus_i(oai):
     assert error.value.body["param"] == "n" and "n must be an integer in [1, 16]" in error.value.message
 
 
+def test_vllms_extra_fields_map_onto_the_engine_and_unsupported_ones_are_400_naming_them(served, grpc_client):
+    """include_stop_str_in_output, skip_special_tokens, prompt_logprobs and stop_reason in the choice, as vLLM's
+    server has them, equal to the gRPC client's answer; priority 0 is accepted, others refused by name, as is a
+    field the server does not know; /version and /ping answer."""
+    base = served[2]
+    root = base.removesuffix("/v1")
+
+    def complete(**fields) -> httpx.Response:
+        return httpx.post(f"{base}/completions", json={"prompt": PROMPT, "max_tokens": 8, "temperature": 0, **fields},
+                          timeout=120)
+
+    kept = complete(stop=[" Paris"], include_stop_str_in_output=True, priority=0).json()["choices"][0]
+    assert kept["text"].endswith(" Paris") and kept["stop_reason"] == " Paris" and kept["finish_reason"] == "stop"
+    dropped = complete(stop=[" Paris"]).json()["choices"][0]
+    assert not dropped["text"].endswith("Paris") and dropped["stop_reason"] == " Paris"
+    ids = grpc_client.generate(PROMPT, max_tokens=8, temperature=0).token_ids
+    by_id = complete(stop_token_ids=[ids[2]]).json()["choices"][0]
+    assert by_id["stop_reason"] == ids[2] and by_id["finish_reason"] == "stop"  # a token id: a number, as vLLM's
+    assert complete().json()["choices"][0]["stop_reason"] is None  # length
+    raw = complete(skip_special_tokens=False).json()["choices"][0]["text"]
+    assert raw == grpc_client.generate(PROMPT, max_tokens=8, temperature=0, skip_special_tokens=False).text
+    reply = complete(prompt_logprobs=1, max_tokens=1).json()
+    positions = reply["choices"][0]["prompt_logprobs"]
+    assert len(positions) == reply["usage"]["prompt_tokens"] and positions[0] is None
+    assert all(1 <= len(p) <= 2 and all("logprob" in e for e in p.values()) for p in positions[1:])
+    for fields, param in (({"priority": 1}, "priority"), ({"guided_json": {}}, "guided_json"),
+                          ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")):
+        refused = complete(**fields)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
+    from shardserve import __version__
+
+    assert httpx.get(f"{root}/version", timeout=30).json() == {"version": __version__}
+    assert httpx.get(f"{root}/ping", timeout=30).status_code == 200
+    assert httpx.post(f"{root}/ping", timeout=30).status_code == 200
+
+
 def test_an_unknown_model_gets_404(oai):
     with pytest.raises(openai.NotFoundError) as error:
         oai.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=2)
