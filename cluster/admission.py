@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from shardserve.cluster.errors import excerpt
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.plan import cdiv
 
@@ -42,7 +43,7 @@ def encode_prompt(prompt: Prompt, tokenizer) -> tuple[str | None, list[int]]:
             raise ValueError("this model has no chat template: send text or token ids")
         for m in prompt:
             if m.get("role") not in CHAT_ROLES:
-                raise ValueError(f"chat roles must be one of {', '.join(CHAT_ROLES)}; got {m.get('role')!r}")
+                raise ValueError(f"chat roles must be one of {', '.join(CHAT_ROLES)}; got {excerpt(m.get('role'))}")
             if not isinstance(m.get("content"), str):
                 raise ValueError("every chat message needs a string content")
         text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
@@ -109,7 +110,7 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: RequestL
     vocab = limits.vocab_size
     for t in token_ids:
         if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {t!r}")
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {excerpt(t)}")
     for name, ids in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
         if (past := next((t for t in ids if t >= vocab), None)) is not None:  # (SamplingParams checked >= 0)
             raise ValueError(f"{name} must be token ids below the vocabulary size {vocab}, got {past}")

@@ -7,7 +7,7 @@ GenerateRequest field; a test checks it); the request itself is checked where ev
 admission (cluster/admission.py), so this file only rejects what a message cannot say otherwise (no prompt, an
 empty chat).
 
-Status mapping: bad input (ValueError) -> INVALID_ARGUMENT with its message; not serving (starting, draining,
+Status mapping: bad input (ValueError) -> INVALID_ARGUMENT with its message (cut to 1 KiB); not serving (starting, draining,
 failed) -> UNAVAILABLE; too many live requests -> RESOURCE_EXHAUSTED; an unknown id on Abort -> NOT_FOUND;
 anything else -> INTERNAL. A user's error only ever ends that user's call.
 """
@@ -25,7 +25,7 @@ from grpc_reflection.v1alpha import reflection
 from shardserve.cluster.api_security import ApiSecurity
 from shardserve.cluster.controller_types import LiveRequest, ServedModel
 from shardserve.cluster.engine import EngineStats
-from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
+from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest, bounded, excerpt
 from shardserve.cluster.outputs import RequestDelta, top_entries
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto import generation_pb2 as pb
@@ -76,15 +76,17 @@ class GenerationBackend(Protocol):
 
 
 def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status and its message, never over MAX_MESSAGE_BYTES: the message travels in the call's trailers, and
+    past gRPC's metadata limit the client gets RESOURCE_EXHAUSTED with the reason lost."""
     if isinstance(error, ValueError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(error)
+        return grpc.StatusCode.INVALID_ARGUMENT, bounded(str(error))
     if isinstance(error, ServerUnavailable):
-        return grpc.StatusCode.UNAVAILABLE, str(error)
+        return grpc.StatusCode.UNAVAILABLE, bounded(str(error))
     if isinstance(error, ServerOverloaded):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(error)
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, bounded(str(error))
     if isinstance(error, UnknownRequest):
-        return grpc.StatusCode.NOT_FOUND, f"no live request has id {error.args[0]!r}"
-    return grpc.StatusCode.INTERNAL, f"internal error: {error!r}"
+        return grpc.StatusCode.NOT_FOUND, f"no live request has id {excerpt(error.args[0])}"
+    return grpc.StatusCode.INTERNAL, bounded(f"internal error: {error!r}")
 
 
 def request_from_proto(msg: pb.GenerateRequest) -> tuple[object, SamplingParams, str | None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import typing
 from dataclasses import dataclass, field
 
+from shardserve.cluster.errors import excerpt
 from shardserve.proto.plan import SamplingSpec
 
 MAX_LOGPROBS = 20
@@ -27,6 +28,11 @@ def _is_int(value) -> bool:
 
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _first(items, wrong) -> int | None:
+    """The index of the first item `wrong` says is wrong, or None."""
+    return next((i for i, item in enumerate(items) if wrong(item)), None)
 
 
 def _param(default, help: str, cli: bool = True):
@@ -77,8 +83,12 @@ class SamplingParams:
             self.top_k = 0
 
     def _check(self) -> None:
-        def bad(name: str, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
+        def bad(name: str, allowed: str, at: int | None = None) -> ValueError:
+            """The field, its range and a bounded excerpt of what came (of a list: the entry at fault, `at`)."""
+            value = getattr(self, name)
+            if at is None:
+                return ValueError(f"{name} must be {allowed}, got {excerpt(value)}")
+            return ValueError(f"{name} must be {allowed}, got {excerpt(value[at])} at index {at} of {len(value)}")
 
         if not _is_number(self.temperature) or not 0 <= self.temperature <= 100:
             raise bad("temperature", "a number in [0, 100] (0 = greedy)")
@@ -101,15 +111,17 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= (self.max_tokens or self.min_tokens):
             raise bad("min_tokens", "an integer in [0, max_tokens]")
         if self.stop is not None and not isinstance(self.stop, str):
-            if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            if not isinstance(self.stop, (list, tuple)):
                 raise bad("stop", "a non-empty string or a list of them")
+            if (i := _first(self.stop, lambda s: not (isinstance(s, str) and s))) is not None:
+                raise bad("stop", "a non-empty string or a list of them", at=i)
         elif isinstance(self.stop, str) and not self.stop:
             raise bad("stop", "a non-empty string or a list of them")
         if self.stop_token_ids is not None:
-            if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-                _is_int(t) and t >= 0 for t in self.stop_token_ids
-            ):
+            if not isinstance(self.stop_token_ids, (list, tuple)):
                 raise bad("stop_token_ids", "a list of token ids >= 0")
+            if (i := _first(self.stop_token_ids, lambda t: not (_is_int(t) and t >= 0))) is not None:
+                raise bad("stop_token_ids", "a list of token ids >= 0", at=i)
         if not isinstance(self.ignore_eos, bool):
             raise bad("ignore_eos", "True or False")
         for name in ("logprobs", "prompt_logprobs"):
@@ -122,17 +134,20 @@ class SamplingParams:
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise bad("n", f"an integer in [1, {MAX_N}]")
         if self.logit_bias is not None:
-            if not isinstance(self.logit_bias, dict) or len(self.logit_bias) > MAX_LOGIT_BIAS:
+            if not isinstance(self.logit_bias, dict):
                 raise bad("logit_bias", f"a dict of at most {MAX_LOGIT_BIAS} token ids -> biases")
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must be a dict of at most {MAX_LOGIT_BIAS} token ids -> biases, got "
+                                 f"{len(self.logit_bias)} entries")
             for token, bias in self.logit_bias.items():
                 if not _is_int(token) or token < 0:
-                    raise ValueError(f"logit_bias must be keyed by token ids >= 0, got the key {token!r}")
+                    raise ValueError(f"logit_bias must be keyed by token ids >= 0, got the key {excerpt(token)}")
                 if not _is_number(bias) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
                     raise ValueError(f"logit_bias must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
-                                     f"got {bias!r} for token {token}")
+                                     f"got {excerpt(bias)} for token {token}")
         if self.best_of not in (None, 1):
-            raise ValueError(f"best_of={self.best_of}: best-of-n candidates are not supported; ask for n outputs "
-                             "and pick among them")
+            raise ValueError(f"best_of={excerpt(self.best_of)}: best-of-n candidates are not supported; ask for n "
+                             "outputs and pick among them")
 
     def to_spec(self, eos_token_ids: list[int], default_seed: int) -> SamplingSpec:
         """The worker's view: the fields both have, by name, and what the worker needs in its own form. A request

@@ -89,16 +89,17 @@ def test_params_map_onto_the_workers_spec_by_name():
 
 
 @pytest.mark.parametrize("prompt, sampling, field, says", [
-    ("hi", {"max_tokens": 10**30}, "max_tokens", "max_tokens: Value out of range"),
-    ("hi", {"seed": -1}, "seed", "seed: Value out of range"),
-    ([10**12], {}, "prompt", "prompt token ids: Value out of range"),
+    ("hi", {"max_tokens": 10**30}, "max_tokens", "max_tokens must be an integer in [-2**31, 2**31), got 1000000"),
+    ("hi", {"seed": -1}, "seed", "seed must be an integer in [0, 2**64), got -1"),  # the range the request holds
+    ([10**12], {}, "prompt", "prompt token ids must be integers in [-2**31, 2**31), got 1000000000000"),
+    ("hi", {"logit_bias": {2**40: 1.0}}, "logit_bias", "logit_bias keys must be integers in [-2**31, 2**31)"),
     ("a\ud800b", {}, "prompt", "prompt is not valid UTF-8 text (surrogates not allowed at position 1)"),
     ([{"role": "user", "content": "\udcff"}], {}, "messages", "messages is not valid UTF-8 text"),
     ("hi", {"stop": ["ok", "\ud800"]}, "stop", "stop is not valid UTF-8 text"),
 ])
 def test_a_value_the_request_cannot_hold_is_a_field_error_naming_the_field(prompt, sampling, field, says):
-    """What protobuf refuses to hold (an integer beyond its field, a lone surrogate) is a ValueError naming the field,
-    which the gateway answers with 400 (not a 500 from an unexpected exception)."""
+    """What protobuf refuses to hold (an integer beyond its field, a lone surrogate) is a ValueError naming the field
+    (and the range of an integer field), which the gateway answers with 400 (not a 500 from an unexpected exception)."""
     from shardserve.client.clients import FieldError
 
     with pytest.raises(FieldError) as refused:

@@ -35,6 +35,7 @@ decoded_token)}, the chosen token first.
 from __future__ import annotations
 
 import grpc
+from google.protobuf.descriptor import FieldDescriptor
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from shardserve.client.connection import Connection
@@ -75,19 +76,31 @@ def build_request(prompt, request_id: str | None, sampling: dict) -> pb.Generate
                                                            for m in prompt))
     elif isinstance(prompt, (list, tuple)):
         # an empty list is sent as is: the server answers INVALID_ARGUMENT
-        _put("prompt", lambda: msg.token_ids.ids.extend(prompt), "prompt token ids")
+        _put("prompt", lambda: msg.token_ids.ids.extend(prompt), "prompt token ids", "integers in [-2**31, 2**31)")
     else:
         raise TypeError(f"a prompt is text, token ids or chat messages; got {type(prompt).__name__}")
     for name, value in sampling.items():
         if value is None:
             continue
-        if _SAMPLING[name].message_type is not None:  # a map (logit_bias): token id -> bias
-            _put(name, lambda: getattr(msg, name).update(value))
-        elif _SAMPLING[name].is_repeated:  # stop="x" means ["x"]
-            _put(name, lambda: getattr(msg, name).extend([value] if isinstance(value, str) else value))
+        field = _SAMPLING[name]
+        if field.message_type is not None:  # a map (logit_bias): token id -> bias
+            _put(name, lambda: getattr(msg, name).update(value), f"{name} keys",
+                 _holds("integers", field.message_type.fields[0]))
+        elif field.is_repeated:  # stop="x" means ["x"]
+            _put(name, lambda: getattr(msg, name).extend([value] if isinstance(value, str) else value),
+                 holds=_holds("integers", field))
         else:
-            _put(name, lambda: setattr(msg, name, value))
+            _put(name, lambda: setattr(msg, name, value), holds=_holds("an integer", field))
     return msg
+
+
+# What an integer field of the request can hold, by its protobuf type: said when a value is out of it.
+_INT_RANGES = {FieldDescriptor.TYPE_INT32: "[-2**31, 2**31)", FieldDescriptor.TYPE_UINT64: "[0, 2**64)",
+               FieldDescriptor.TYPE_INT64: "[-2**63, 2**63)", FieldDescriptor.TYPE_UINT32: "[0, 2**32)"}
+
+
+def _holds(kind: str, field) -> str | None:
+    return f"{kind} in {_INT_RANGES[field.type]}" if field.type in _INT_RANGES else None
 
 
 class FieldError(ValueError):
@@ -98,15 +111,19 @@ class FieldError(ValueError):
         self.field = field
 
 
-def _put(field: str, put, what: str | None = None) -> None:
-    """Runs put (a change to the message); what protobuf refuses to hold becomes a FieldError naming the field."""
+def _put(field: str, put, what: str | None = None, holds: str | None = None) -> None:
+    """Runs put (a change to the message); what protobuf refuses to hold becomes a FieldError naming the field
+    (and, for an integer field, the range it holds)."""
     what = what or field
     try:
         put()
     except UnicodeEncodeError as e:
         raise FieldError(field, f"{what} is not valid UTF-8 text ({e.reason} at position {e.start})") from None
     except ValueError as e:  # protobuf: "Value out of range: N" for an integer its field cannot hold
-        raise FieldError(field, f"{what}: {e}") from None
+        got = str(e).removeprefix("Value out of range: ")
+        if holds is not None and got != str(e):
+            raise FieldError(field, f"{what} must be {holds}, got {got[:40]}") from None
+        raise FieldError(field, f"{what}: {str(e)[:200]}") from None
     except TypeError as e:  # a value of the wrong type: the caller's bug, as Python says it
         raise TypeError(f"{what}: {e}") from None
 

@@ -156,12 +156,6 @@ class _StreamState:
         code = error.code()
         return code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.CANCELLED and not self._cancelled_here)
 
-    def _broken(self, error: grpc.RpcError) -> float:
-        """The call broke: seconds to wait before resume(); re-raises the error when the stream does not resume."""
-        wait_s = self._next_try_s(error)
-        if wait_s is None:
-            raise error
-        return wait_s
 
     def _resume(self) -> None:
         """Sends the request again with what the stream has: its tokens, its seed; not its prompt logprobs again."""
@@ -210,7 +204,9 @@ class Stream(_StreamState):
                         yield delta
                 return
             except grpc.RpcError as error:
-                time.sleep(self._broken(error))  # backoff: the server is restarting its group, or itself
+                if (wait_s := self._next_try_s(error)) is None:
+                    raise  # (here: a helper raising it would keep the error in its frame, a cycle)
+                time.sleep(wait_s)  # backoff: the server is restarting its group, or itself
                 self._resume()
 
     def wait_started(self) -> str:
@@ -237,7 +233,9 @@ class AsyncStream(_StreamState):
                             yield delta
                     return
                 except grpc.RpcError as error:
-                    await asyncio.sleep(self._broken(error))  # backoff: the server is restarting its group, or itself
+                    if (wait_s := self._next_try_s(error)) is None:
+                        raise  # (here: a helper raising it would keep the error in its frame, a cycle)
+                    await asyncio.sleep(wait_s)  # backoff: the server is restarting its group, or itself
                     self._resume()
         finally:
             self._call.cancel()  # a no-op once the stream has finished
@@ -264,7 +262,9 @@ class AsyncStream(_StreamState):
                         yield msg
                     return
                 except grpc.RpcError as error:
-                    await asyncio.sleep(self._broken(error))  # backoff: the server is restarting its group, or itself
+                    if (wait_s := self._next_try_s(error)) is None:
+                        raise  # (here: a helper raising it would keep the error in its frame, a cycle)
+                    await asyncio.sleep(wait_s)  # backoff: the server is restarting its group, or itself
                     self._resume()
         finally:
             self._call.cancel()

@@ -13,8 +13,8 @@ caches of the server is kept per Authorization header). A client that disconnect
 the server frees the request's KV blocks.
 
 Status mapping (OpenAI error bodies {"error": {"message", "type", "param", "code"}}): invalid input (ours, or the
-server's INVALID_ARGUMENT with its reason) 400, an unknown model 404, RESOURCE_EXHAUSTED 429, UNAVAILABLE 503,
-DEADLINE_EXCEEDED 504. An error after a stream has begun arrives as a last `data: {"error": ...}` event.
+server's INVALID_ARGUMENT with its reason) 400, an unknown model 404, RESOURCE_EXHAUSTED 429 (413 where it is
+gRPC's message limit: the same request can never pass), UNAVAILABLE 503, DEADLINE_EXCEEDED 504. An error after a stream has begun arrives as a last `data: {"error": ...}` event.
 """
 
 from __future__ import annotations

@@ -37,6 +37,7 @@ _LEADING_FIELD = re.compile(r"(\w+) must be ")
 # cluster/admission.py's refusals of a prompt that does not fit: "prompt (N tokens) + max_tokens ... exceeds
 # max_model_len (L)", "... leaves no room to generate within max_model_len", "... needs K KV blocks ... the cache"
 _TOO_LONG = re.compile(r"prompt \(\d+ tokens\) .*(max_model_len|KV blocks)")
+_TOO_LARGE = re.compile(r"(Received|Sent) message larger than max")  # gRPC's words for a message over its limit
 
 
 class GatewayError(Exception):
@@ -54,6 +55,11 @@ class GatewayError(Exception):
             param = (match := _LEADING_FIELD.match(message)) and match.group(1)
             if _TOO_LONG.match(message):  # OpenAI's code for it: clients trim the prompt and retry
                 param, code = prompt_field, "context_length_exceeded"
+            elif message.startswith(("prompt", "chat")):  # "prompt token ids must be ...", "chat roles must be ..."
+                param = prompt_field
+        elif error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and _TOO_LARGE.search(message):
+            # gRPC's own message limit, not the server's load: retrying cannot help
+            status, type_, code = 413, "invalid_request_error", "request_too_large"
         return cls(status, message, type_, param, code or error.code().name.lower())
 
     def response(self) -> JSONResponse:

@@ -10,8 +10,11 @@ Three kinds of fields:
 - OpenAI fields that change nothing here and are accepted and ignored (`user`, `metadata`, `store`, ...);
 - OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `suffix`, `tools`, ...):
   `unsupported()` names them, and the gateway answers 400 with that field as `param`.
-Any other field is refused by pydantic (extra="forbid"), as OpenAI refuses unrecognized arguments.
-Ranges are the server's to check (its INVALID_ARGUMENT reason comes back in the 400); only shapes are checked here.
+Any other field is refused by pydantic (extra="forbid"), as OpenAI refuses unrecognized arguments, and so is a value
+of another JSON type (strict: "8" is no integer, 8.0 no integer either, as OpenAI's API has it).
+Ranges are the server's to check (its INVALID_ARGUMENT reason comes back in the 400); only shapes are checked here,
+and the ranges of the fields whose names differ from the server's (chat's top_logprobs, max_completion_tokens), so
+that a 400 names the field the request used.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from shardserve.cluster.sampling_params import MAX_N  # choices a prompt at most, as LLM.generate's n
+from shardserve.cluster.errors import excerpt
+from shardserve.cluster.sampling_params import MAX_LOGPROBS, MAX_N  # as LLM.generate's
 
 
 class UnsupportedField(ValueError):
@@ -31,8 +35,11 @@ class UnsupportedField(ValueError):
         self.param = param
 
 
+STRICT = ConfigDict(extra="forbid", strict=True)  # no unknown fields, no values of another JSON type
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     include_usage: bool = False
     include_obfuscation: bool | None = None  # an OpenAI anti-side-channel padding field: ignored
 
@@ -40,7 +47,7 @@ class StreamOptions(BaseModel):
 class _Request(BaseModel):
     """What completions and chat completions share."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
 
     model: str | None = None  # absent: the served model
     stream: bool = False
@@ -88,7 +95,8 @@ class _Request(BaseModel):
             return UnsupportedField("n", f"n must be an integer in [1, {MAX_N}], got {self.n}")
         for token in self.logit_bias or ():
             if not token.isascii() or not token.isdigit():
-                return UnsupportedField("logit_bias", f"logit_bias keys must be token ids (digits), got {token!r}")
+                return UnsupportedField("logit_bias", f"logit_bias keys must be token ids (digits), got "
+                                                      f"{excerpt(token)}")
         return None
 
     def sampling(self) -> dict[str, Any]:
@@ -152,7 +160,7 @@ class CompletionRequest(_Request):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     type: Literal["text"]
     text: str
 
@@ -165,7 +173,7 @@ class OtherPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart | OtherPart] | None = None
     name: str | None = None  # ignored: the chat template has no place for it
@@ -205,6 +213,12 @@ class ChatCompletionRequest(_Request):
             return UnsupportedField("modalities", "only the text modality is supported")
         if self.top_logprobs is not None and not self.logprobs:
             return UnsupportedField("top_logprobs", "top_logprobs needs logprobs: true")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            return UnsupportedField("top_logprobs", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got "
+                                                    f"{self.top_logprobs}")
+        for name in ("max_completion_tokens", "max_tokens"):  # (the server's name for both is max_tokens)
+            if (value := getattr(self, name)) is not None and value < 1:
+                return UnsupportedField(name, f"{name} must be an integer >= 1, got {value}")
         for i, m in enumerate(self.messages):
             if m.role == "tool" or m.tool_calls or m.tool_call_id:
                 return UnsupportedField(f"messages.{i}.role", "tool messages are not supported (no tools)")

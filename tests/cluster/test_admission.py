@@ -1,13 +1,14 @@
 """cluster/admission.py: prompts are encoded in one place and a request is checked once, whichever front end sends
 it (LLM and the gRPC Generation service both admit through Engine.admit)."""
 
+import grpc
 import pytest
 from _fake_executor import FakeExecutor
 
 from shardserve.cluster import admission
 from shardserve.cluster.admission import RequestLimits, check_request, encode_prompt
 from shardserve.cluster.engine import Engine
-from shardserve.cluster.generation_service import request_from_proto
+from shardserve.cluster.generation_service import request_from_proto, status_of
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto.config import EngineConfig
@@ -155,3 +156,30 @@ def test_generate_request_maps_onto_sampling_params_by_field_name():
     unset = request_from_proto(_generate_request(prompt=[1], request_id="r"))
     # unset optional fields: SamplingParams' defaults, but max_tokens: the rest of the context (None)
     assert unset[1] == SamplingParams(max_tokens=None) and unset[2] == "r"
+
+
+# Requests whose refusal once repeated the whole offending value: past gRPC's 8 KB of metadata the status was lost
+# (RESOURCE_EXHAUSTED "received metadata size exceeds ..."), the reason with it.
+OVERSIZED = [
+    (dict(logit_bias={t: 1.0 for t in range(1025)}), "logit_bias must be a dict of at most 1024 token ids", "1025"),
+    (dict(stop=["stop"] * 4999 + [""]), "stop must be a non-empty string", "'' at index 4999 of 5000"),
+    (dict(stop_token_ids=list(range(4999)) + [-1]), "stop_token_ids must be a list of token ids >= 0",
+     "-1 at index 4999 of 5000"),
+    (dict(temperature=float("nan"), stop=["x" * 100_000]), "temperature must be", "nan"),
+]
+
+
+@pytest.mark.parametrize("fields, reason, shown", OVERSIZED, ids=["logit_bias", "stop", "stop_token_ids", "nan"])
+def test_a_refusal_of_a_large_request_names_the_entry_at_fault_in_a_short_message(fields, reason, shown):
+    with pytest.raises(ValueError) as refused:
+        request_from_proto(_generate_request(prompt="hello", **fields))
+    code, message = status_of(refused.value)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and message.startswith(reason) and shown in message, message
+    assert len(message) < 200
+
+
+def test_no_status_message_is_longer_than_a_kib_whatever_the_error_says():
+    for error in (ValueError("bad " + "x" * 100_000), RuntimeError("é" * 100_000)):
+        message = status_of(error)[1]
+        assert len(message.encode()) <= 1024 and message.startswith(("bad xxx", "internal error: RuntimeError('éé"))
+        assert message.endswith("bytes in all)")

@@ -16,6 +16,7 @@ import re
 import signal
 import time
 
+import grpc
 import httpx
 import openai
 import pytest
@@ -211,6 +212,33 @@ def test_invalid_requests_get_400_naming_the_field(oai):
     ok = oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
                                     user="someone", metadata={"k": "v"}, store=False)
     assert ok.usage.completion_tokens <= 2
+
+
+OVERSIZED = [  # once refused with the whole value in the message: past gRPC's 8 KB of metadata the status was lost
+    ({"logit_bias": {str(t): 1.0 for t in range(1025)}}, "logit_bias", "at most 1024"),
+    ({"stop": ["stop"] * 4999 + [""]}, "stop", "'' at index 4999 of 5000"),
+    ({"stop_token_ids": list(range(4999)) + [-1]}, "stop_token_ids", "-1 at index 4999 of 5000"),
+]
+
+
+@pytest.mark.parametrize("fields, param, says", OVERSIZED, ids=[p for _, p, _ in OVERSIZED])
+def test_a_large_invalid_field_keeps_its_status_and_reason_over_grpc_and_http(oai, grpc_client, fields, param, says):
+    grpc_fields = {k: ({int(t): b for t, b in v.items()} if k == "logit_bias" else v) for k, v in fields.items()}
+    with pytest.raises(grpc.RpcError) as refused:
+        grpc_client.generate(PROMPT, max_tokens=1, **grpc_fields)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert refused.value.details().startswith(param) and says in refused.value.details()
+    with pytest.raises(openai.BadRequestError) as error:
+        oai.completions.create(model=oai.models.list().data[0].id, prompt=PROMPT, max_tokens=1, extra_body=fields)
+    assert error.value.body["param"] == param and says in error.value.message
+
+
+def test_a_token_id_past_the_vocabulary_or_past_int32_is_a_400_on_prompt(oai):
+    """The server's refusal (past the vocabulary) and the gateway's (past what the request holds) name one param."""
+    for ids in ([1, 2, 10**6], [1, 2, 2**40]):
+        with pytest.raises(openai.BadRequestError) as error:
+            oai.completions.create(model=oai.models.list().data[0].id, prompt=ids, max_tokens=1)
+        assert error.value.body["param"] == "prompt" and "prompt token ids must be integers in" in error.value.message
 
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
