@@ -6,14 +6,19 @@ start_local_workers() returns their endpoints and a torch.distributed rendezvous
 them with the controller's GrpcExecutor (shardserve/api/llm.py: create_executor wires the two). Each rank reports its
 address over a pipe; a rank that raises or dies before it serves is reported with its traceback or exit code,
 within a deadline. The pipe stays open afterwards: a rank whose parent is gone (the pipe closed) stops serving.
+The ranks are spawned without the parent's __main__ (_script_not_rerun): they need nothing of it, and a script that
+calls LLM(tensor_parallel_size=N) without the `if __name__ == "__main__":` guard must not run again in each rank.
 On CUDA each rank picks its own device from its rank (ModelRunner); on CPU the ranks share the host's cores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
+import sys
 import threading
+import types
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -67,7 +72,8 @@ def start_local_workers(config: EngineConfig, startup_timeout_s: float = 120.0, 
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_serve_rank, args=(config.device, tp * groups, child_end, workers.secret, visible),
                                name=f"shardserve-tp{rank}", daemon=True)
-            proc.start()
+            with _script_not_rerun():
+                proc.start()
             child_end.close()
             workers.processes.append(proc)
             workers._pipes.append(parent_end)
@@ -76,6 +82,21 @@ def start_local_workers(config: EngineConfig, startup_timeout_s: float = 120.0, 
         workers.stop(timeout_s=0.0)
         raise
     return workers
+
+
+@contextlib.contextmanager
+def _script_not_rerun():
+    """While a rank is spawned: an empty __main__ in its place. multiprocessing's spawn re-runs the parent's main script
+    (or module) in each child, so that the child can unpickle what the script defines; a rank's target and arguments
+    are the engine's own, so nothing of the script is needed, and a script without the __main__ guard would start
+    LLM again inside each rank (where multiprocessing refuses to spawn, and the rank dies)."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
 
 
 def _addresses(workers: LocalWorkers, timeout_s: float) -> list[str]:
