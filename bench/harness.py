@@ -180,7 +180,7 @@ def run_workload(bench: BenchEngine, workload: Workload, temperature: float, see
     ids = []
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
         req_id = f"bench-{seed}-{i}"
-        engine.add_request(req_id, list(prompt), SamplingParams(temperature=temperature, max_tokens=n,
+        engine.admit(req_id, list(prompt), SamplingParams(temperature=temperature, max_tokens=n,
                                                                 ignore_eos=True, seed=seed + i))
         ids.append(req_id)
     run = EngineRun(0.0, 0, workload.num_prompt_tokens)

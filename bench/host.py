@@ -75,7 +75,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         raise ValueError("--detokenize needs a model with a tokenizer")
     engine = Engine(config, executor, tokenizer, [], vocab_size=facts.vocab_size)
     for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
-        engine.add_request(f"host-{i}", list(prompt), SamplingParams(temperature=args.temperature, max_tokens=n,
+        engine.admit(f"host-{i}", list(prompt), SamplingParams(temperature=args.temperature, max_tokens=n,
                                                                      ignore_eos=True, seed=i,
                                                                      final_only=args.final_only))
     steps: list[tuple[int, float, float]] = []  # (the step's plan's requests, ms, the worker's ms)

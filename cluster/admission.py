@@ -1,16 +1,25 @@
-"""Admission: a request as a front end gives it -> token ids the engine can run, or a ValueError saying why not.
+"""Admission: a request as a front end gives it -> a Request the engine can run, or a ValueError saying why not.
 
-Every front end admits through Engine.admit / Engine.add_request (LLM.generate, the gRPC Generation service, and so
-a gateway over it), so these two functions are the source of truth for what a request may be:
-- `encode_prompt`: a prompt given as text, token ids or chat messages -> token ids (the one place prompts are
-  encoded; LLM runs it on the caller's thread, the server on a tokenizing pool: cluster/prompt_encoder.py);
+Every front end admits through Engine.admit (LLM with one engine or several, the server's replicas, and so the gRPC
+Generation service and a gateway over it), and Engine.admit through these functions, the source of truth for what
+a request may be:
+- `encode_prompt`: a prompt given as text, token ids or chat messages -> an EncodedPrompt (the one place prompts are
+  encoded; Engine.admit runs it, unless a front end encoded the prompt already because it routes by token ids or
+  tokenizes off the engine's thread: the server's pool, cluster/prompt_encoder.py);
 - `check_request`: the prompt's token ids and the SamplingParams against the engine's limits (vocabulary,
-  max_model_len, KV blocks), once per admission. SamplingParams checks its own fields' ranges when it is made.
+  max_model_len, KV blocks), once per admission. SamplingParams checks its own fields' ranges when it is made;
+- `check_resumed`: the tokens a resuming client already has;
+- `Seeds`: each unseeded request's seed, in admission order from the engine's seed. A front over several engines
+  (the controller, LLM with data_parallel_size > 1) draws it before routing, so a request's draws do not depend on
+  the engine it lands on.
 """
 
 from __future__ import annotations
 
+import random
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from shardserve.cluster.errors import excerpt
 from shardserve.cluster.sampling_params import SamplingParams
@@ -23,13 +32,49 @@ Prompt = str | list[int] | list[dict] | dict
 PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
 
+class EncodedPrompt(NamedTuple):
+    """A prompt as token ids, and its text (None when it came as token ids)."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """What an engine took: the prompt's length, and the max_tokens and seed the request runs with (filled in where
+    the caller left them unset)."""
+
+    num_prompt_tokens: int
+    max_tokens: int
+    seed: int
+
+    @property
+    def cost(self) -> int:
+        """The tokens the request may hold at most: what a router counts as its load."""
+        return self.num_prompt_tokens + self.max_tokens
+
+
+class Seeds:
+    """Each unseeded request's seed, drawn in admission order from one generator seeded by the engine's seed, so
+    every rank samples identically and one engine seed makes a whole run reproducible."""
+
+    def __init__(self, seed: int | None) -> None:
+        self._draws = random.Random(seed)
+
+    def fill(self, params: SamplingParams) -> SamplingParams:
+        return params if params.seed is not None else replace(params, seed=self._draws.getrandbits(63))
+
+
 def has_chat_template(tokenizer) -> bool:
     return tokenizer is not None and bool(getattr(tokenizer, "chat_template", None))
 
 
-def encode_prompt(prompt: Prompt, tokenizer) -> tuple[str | None, list[int]]:
+def encode_prompt(prompt: Prompt | EncodedPrompt, tokenizer) -> EncodedPrompt:
     """(the prompt's text, or None when it came as token ids; its token ids). Token ids are passed on unchecked
-    (check_request checks them); raises ValueError for text or chat a model cannot take."""
+    (check_request checks them), and so is a prompt encoded already; raises ValueError for text or chat a model
+    cannot take."""
+    if isinstance(prompt, EncodedPrompt):
+        return prompt
     if isinstance(prompt, dict):
         prompt = _unwrap_prompt_dict(prompt)
     if isinstance(prompt, str):
@@ -37,7 +82,7 @@ def encode_prompt(prompt: Prompt, tokenizer) -> tuple[str | None, list[int]]:
             raise ValueError("this model has no tokenizer (dummy weights): send token ids")
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return prompt, tokenizer.encode(prompt, add_special_tokens=False)
+        return EncodedPrompt(prompt, tokenizer.encode(prompt, add_special_tokens=False))
     if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
         if not has_chat_template(tokenizer):
             raise ValueError("this model has no chat template: send text or token ids")
@@ -47,9 +92,9 @@ def encode_prompt(prompt: Prompt, tokenizer) -> tuple[str | None, list[int]]:
             if not isinstance(m.get("content"), str):
                 raise ValueError("every chat message needs a string content")
         text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        return EncodedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, (list, tuple)):
-        return None, list(prompt)
+        return EncodedPrompt(None, list(prompt))
     raise ValueError(f"a prompt is text, token ids or chat messages; got {type(prompt).__name__}")
 
 
@@ -137,3 +182,12 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: RequestL
             f"{limits.block_size} tokens, but the cache has only {limits.num_kv_blocks}"
         )
     return params
+
+
+def check_resumed(resumed: Sequence[int], params: SamplingParams, vocab_size: int) -> None:
+    """The tokens a resuming client already has: token ids of the vocabulary, fewer than max_tokens (filled in)."""
+    bad = [t for t in resumed if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"resumed token ids must be integers in [0, {vocab_size}), got {bad[0]!r}")
+    if len(resumed) >= params.max_tokens:
+        raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({params.max_tokens})")

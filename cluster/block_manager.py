@@ -39,7 +39,8 @@ def hash_block(parent_hash: int, token_ids: Sequence[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 record_events: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks} and {block_size}")
         self.num_blocks = num_blocks
@@ -53,7 +54,7 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))  # front = evict first
         # Prefix-cache events for the global router (cluster/router.py), None = not recorded: (chain hash, True)
         # when a hash becomes findable, (hash, False) when it is evicted or forgotten, in order. take_events().
-        self.events: list[tuple[int, bool]] | None = None
+        self.events: list[tuple[int, bool]] | None = [] if record_events else None
         self._held: list[int] = []  # blocks kept out of use by limit_blocks (ref_count 1, no table)
 
     # ---- queries -------------------------------------------------------------------------------------------
@@ -162,8 +163,10 @@ class BlockManager:
         return self.num_blocks - len(self._held)
 
     def take_events(self) -> list[tuple[int, bool]]:
-        """The prefix-cache events since the last call (set `events = []` to start recording)."""
-        events, self.events = self.events or [], []
+        """The prefix-cache events since the last call ([] when not recording)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
         return events
 
     # ---- allocation ----------------------------------------------------------------------------------------

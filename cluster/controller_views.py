@@ -56,16 +56,12 @@ class ControllerViews:
     async def reset_caches(self, routing: str | None = None, kv_blocks: int | None = None) -> list[int]:
         """For A/B benchmarks on one running cluster, while no request is live: every serving replica forgets its
         prefix cache (the fronts their indexes), routing becomes the policy (None: unchanged) and each replica keeps
-        kv_blocks usable KV blocks (BlockManager.limit_blocks; None: all). Returns each one's usable blocks."""
+        kv_blocks usable KV blocks (Engine.reset_prefix_cache; None: all). Returns each one's usable blocks."""
         if routing is not None and routing not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {routing!r}")
 
         def reset(engine) -> int:
-            bm = engine.block_manager
-            bm.reset_prefix_cache()
-            usable = bm.limit_blocks(bm.num_blocks if kv_blocks is None else kv_blocks)
-            bm.take_events()  # forgotten here already: the fronts drop the replica's entries below
-            return usable
+            return engine.reset_prefix_cache(kv_blocks)  # its events dropped: the fronts forget them below
 
         replicas = self.source.replicas
         usable = [await asyncio.wrap_future(r.submit(reset)) if r.serving else 0 for r in replicas]

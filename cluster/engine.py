@@ -19,14 +19,14 @@ equal an undisturbed run.
 from __future__ import annotations
 
 import itertools
-import random
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shardserve.cluster.admission import Prompt, RequestLimits, check_request, encode_prompt
+from shardserve.cluster.admission import (Admitted, EncodedPrompt, Prompt, RequestLimits, Seeds, check_request,
+                                          check_resumed, encode_prompt)
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.detokenizer import IncrementalDetokenizer
 from shardserve.cluster.executor import Executor
@@ -72,11 +72,11 @@ class Engine:
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         self.vocab_size = vocab_size
-        self.block_manager = BlockManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = self._new_block_manager(executor)
         self.scheduler = Scheduler(config, self.block_manager)
         self.limits = RequestLimits(vocab_size, config.max_model_len, config.block_size, self.block_manager.num_blocks)
         self._arrivals = itertools.count()
-        self._seeds = random.Random(config.seed)  # each unseeded request's seed, in admission order
+        self._seeds = Seeds(config.seed)
         self._finished: dict[str, RequestOutput] = {}  # final outputs not yet taken
         self._pending_deltas: list[RequestDelta] = []  # aborts between steps, reported by the next step()
         self.num_steps = 0
@@ -88,6 +88,12 @@ class Engine:
         self.async_scheduling = self._resolve_async_scheduling(config, executor)
         self._in_flight: deque[StepPlan] = deque()  # submitted, results not collected yet (async only)
         self._token_text = TokenTexts(tokenizer)  # logprobs' decoded_token
+
+    def _new_block_manager(self, executor: Executor) -> BlockManager:
+        """The block manager over an executor's cache; it records block events where config.block_events says so."""
+        config = self.config
+        return BlockManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                            record_events=config.block_events)
 
     @staticmethod
     def _resolve_async_scheduling(config: EngineConfig, executor: Executor) -> bool:
@@ -103,37 +109,29 @@ class Engine:
         return wanted and can
 
     # ---- requests ------------------------------------------------------------------------------------------
-    def admit(self, req_id: str, prompt: Prompt, params: SamplingParams, resumed: Sequence[int] = ()) -> int:
-        """Encodes a prompt given as text, token ids or chat messages and queues the request (add_request).
-        Returns the prompt's token count; raises ValueError when the request is malformed or can never fit."""
-        text, token_ids = encode_prompt(prompt, self.tokenizer)
-        self.add_request(req_id, token_ids, params, prompt=text, resumed=resumed)
-        return len(token_ids)
-
-    def add_request(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None = None,
-        resumed: Sequence[int] = (),
-    ) -> None:
-        """Queues a request; raises ValueError (never later in the loop) when it is malformed or can never fit.
+    def admit(self, req_id: str, prompt: Prompt | EncodedPrompt, params: SamplingParams,
+              resumed: Sequence[int] = ()) -> Admitted:
+        """The one way in, for every front end: encodes a prompt given as text, token ids or chat messages (a front
+        end that routes by token ids or tokenizes off this thread passes an EncodedPrompt), checks the request
+        against this engine's limits, draws its seed where it has none, and queues it. Raises ValueError (never
+        later in the loop) when the request is malformed or can never fit.
 
         resumed: the tokens this request generated before (a client resuming a broken stream): they count as
         generated, not as prompt (the sampler's draw depends on the index of the generated token, penalties and
         min_tokens on the generated tokens), and are not streamed again. With the same seed the rest is what the
         unbroken request would have generated."""
+        text, token_ids = encode_prompt(prompt, self.tokenizer)
         if not isinstance(req_id, str) or not req_id:
             raise ValueError(f"request id must be a non-empty string, got {req_id!r}")
-        if req_id in self.scheduler.requests or req_id in self._finished:
+        if self.has_request(req_id):
             raise ValueError(f"request id {req_id!r} is already in use")
-        params = check_request(prompt_token_ids, params, self.limits)  # max_tokens None: filled in
-        ids = list(prompt_token_ids)
+        params = check_request(token_ids, params, self.limits)  # max_tokens None: filled in
         if resumed:
-            bad = [t for t in resumed if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
-            if bad:
-                raise ValueError(f"resumed token ids must be integers in [0, {self.vocab_size}), got {bad[0]!r}")
-            if len(resumed) >= params.max_tokens:
-                raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
-        spec = params.to_spec(self.eos_token_ids, self._seeds.getrandbits(63))
-        seq = Request(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=prompt)
+            check_resumed(resumed, params, self.vocab_size)
+        params = self._seeds.fill(params)
+        ids = list(token_ids)
+        spec = params.to_spec(self.eos_token_ids, params.seed)
+        seq = Request(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=text)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(
                 self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
@@ -147,6 +145,7 @@ class Engine:
         seq.num_emitted_tokens = len(resumed)
         self.scheduler.add(seq)
         self.num_prompt_tokens += len(ids)
+        return Admitted(len(ids), params.max_tokens, params.seed)
 
     def abort(self, req_id: str) -> bool:
         """Ends a live request with finish_reason "abort"; its final delta comes with the next step().
@@ -162,7 +161,7 @@ class Engine:
         """Continues over a new executor after the old one failed (its cache and plans in flight are lost; it is
         not shut down here, its owner does that). Live requests keep their tokens and streams and are recomputed."""
         self.executor = executor
-        self.block_manager = BlockManager(executor.num_kv_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.block_manager = self._new_block_manager(executor)  # (block events: recorded as before)
         self.scheduler.restart(self.block_manager)
         self.limits = RequestLimits(self.vocab_size, self.config.max_model_len, self.config.block_size,
                                     self.block_manager.num_blocks)
@@ -315,6 +314,27 @@ class Engine:
         outputs = list(self._finished.values())
         self._finished.clear()
         return outputs
+
+    # ---- the KV cache, as the engine's owners see it ------------------------------------------------------------
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of the KV cache (of the current executor)."""
+        return self.block_manager.num_blocks
+
+    def take_block_events(self) -> list[tuple[int, bool]]:
+        """The prefix cache's (chain hash, stored) events since the last call, for a router's index (cluster/
+        router.py); [] unless config.block_events. Evicted and forgotten hashes come as (hash, False)."""
+        return self.block_manager.take_events()
+
+    def reset_prefix_cache(self, kv_blocks: int | None = None) -> int:
+        """For A/B benchmarks, while no request is live: forgets the prefix cache (its events are dropped: the
+        caller forgets this engine's entries in its router) and keeps kv_blocks usable blocks (None: all).
+        Returns the blocks now usable."""
+        bm = self.block_manager
+        bm.reset_prefix_cache()
+        usable = bm.limit_blocks(bm.num_blocks if kv_blocks is None else kv_blocks)
+        bm.take_events()
+        return usable
 
     def stats(self) -> EngineStats:
         bm = self.block_manager

@@ -40,6 +40,7 @@ class StepReport:
     step_s: float  # wall time of engine.step()
     stats: EngineStats  # after the step
     block_events: list[tuple[int, bool]]  # the prefix cache's (hash, stored) events of this step, for the router
+    # (recorded where the engine's config.block_events is on, as a server replica's is)
 
 
 @dataclass
@@ -82,7 +83,6 @@ class EngineLoop:
         """on_step and on_failure (and the policy's callbacks) are called on this loop's thread; they must only
         hand work over (e.g. with loop.call_soon_threadsafe)."""
         self.engine = engine
-        engine.block_manager.events = []  # record prefix-cache events: each StepReport carries them
         self._on_step = on_step
         self._on_failure = on_failure
         self._restart = restart
@@ -146,7 +146,7 @@ class EngineLoop:
                     if future.set_running_or_notify_cancel():
                         try:
                             future.set_result(fn(self.engine))
-                        except BaseException as e:  # a ValueError from add_request belongs to that caller only
+                        except BaseException as e:  # a ValueError from Engine.admit belongs to that caller only
                             future.set_exception(e)
                     item = self._get_nowait()
                 if self._give_up is not None:
@@ -219,7 +219,7 @@ class EngineLoop:
         for delta in deltas:
             if delta.finished:
                 self.engine.pop_output(delta.request_id)  # the stream has everything; free the id
-        self._on_step(StepReport(deltas, step_s, self.engine.stats(), self.engine.block_manager.take_events()))
+        self._on_step(StepReport(deltas, step_s, self.engine.stats(), self.engine.take_block_events()))
 
     def _fail_queued(self, error: BaseException) -> None:
         while (item := self._get_nowait()) is not ...:

@@ -16,13 +16,11 @@ Everything here runs on one event loop and never blocks.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from shardserve.cluster.admission import Prompt, has_chat_template
+from shardserve.cluster.admission import Prompt, Seeds, has_chat_template
 from shardserve.cluster.api_security import ApiSecurity
 from shardserve.cluster.controller_types import LiveRequest, ServedModel, State, StreamItem
 from shardserve.cluster.engine import EngineStats
@@ -32,7 +30,7 @@ from shardserve.cluster.generation_service import ModelFacts, set_health, start_
 from shardserve.cluster.metrics import ControllerMetrics
 from shardserve.cluster.prompt_encoder import PromptEncoder, default_max_prompt_bytes
 from shardserve.cluster.replica import Replica, ReplicaState
-from shardserve.cluster.router import POLICIES, ROUTE_BLOCKS, Router, prompt_block_hashes
+from shardserve.cluster.router import POLICIES, Router
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.transport import host_port
@@ -75,7 +73,7 @@ class Front:
         self.num_aborted = 0
         # Unseeded requests get their seed here, at admission, and the client is told it (Started.seed): a stream
         # resumed on another replica, front or a restarted controller then continues the same draw.
-        self._seeds = random.Random(settings.engine.seed)
+        self._seeds = Seeds(settings.engine.seed)
 
     def attach(self, replicas: list[Replica]) -> None:
         """The replicas this front routes to (their callbacks are on_step, on_replica_failure, on_replica_state)."""
@@ -145,19 +143,17 @@ class Front:
         return ServerUnavailable(f"the server is {self.state.value}{cause}, not accepting requests")
 
     def _route(self, token_ids: list[int]) -> Replica:
-        hashes = (prompt_block_hashes(token_ids, self.settings.engine.block_size, ROUTE_BLOCKS)
-                  if self.router.policy == "cache-aware" else ())
         try:
-            return self.replicas[self.router.route(hashes)[0]]
+            return self.replicas[self.router.route_prompt(token_ids, self.settings.engine.block_size)[0]]
         except LookupError as e:
             raise ServerUnavailable(str(e)) from None
 
     async def add_request(self, prompt: Prompt, params: SamplingParams, req_id: str | None = None,
                           resumed: list[int] | None = None, echo: bool = False) -> LiveRequest:
         """Admits a request: its prompt tokenized on the PromptEncoder's pool, routed to a replica, then
-        Engine.add_request there. Raises ValueError for bad input, ServerUnavailable when not serving,
+        Engine.admit there. Raises ValueError for bad input, ServerUnavailable when not serving,
         ServerOverloaded beyond max_live_requests. resumed: the tokens a resumed stream already has
-        (Engine.add_request). echo: the live request keeps the prompt as text and its first token's."""
+        (Engine.admit). echo: the live request keeps the prompt as text and its first token's."""
         try:
             if self.state is not State.SERVING:
                 raise self._unavailable()
@@ -167,8 +163,7 @@ class Front:
             req_id = req_id if req_id is not None else uuid.uuid4().hex
             if req_id in self._live:
                 raise ValueError(f"request id {req_id!r} is already in use")
-            if params.seed is None:
-                params = dataclasses.replace(params, seed=self._seeds.getrandbits(63))
+            params = self._seeds.fill(params)
             live = LiveRequest(req_id, asyncio.Queue(), seed=params.seed, final_only=params.final_only)
             self._live[req_id] = live  # first: the id is taken while the prompt is tokenized
             self._idle.clear()

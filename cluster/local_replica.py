@@ -3,7 +3,7 @@ the EngineLoop thread that owns it, its state, its health and its load.
 
     replica = LocalReplica("serve-1a2b/0", engine_config, build_engine, on_step, on_failure)
     await replica.start()                         # build_engine(config) in a thread; STARTING -> SERVING | FAILED
-    await replica.admit(req_id, token_ids, params)   # Engine.add_request on the engine thread
+    await replica.admit(req_id, token_ids, params)   # Engine.admit on the engine thread
     replica.abort(req_id)                         # a concurrent Future[bool]
     replica.state, replica.load                   # what the router weighs
     await replica.stop()                          # the loop stops, the engine (and its workers) shut down
@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import Future
 
+from shardserve.cluster.admission import EncodedPrompt
 from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import EngineLoop, RestartPolicy, StepReport
 from shardserve.cluster.executor import WorkerError
@@ -68,7 +69,7 @@ class LocalReplica(ReplicaBase):
             await asyncio.to_thread(engine.shutdown)
             return
         self.engine = engine
-        self.load.num_kv_blocks = self.load.num_free_blocks = engine.block_manager.num_blocks
+        self.load.num_kv_blocks = self.load.num_free_blocks = engine.num_kv_blocks
         self._engine_loop = EngineLoop(engine, self._step_threadsafe, self._failure_threadsafe, self._restart_policy())
         self._engine_loop.start()
         self.state = ReplicaState.SERVING
@@ -130,11 +131,11 @@ class LocalReplica(ReplicaBase):
 
     async def admit(self, req_id: str, token_ids: list[int], params: SamplingParams, text: str | None = None,
                     resumed=()) -> None:
-        """Engine.add_request on the engine thread (ValueError for a request that is malformed or can never fit).
+        """Engine.admit on the engine thread (ValueError for a request that is malformed or can never fit).
         The prompt is already tokenized: the router needs its token ids (cluster/router.py). resumed: the tokens a
-        resuming client already has (Engine.add_request)."""
-        await asyncio.wrap_future(self.submit(
-            lambda engine: engine.add_request(req_id, token_ids, params, prompt=text, resumed=resumed)))
+        resuming client already has (Engine.admit)."""
+        encoded = EncodedPrompt(text, token_ids)
+        await asyncio.wrap_future(self.submit(lambda engine: engine.admit(req_id, encoded, params, resumed)))
 
     def abort(self, req_id: str) -> Future:
         """Engine.abort on the engine thread: a Future of whether the request was live there."""

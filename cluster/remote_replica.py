@@ -218,7 +218,7 @@ class RemoteReplica(ReplicaBase):
 
     async def admit(self, req_id: str, token_ids: list[int], params: SamplingParams, text: str | None = None,
                     resumed=()) -> None:
-        """Engine.add_request in the host; the admissions of one turn of the event loop travel as one call. While a
+        """Engine.admit in the host; the admissions of one turn of the event loop travel as one call. While a
         new host starts (RECOVERING without a host) it waits for it."""
         if self._host is None and self.state is ReplicaState.RECOVERING:
             await self._host_back.wait()

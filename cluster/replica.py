@@ -5,7 +5,7 @@ process, cluster/replica_host.py). The router (cluster/router.py) reads only `id
 `recovering`, so it does not know which one it weighs either.
 
     await replica.start()                            # STOPPED | FAILED -> STARTING -> SERVING (or FAILED, raising)
-    await replica.admit(req_id, token_ids, params)   # Engine.add_request on the engine's thread
+    await replica.admit(req_id, token_ids, params)   # Engine.admit on the engine's thread
     replica.abort(req_id)                            # a concurrent Future[bool]: was it live there
     replica.submit(fn)                               # fn(engine) between two steps: a concurrent Future
     replica.state, replica.load                      # what the router weighs
@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from concurrent.futures import Future
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -106,7 +107,7 @@ class ReplicaBase:
         on_state: Callable[[Any], None] = lambda replica: None,  # RECOVERING and back (on the event loop)
     ) -> None:
         self.id = replica_id
-        self.engine_config = engine_config
+        self.engine_config = dataclasses.replace(engine_config, block_events=True)  # its steps report them
         self.state = ReplicaState.STOPPED
         self.error: BaseException | None = None
         self.load = ReplicaLoad()

@@ -7,7 +7,7 @@ with it).
 
     host = ReplicaHost(replica_id, engine_config, build_engine, health_check_interval_s, restart_tries, backoff_s)
     await host.start()           # builds the engine (its TP group); returns the facts the controller needs
-    await host.admit_many([...]) # Engine.add_request for each, in one engine-thread command; errors come back
+    await host.admit_many([...]) # Engine.admit for each, in one engine-thread command; errors come back
     await host.next_events()     # every step report, state change and failure queued since the last call
 
 Threads (inside the host): the actor's event loop runs these methods and the inner LocalReplica's callbacks; the engine
@@ -21,6 +21,7 @@ import asyncio
 import sys
 from collections.abc import Callable
 
+from shardserve.cluster.admission import EncodedPrompt
 from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import StepReport
 from shardserve.cluster.local_replica import LocalReplica
@@ -47,7 +48,7 @@ class ReplicaHost:
         self._wake = asyncio.Event()
         await self.replica.start()
         engine = self.replica.engine
-        return {"num_kv_blocks": engine.block_manager.num_blocks, "tokenizer": engine.tokenizer}
+        return {"num_kv_blocks": engine.num_kv_blocks, "tokenizer": engine.tokenizer}
 
     async def stop(self, timeout_s: float = 30.0) -> None:
         await self.replica.stop(timeout_s)
@@ -60,13 +61,13 @@ class ReplicaHost:
 
     # ---- commands (each one engine-thread command) ----------------------------------------------------------
     async def admit_many(self, admissions: list[tuple]) -> list[BaseException | None]:
-        """Each (req_id, token_ids, params, text, resumed) through Engine.add_request, in order, in one command on
+        """Each (req_id, token_ids, params, text, resumed) through Engine.admit, in order, in one command on
         the engine thread; per admission None or the exception it raised (a ValueError belongs to that one)."""
         def add_all(engine: Engine) -> list:
             results = []
             for req_id, token_ids, params, text, resumed in admissions:
                 try:
-                    engine.add_request(req_id, token_ids, params, prompt=text, resumed=resumed)
+                    engine.admit(req_id, EncodedPrompt(text, token_ids), params, resumed)
                     results.append(None)
                 except Exception as e:
                     results.append(e)

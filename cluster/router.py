@@ -104,6 +104,11 @@ class Router:
         return len(self._index)
 
     # ---- routing ---------------------------------------------------------------------------------------------
+    def route_prompt(self, token_ids: Sequence[int], block_size: int) -> tuple[int, int]:
+        """route() for a prompt's token ids: hashes its first ROUTE_BLOCKS blocks where the policy reads them."""
+        hashes = prompt_block_hashes(token_ids, block_size, ROUTE_BLOCKS) if self.policy == "cache-aware" else ()
+        return self.route(hashes)
+
     def route(self, block_hashes: Sequence[int]) -> tuple[int, int]:
         """(position of the chosen replica, how many leading blocks it is known to hold). Raises LookupError when
         no replica is serving or recovering. Under cache-aware, marks the prompt's blocks as held by the chosen replica."""

@@ -59,6 +59,10 @@ class EngineConfig:
     enable_prefix_caching: bool = _setting(
         True, flags=("--enable-prefix-caching",), off_flags=("--no-prefix-caching",),
         help="prefix caching: reuse the KV blocks of prompt prefixes seen before")
+    block_events: bool = _setting(
+        False, user=False,
+        help="the controller records its prefix cache's block events (stored, evicted) for a router across engines "
+        "(cluster/router.py): on for the server's replicas and LLM with data_parallel_size > 1")
     kv_cache_dtype: str = _setting(
         "auto", choices=KV_CACHE_DTYPES,
         help="auto: K/V cached in the model's dtype; fp8: float8 e4m3 with a scale per layer and KV head (the "

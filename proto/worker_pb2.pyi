@@ -23,7 +23,7 @@ WORKER_STATE_READY: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class EngineConfig(_message.Message):
-    __slots__ = ("model", "tokenizer", "tensor_parallel_size", "device", "dtype", "load_format", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "kv_cache_dtype", "quantization", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "attention_backend", "enforce_eager", "async_scheduling", "seed", "dist_timeout_s", "speculative_config")
+    __slots__ = ("model", "tokenizer", "tensor_parallel_size", "device", "dtype", "load_format", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "block_events", "kv_cache_dtype", "quantization", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "attention_backend", "enforce_eager", "async_scheduling", "seed", "dist_timeout_s", "speculative_config")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class EngineConfig(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     ENABLE_PREFIX_CACHING_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_EVENTS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     QUANTIZATION_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +58,7 @@ class EngineConfig(_message.Message):
     max_num_batched_tokens: int
     max_model_len: int
     enable_prefix_caching: bool
+    block_events: bool
     kv_cache_dtype: str
     quantization: str
     num_kv_blocks: int
@@ -68,7 +70,7 @@ class EngineConfig(_message.Message):
     seed: int
     dist_timeout_s: float
     speculative_config: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load_format: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_memory_gb: _Optional[float] = ..., gpu_memory_utilization: _Optional[float] = ..., attention_backend: _Optional[str] = ..., enforce_eager: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., seed: _Optional[int] = ..., dist_timeout_s: _Optional[float] = ..., speculative_config: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load_format: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., block_events: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_memory_gb: _Optional[float] = ..., gpu_memory_utilization: _Optional[float] = ..., attention_backend: _Optional[str] = ..., enforce_eager: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., seed: _Optional[int] = ..., dist_timeout_s: _Optional[float] = ..., speculative_config: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("rank", "world_size", "init_method", "device", "config")

@@ -26,7 +26,7 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_every_field_says_what_it_is_and_every_user_setting_is_a_flag_and_a_keyword():
     assert all(f.metadata["help"] for f in fields(EngineConfig))
     settings = user_settings()
-    assert set(settings) == {f.name for f in fields(EngineConfig)} - {"tokenizer", "dist_timeout_s"}
+    assert set(settings) == {f.name for f in fields(EngineConfig)} - {"tokenizer", "dist_timeout_s", "block_events"}
     unset = engine_kwargs(parse())
     assert unset == {name: user_default(f) for name, f in settings.items()}  # one flag per setting, its default
     every = dict(unset, model=BUILTIN, device="cpu", num_kv_blocks=8, async_scheduling=False)

@@ -1,15 +1,16 @@
 """LLM: offline generation in one process (TP=1) or with local worker processes (TP > 1), on one TP group or
 (data_parallel_size=M) on M of them.
 
-Its settings resolve into an EngineConfig (shardserve/settings/resolve.py), and shardserve/settings/engine_factory.py wires the
-controller-side Engine (cluster/) to an Executor (worker/): the two talk only through StepPlan and StepResult
-(proto/plan.py), so the same Engine drives the in-process worker and gRPC workers (local processes or Ray actors). Requests are admitted as
-the server admits them (Engine.admit: cluster/admission.py).
+Its settings resolve into an EngineConfig (shardserve/settings/resolve.py), and shardserve/settings/engine_factory.py
+wires the controller-side Engine (cluster/) to an Executor (worker/): the two talk only through StepPlan and
+StepResult (proto/plan.py), so the same Engine drives the in-process worker and gRPC workers (local processes or Ray
+actors). Requests are admitted as the server admits them (Engine.admit: cluster/admission.py).
 
 Data parallelism (data_parallel_size=M): M engines, each over its own group of local worker processes (on CUDA,
 group i's ranks see GPUs i*tp .. i*tp+tp-1), each with its own KV cache. Every request goes to one of them through
 the server's global scheduler (cluster/router.py, cache-aware: prompts sharing leading blocks follow each other,
-the rest by the fewest outstanding tokens), and generate() steps the M engines on M threads (a step waits on its
+the rest by the fewest outstanding tokens): as the server does, the prompt is encoded and its seed drawn before it
+is routed, then the chosen engine admits it (Engine.admit). generate() steps the M engines on M threads (a step waits on its
 workers with the GIL released), so the groups compute at once. Greedy outputs equal one engine's.
 """
 
@@ -21,10 +22,10 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 
-from shardserve.cluster.admission import Prompt, encode_prompt
+from shardserve.cluster.admission import Prompt, Seeds, encode_prompt
 from shardserve.cluster.engine import Engine
 from shardserve.cluster.replica import ReplicaLoad
-from shardserve.cluster.router import ROUTE_BLOCKS, Router, prompt_block_hashes
+from shardserve.cluster.router import Router
 from shardserve.cluster.outputs import RequestDelta, RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams, output_seed
 from shardserve.settings.resolve import build_engine_config
@@ -76,7 +77,7 @@ class _Member:
         self.id = f"dp{index}"
         self.engine = engine
         self.load = ReplicaLoad()
-        self.load.num_kv_blocks = self.load.num_free_blocks = engine.block_manager.num_blocks
+        self.load.num_kv_blocks = self.load.num_free_blocks = engine.num_kv_blocks
 
 
 class LLM:
@@ -88,6 +89,8 @@ class LLM:
         if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
         self.config = build_engine_config(model=model, offline=True, **settings)
+        if data_parallel_size > 1:  # the router's index follows each engine's cache (stored, evicted blocks)
+            self.config = dataclasses.replace(self.config, block_events=True)
         _check_local_devices(self.config, data_parallel_size)
         self.engines = []
         try:
@@ -101,8 +104,7 @@ class LLM:
         self.executor = self.engine.executor
         self.tokenizer = self.engine.tokenizer
         self._router = Router([_Member(i, e) for i, e in enumerate(self.engines)]) if len(self.engines) > 1 else None
-        for engine in self.engines if self._router is not None else ():
-            engine.block_manager.events = []  # the router's index follows each cache (stored, evicted)
+        self._seeds = Seeds(self.config.seed)  # with several engines: drawn before routing, as the server does
         self._router_lock = threading.Lock()  # the engines' threads feed the router's index
         self._engine_of: dict[str, tuple[int, int]] = {}  # request id -> (its engine's position, its cost)
         self._ids = itertools.count()
@@ -115,14 +117,12 @@ class LLM:
         if self._router is None:
             self.engine.admit(req_id, prompt, params)
             return req_id
-        text, token_ids = encode_prompt(prompt, self.tokenizer)
-        hashes = prompt_block_hashes(token_ids, self.config.block_size, ROUTE_BLOCKS)
+        encoded, params = encode_prompt(prompt, self.tokenizer), self._seeds.fill(params)
         with self._router_lock:
-            position, _ = self._router.route(hashes)
-        self.engines[position].add_request(req_id, token_ids, params, prompt=text)
-        cost = len(token_ids) + (params.max_tokens or 0)
-        self._router.replicas[position].load.admitted(cost)
-        self._engine_of[req_id] = (position, cost)
+            position, _ = self._router.route_prompt(encoded.token_ids, self.config.block_size)
+        admitted = self.engines[position].admit(req_id, encoded, params)
+        self._router.replicas[position].load.admitted(admitted.cost)
+        self._engine_of[req_id] = (position, admitted.cost)
         return req_id
 
     def _engine(self, req_id: str) -> Engine:
@@ -279,7 +279,7 @@ class LLM:
         deltas = engine.step()
         if self._router is not None:  # its cache's stored and evicted blocks, for the router's index
             with self._router_lock:
-                self._router.apply_events(self.engines.index(engine), engine.block_manager.take_events())
+                self._router.apply_events(self.engines.index(engine), engine.take_block_events())
         return deltas
 
     def _drain(self) -> None:

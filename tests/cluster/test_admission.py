@@ -101,7 +101,7 @@ def test_each_admission_checks_the_request_once(monkeypatch):
     original = admission.check_request
     monkeypatch.setattr("shardserve.cluster.engine.check_request", lambda *a: calls.append(a) or original(*a))
     engine = make_engine(CharTokenizer())
-    assert engine.admit("a", "hello", SamplingParams(max_tokens=4)) == 5
+    assert engine.admit("a", "hello", SamplingParams(max_tokens=4)).num_prompt_tokens == 5
     assert len(calls) == 1
     assert engine.get_output("a").prompt == "hello"
 

@@ -74,7 +74,7 @@ def test_overlapped_outputs_equal_sequential_with_stops_lengths_and_aborts(setti
         engine = make_engine(async_on, eos=[3], **setting)
         for i, (req_id, prompt) in enumerate(PROMPTS.items()):
             stop = [expected_output(prompt, 6, VOCAB)[2 + i % 3]] if i % 3 == 0 else []  # a stop id mid-output
-            engine.add_request(req_id, prompt, SamplingParams(temperature=0, max_tokens=4 + i, stop_token_ids=stop))
+            engine.admit(req_id, prompt, SamplingParams(temperature=0, max_tokens=4 + i, stop_token_ids=stop))
         outputs[async_on] = run(engine, abort_after={"r4": 2, "r7": 4})
         assert engine.async_scheduling is async_on
         assert engine.executor.max_uncollected == (2 if async_on else 0)  # sync mode calls execute()
@@ -92,7 +92,7 @@ def test_overlapped_stop_strings_and_min_tokens_match_sequential():
             prompt = tok.encode("hello world, the quick").ids[i : 3 + 2 * i]
             text = tok.decode(expected_output(prompt, 8, tok.get_vocab_size()))
             params = SamplingParams(temperature=0, max_tokens=8, stop=[text[3:5]] if i != 1 else [], min_tokens=2 * i)
-            engine.add_request(req_id, prompt, params)
+            engine.admit(req_id, prompt, params)
         outputs[async_on] = run(engine)
     assert outputs[True] == outputs[False]
     assert any(reason == "stop" for _, reason, _ in outputs[True].values())
@@ -109,7 +109,7 @@ def test_preempting_a_request_whose_token_is_in_flight_keeps_its_output(monkeypa
     monkeypatch.setattr(Scheduler, "_preempt", spy)
     engine = make_engine(True, num_blocks=6)
     for req_id, prompt in list(PROMPTS.items())[:5]:
-        engine.add_request(req_id, prompt, SamplingParams(temperature=0, max_tokens=9))
+        engine.admit(req_id, prompt, SamplingParams(temperature=0, max_tokens=9))
     outputs = run(engine)
     assert any(n > 0 for n in in_flight_at_preemption), "no preemption hit a request with a token in flight"
     for req_id, prompt in list(PROMPTS.items())[:5]:
@@ -120,7 +120,7 @@ def test_finished_request_keeps_its_blocks_until_its_last_plan_is_applied():
     engine = make_engine(True)
     prompt = PROMPTS["r0"]
     stop = expected_output(prompt, 3, VOCAB)[1]  # the second token stops it
-    engine.add_request("x", prompt, SamplingParams(temperature=0, max_tokens=50, stop_token_ids=[stop]))
+    engine.admit("x", prompt, SamplingParams(temperature=0, max_tokens=50, stop_token_ids=[stop]))
     finished_while_planned = False
     while engine.has_unfinished():
         deltas = engine.step()
@@ -137,13 +137,13 @@ def test_a_reused_id_does_not_get_the_previous_requests_late_token():
     engine = make_engine(True)
     first, second = PROMPTS["r1"], PROMPTS["r8"]
     stop = expected_output(first, 3, VOCAB)[0]
-    engine.add_request("x", first, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop]))
+    engine.admit("x", first, SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[stop]))
     while True:
         if any(d.finished for d in engine.step()):
             break
     assert engine.pop_output("x").outputs[0].token_ids == [stop]
     assert engine.scheduler.num_plans_in_flight > 0  # the first x's extra token is still to come back
-    engine.add_request("x", second, SamplingParams(temperature=0, max_tokens=5))
+    engine.admit("x", second, SamplingParams(temperature=0, max_tokens=5))
     assert run(engine)["x"][0] == expected_output(second, 5, VOCAB)
 
 

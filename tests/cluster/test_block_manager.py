@@ -200,8 +200,7 @@ def test_reset_prefix_cache_forgets_every_hash():
 def test_events_report_stored_then_evicted_hashes_in_order_and_match_the_routers_hashes():
     from shardserve.cluster.router import prompt_block_hashes
 
-    bm = BlockManager(3, BS)
-    bm.events = []
+    bm = BlockManager(3, BS, record_events=True)
     a = seq("a", list(range(9)))  # two full blocks + 1 token
     admit(bm, a)
     computed(bm, a)
@@ -215,8 +214,7 @@ def test_events_report_stored_then_evicted_hashes_in_order_and_match_the_routers
 
 
 def test_limit_blocks_holds_the_rest_least_valuable_first_and_gives_them_back():
-    bm = BlockManager(8, BS)
-    bm.events = []
+    bm = BlockManager(8, BS, record_events=True)
     a = seq("a", list(range(8)))  # two full blocks, cached once computed
     admit(bm, a)
     computed(bm, a)

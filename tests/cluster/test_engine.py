@@ -2,6 +2,7 @@ import pytest
 from _fake_executor import FakeExecutor, expected_output
 from _tiny_tokenizer import byte_level_bpe
 
+from shardserve.cluster.admission import EncodedPrompt
 from shardserve.cluster.engine import Engine
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.config import EngineConfig
@@ -50,7 +51,7 @@ PROMPTS = {f"r{i}": PREFIX[: 4 + i % 5] + [100 + i] * (1 + i % 4) for i in range
 def test_outputs_are_exact_whatever_the_batching_caching_or_preemption(setting):
     engine = make_engine(**setting)
     for i, (req_id, prompt) in enumerate(PROMPTS.items()):
-        engine.add_request(req_id, prompt, greedy(4 + i))
+        engine.admit(req_id, prompt, greedy(4 + i))
         if i == 2:
             engine.step()  # later arrivals can hit the prefix the first ones computed
     run(engine)
@@ -70,8 +71,8 @@ def test_outputs_are_exact_whatever_the_batching_caching_or_preemption(setting):
 
 def test_streamed_deltas_add_up_to_the_final_output():
     engine = make_engine(max_num_batched_tokens=6)
-    engine.add_request("a", [1, 2, 3, 4, 5, 6, 7], greedy(9, logprobs=1))
-    engine.add_request("b", [9], greedy(3))
+    engine.admit("a", [1, 2, 3, 4, 5, 6, 7], greedy(9, logprobs=1))
+    engine.admit("b", [9], greedy(3))
     deltas = run(engine)
     for req_id, ds in deltas.items():
         out = engine.get_output(req_id)
@@ -89,7 +90,7 @@ def test_abort_midway_frees_blocks_and_tells_the_workers():
     engine = make_engine(max_num_seqs=2)
     executor: FakeExecutor = engine.executor
     for name in "abc":
-        engine.add_request(name, [ord(name)] * 6, greedy(20))
+        engine.admit(name, [ord(name)] * 6, greedy(20))
     run_steps = [engine.step() for _ in range(3)]
     assert all(len(ds) == 2 for ds in run_steps)
     assert engine.abort("b") and engine.abort("c")  # b is running, c never left the queue
@@ -109,10 +110,10 @@ def test_eos_stops_unless_ignored_and_not_before_min_tokens():
     free_run = expected_output(prompt, 10, VOCAB)
     eos = free_run[2]  # the third generated token
     engine = make_engine(eos=[eos])
-    engine.add_request("eos", prompt, greedy(10))
-    engine.add_request("ignore", prompt, greedy(10, ignore_eos=True))
-    engine.add_request("min", prompt, greedy(10, min_tokens=3))
-    engine.add_request("stop-id", prompt, greedy(10, ignore_eos=True, stop_token_ids=[free_run[4]]))
+    engine.admit("eos", prompt, greedy(10))
+    engine.admit("ignore", prompt, greedy(10, ignore_eos=True))
+    engine.admit("min", prompt, greedy(10, min_tokens=3))
+    engine.admit("stop-id", prompt, greedy(10, ignore_eos=True, stop_token_ids=[free_run[4]]))
     run(engine)
     assert (engine.get_output("eos").outputs[0].token_ids, engine.get_output("eos").outputs[0].finish_reason) == (free_run[:3], "stop")
     assert (engine.get_output("ignore").outputs[0].token_ids, engine.get_output("ignore").outputs[0].finish_reason) == (free_run, "length")
@@ -127,7 +128,7 @@ def test_a_stop_token_before_min_tokens_does_not_end_the_request():
     eos = 7
     engine = make_engine(eos=[eos])
     engine.executor.script = {"r": [eos, 1, eos, 2, eos, 3]}  # workers that ignored the min_tokens mask
-    engine.add_request("r", [5], greedy(6, min_tokens=3))
+    engine.admit("r", [5], greedy(6, min_tokens=3))
     run(engine)
     r = engine.get_output("r")
     assert (r.outputs[0].token_ids, r.outputs[0].finish_reason) == ([eos, 1, eos, 2, eos], "stop")
@@ -141,9 +142,9 @@ def test_stop_strings_and_eos_on_a_real_tokenizer():
     k = next(i for i in range(1, len(script) + 1) if "STOP" in tok.decode(script[:i]))
     engine.executor.script = {"s": script, "eos": tok.encode(" ça va 日本").ids + [0, 5, 5], "len": script}
     prompt = tok.encode("the fox says").ids
-    engine.add_request("s", prompt, greedy(len(script), stop=["STOP"]), prompt="the fox says")
-    engine.add_request("eos", prompt, greedy(30))
-    engine.add_request("len", prompt, greedy(6))
+    engine.admit("s", EncodedPrompt("the fox says", prompt), greedy(len(script), stop=["STOP"]))
+    engine.admit("eos", prompt, greedy(30))
+    engine.admit("len", prompt, greedy(6))
     deltas = run(engine)
     s = engine.get_output("s")
     assert s.outputs[0].text == " héllo wörld 🙂 " and s.outputs[0].finish_reason == "stop" and s.prompt == "the fox says"
@@ -170,24 +171,24 @@ def test_invalid_requests_are_rejected_and_leave_no_trace():
     ]
     for req_id, prompt, params, message in bad:
         with pytest.raises(ValueError, match=message):
-            engine.add_request(req_id, prompt, params)
+            engine.admit(req_id, prompt, params)
     assert not engine.has_unfinished()
-    engine.add_request("ok", [1, 2], greedy(2))
+    engine.admit("ok", [1, 2], greedy(2))
     with pytest.raises(ValueError, match="already in use"):
-        engine.add_request("ok", [3], greedy(2))
+        engine.admit("ok", [3], greedy(2))
     run(engine)
     with pytest.raises(ValueError, match="already in use"):  # its output has not been taken yet
-        engine.add_request("ok", [3], greedy(2))
+        engine.admit("ok", [3], greedy(2))
     assert engine.pop_output("ok").outputs[0].token_ids == expected_output([1, 2], 2, VOCAB)
     assert not engine.has_request("ok")
-    engine.add_request("ok", [3], greedy(2))  # taken: the id is free again
+    engine.admit("ok", [3], greedy(2))  # taken: the id is free again
     assert engine.has_request("ok")
 
 
 def test_stats_follow_queues_steps_and_cache():
     engine = make_engine(max_num_seqs=1)
     for name in "abc":
-        engine.add_request(name, PREFIX + [ord(name)], greedy(2))
+        engine.admit(name, PREFIX + [ord(name)], greedy(2))
     s0 = engine.stats()
     assert (s0.num_waiting, s0.num_running, s0.num_steps) == (3, 0, 0)
     engine.step()

@@ -28,7 +28,7 @@ def _engine(fake: FakeExecutor, async_on: bool, **config) -> Engine:
     cfg = EngineConfig(model="fake", block_size=BS, async_scheduling=async_on, **config)
     engine = Engine(cfg, fake, vocab_size=VOCAB)
     for req_id, prompt in PROMPTS.items():
-        engine.add_request(req_id, prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS[req_id]))
+        engine.admit(req_id, prompt, SamplingParams(temperature=0, max_tokens=MAX_TOKENS[req_id]))
     return engine
 
 
@@ -101,7 +101,7 @@ def test_requests_admitted_while_the_group_was_lost_run_after_the_resumed_ones()
     engine.step()
     with pytest.raises(WorkerError):
         engine.step()
-    engine.add_request("late", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
+    engine.admit("late", [5, 6, 7], SamplingParams(temperature=0, max_tokens=4))
     engine.restart(FakeExecutor(64, BS, VOCAB))
     order = [seq.req_id for seq in engine.scheduler.waiting]
     assert order == [*PROMPTS, "late"]  # arrival order: FCFS survives the restart
@@ -114,7 +114,7 @@ def test_a_resumed_request_generates_the_rest_of_the_unbroken_one_and_streams_on
     whole = expected_output(prompt, n, VOCAB)
     engine = Engine(EngineConfig(model="fake", block_size=BS, max_model_len=256), FakeExecutor(64, BS, VOCAB),
                     vocab_size=VOCAB)
-    engine.add_request("again", prompt, SamplingParams(temperature=0, max_tokens=n), resumed=whole[:5])
+    engine.admit("again", prompt, SamplingParams(temperature=0, max_tokens=n), resumed=whole[:5])
     streamed = []
     while engine.has_unfinished():
         for delta in engine.step():
@@ -131,7 +131,7 @@ def test_resumed_tokens_that_cannot_be_are_refused(resumed, why):
     engine = Engine(EngineConfig(model="fake", block_size=BS, max_model_len=256), FakeExecutor(64, BS, VOCAB),
                     vocab_size=VOCAB)
     with pytest.raises(ValueError, match=why):
-        engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=12), resumed=resumed)
+        engine.admit("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=12), resumed=resumed)
 
 
 def test_a_request_the_smaller_cache_of_the_new_group_cannot_hold_ends_with_the_reason_and_the_others_finish():
@@ -139,8 +139,8 @@ def test_a_request_the_smaller_cache_of_the_new_group_cannot_hold_ends_with_the_
     wait forever (or fail the loop); it ends at the restart with an error delta, and the rest go on."""
     first = FakeExecutor(64, BS, VOCAB, fail_at_step=3)
     engine = Engine(EngineConfig(model="fake", block_size=BS, max_model_len=256), first, vocab_size=VOCAB)
-    engine.add_request("big", [1] * 8, SamplingParams(temperature=0, max_tokens=100))  # 27 blocks of 4
-    engine.add_request("small", [2, 3, 4], SamplingParams(temperature=0, max_tokens=6))
+    engine.admit("big", [1] * 8, SamplingParams(temperature=0, max_tokens=100))  # 27 blocks of 4
+    engine.admit("small", [2, 3, 4], SamplingParams(temperature=0, max_tokens=6))
     with pytest.raises(WorkerError):
         for _ in range(3):
             engine.step()
@@ -155,3 +155,48 @@ def test_a_request_the_smaller_cache_of_the_new_group_cannot_hold_ends_with_the_
     assert "needs 27" in finals["big"].error
     assert finals["small"].error is None and finals["small"].finish_reason == "length"
     assert engine.block_manager.all_free()
+
+
+def test_the_routers_prefix_index_hears_of_the_blocks_a_restarted_group_stores():
+    """A server replica hands each step's block events to the router (cluster/router.py), which forgets the
+    replica's entries when its group is lost (as the controller does). The new group recomputes the live request's
+    prompt in its first step: the router must hear of those blocks, or prompts sharing them are no longer sent
+    where they are cached."""
+    import asyncio
+
+    from shardserve.cluster.local_replica import LocalReplica
+    from shardserve.cluster.replica import ReplicaState
+    from shardserve.cluster.router import Router, prompt_block_hashes
+
+    prompt = list(range(1, 14))  # three full blocks of 4, and one token
+    groups = []
+
+    def build(config: EngineConfig) -> Engine:  # the first group fails in its third step
+        groups.append(FakeExecutor(64, BS, VOCAB, fail_at_step=3 if not groups else None))
+        return Engine(config, groups[-1], vocab_size=VOCAB)
+
+    async def serve() -> int:
+        finished = asyncio.Event()
+
+        def on_step(_, report) -> None:
+            router.apply_events(0, report.block_events)
+            if any(d.finished for d in report.deltas):
+                finished.set()
+
+        def on_state(r) -> None:
+            if r.state is ReplicaState.RECOVERING:
+                router.forget(0)
+
+        replica = LocalReplica("r0", EngineConfig(model="fake", block_size=BS, max_model_len=256), build, on_step,
+                               lambda r, e: None, restart_tries=1, restart_backoff_s=0.0, on_state=on_state)
+        router = Router([replica])
+        await replica.start()
+        try:
+            await replica.admit("r", prompt, SamplingParams(temperature=0, max_tokens=8))
+            await asyncio.wait_for(finished.wait(), 30)
+            assert len(groups) == 2 and groups[0].failed and replica.num_restarts == 1
+            return router.route(prompt_block_hashes(prompt, BS))[1]
+        finally:
+            await replica.stop()
+
+    assert asyncio.run(serve()) == 3, "the router's index lost the prompt's blocks after the restart"

@@ -26,7 +26,7 @@ class Harness:
         self._arrival = 0
 
     def add(self, req_id, prompt, max_tokens=4):
-        """Admits a request as Engine.add_request does: checked first, then queued."""
+        """Admits a request as Engine.admit does: checked first, then queued."""
         params = SamplingParams(max_tokens=max_tokens, temperature=0)
         check_request(list(prompt), params, RequestLimits(VOCAB, self.config.max_model_len, BS, self.bm.num_blocks))
         seq = Request(req_id, list(prompt), params, arrival=self._arrival)

@@ -83,7 +83,7 @@ def _reference(config, prompts: list[list[int]], max_tokens: int = 6) -> list[li
     engine = Engine(config, InProcessExecutor(config), vocab_size=VOCAB)
     try:
         for i, p in enumerate(prompts):
-            engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+            engine.admit(str(i), p, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
         drive(engine)
         return [engine.get_output(str(i)).outputs[0].token_ids for i in range(len(prompts))]
     finally:

@@ -30,8 +30,8 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=2024, max_tokens=NUM_NE
 def _generate(engine: Engine) -> dict[str, list[int]]:
     """Greedy requests g0, g1 and a seeded one s (same prompt as g1), stepped to completion."""
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"g{i}", prompt, SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True))
-    engine.add_request("s", PROMPTS[1], SEEDED)
+        engine.admit(f"g{i}", prompt, SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True))
+    engine.admit("s", PROMPTS[1], SEEDED)
     while engine.has_unfinished():
         engine.step()
     return {out.request_id: out.outputs[0].token_ids for out in engine.take_finished()}

@@ -56,7 +56,7 @@ def params(i: int) -> SamplingParams:
 
 def generate(engine: Engine, abort_after: dict[str, int]) -> dict:
     for i, prompt in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", prompt, params(i))
+        engine.admit(f"r{i}", prompt, params(i))
     drive(engine, abort_after, max_steps=1000)
     assert engine.block_manager.all_free()
     return {o.request_id: (o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in engine.take_finished()}

@@ -63,7 +63,7 @@ def run(cfg: EngineConfig, prompts=PROMPTS, make_params=params, rounds: int = 1)
     try:
         for r in range(rounds):
             for i, prompt in enumerate(prompts):
-                engine.add_request(f"{r}-{i}", prompt, make_params(i))
+                engine.admit(f"{r}-{i}", prompt, make_params(i))
             drive(engine, max_steps=2000)
             assert engine.block_manager.all_free(), "a KV block is still held after every request finished"
             outputs |= {o.request_id: o.outputs[0] for o in engine.take_finished()}
