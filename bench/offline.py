@@ -106,6 +106,9 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         record.notes["fraction_of_ceiling"] = tok_s / bound["ceiling_output_tokens_per_s"]
         print(f"fraction of the ceiling: {tok_s:.0f} / {bound['ceiling_output_tokens_per_s']:.0f} = "
               f"{record.notes['fraction_of_ceiling']:.1%}", flush=True)
+    # vLLM's `bench throughput` summary, in its words, for those who compare the two
+    print(f"Throughput: {len(workload.prompts) / run.elapsed_s:.2f} requests/s, "
+          f"{record.total_tokens_per_s:.2f} total tokens/s, {tok_s:.2f} output tokens/s", flush=True)
     record.write(args.json_out)  # kept if a comparison below fails or hangs
     if args.json_out:
         print(f"record: {os.path.abspath(args.json_out)}", flush=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 from shardserve.cli.main import build_parser
 from shardserve.cli.flags import engine_kwargs, sampling_kwargs
@@ -32,8 +33,10 @@ def test_every_flag_of_every_command_has_help_and_shows_its_default():
                 missing.append(f"{path} {action.option_strings or action.dest}: no help")
                 continue
             shown = parser.formatter_class(prog=path)._get_help_string(action)
-            if action.option_strings and "%(default)" not in shown:
+            if action.option_strings and "default" not in shown:
                 missing.append(f"{path} {action.option_strings}: default not shown")
+            if len(re.findall(r"\(default[ :]", shown)) > 1:  # "(default 4 MiB) (default: None)"
+                missing.append(f"{path} {action.option_strings}: the default said twice: {shown}")
     assert not missing, "\n".join(missing)
     generate = dict(commands)["shardserve generate"].format_help()
     assert "(default: 128)" in generate and "(default: 0.0)" in generate  # --max-tokens, --temperature

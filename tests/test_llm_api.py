@@ -203,6 +203,18 @@ def test_bad_prompts_are_rejected_and_the_engine_keeps_working(llm):
     assert len(ok[0].outputs[0].token_ids) == 3
 
 
+def test_a_prompt_or_sampling_params_of_the_wrong_type_is_a_type_error_saying_what_is_expected(llm):
+    with pytest.raises(TypeError, match="prompts must be text, token ids, a prompt dict or a list of them; got int"):
+        llm.generate(123, use_tqdm=False)
+    with pytest.raises(TypeError, match=r"must be a SamplingParams.*got dict: write SamplingParams\(\*\*"):
+        llm.generate("hi", {"max_tokens": 4}, use_tqdm=False)
+    with pytest.raises(TypeError, match="got dict"):
+        llm.generate(["a", "b"], [SamplingParams(), {"max_tokens": 4}], use_tqdm=False)
+    with pytest.raises(TypeError, match="must be a SamplingParams; got dict"):
+        next(llm.stream("hi", {"max_tokens": 4}))
+    assert not llm.engine.has_unfinished() and llm.engine.block_manager.all_free()
+
+
 def test_request_needing_more_blocks_than_exist_is_rejected_at_admission(tiny_model):
     model_dir = tiny_model("llama", tie_word_embeddings=True, num_heads=4, num_kv_heads=2)
     with LLM(model=model_dir, num_kv_blocks=4, block_size=16, max_model_len=256) as small:

@@ -154,6 +154,10 @@ class LLM:
         """Generates for every prompt, batched continuously; outputs come back in prompt order. A prompt is text,
         token ids, chat messages, or a vLLM prompt dict ({"prompt": text} or {"prompt_token_ids": [...]}); one
         prompt or a list of them. A bad prompt raises ValueError before any of them runs."""
+        if not isinstance(prompts, (str, dict, list, tuple)):
+            raise TypeError(f"prompts must be text, token ids, a prompt dict or a list of them; got "
+                            f"{type(prompts).__name__} {prompts!r:.80}")
+        _check_sampling_params(sampling_params)
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int)
         ):
@@ -209,6 +213,7 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestDelta]:
         """Yields one request's deltas (text and token ids) as they are generated."""
+        _check_sampling_params(sampling_params, one=True)
         req_id = self.add_request(prompt, sampling_params)
         engine = self._engine(req_id)
         try:
@@ -309,3 +314,14 @@ class LLM:
             self.shutdown()
         except Exception:
             pass
+
+
+def _check_sampling_params(sampling_params, one: bool = False) -> None:
+    """A TypeError that says what is expected, for what is not a SamplingParams (a dict of its keywords, most often)."""
+    many = () if one else (list, tuple)
+    items = sampling_params if isinstance(sampling_params, many) and many else [sampling_params]
+    for p in items:
+        if p is not None and not isinstance(p, SamplingParams):
+            hint = ": write SamplingParams(**{...}) for a dict of its keywords" if isinstance(p, dict) else ""
+            raise TypeError(f"sampling_params must be a SamplingParams{'' if one else ' or a list of them, one a prompt'}"
+                            f"; got {type(p).__name__}{hint}")

@@ -64,9 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults formatter, but a help that already speaks of its default ("(default 4 MiB)", or
+    %(default)s) gets no second "(default: None)"."""
+
+    def _get_help_string(self, action) -> str:
+        help = action.help or ""
+        return help if "default" in help else super()._get_help_string(action)
+
+
 def _show_defaults(parser: argparse.ArgumentParser) -> None:
-    """Every command's --help shows each flag's default (argparse's defaults formatter, on the whole tree)."""
-    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    """Every command's --help shows each flag's default once (argparse's defaults formatter, on the whole tree)."""
+    parser.formatter_class = _DefaultsOnce
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for child in action.choices.values():

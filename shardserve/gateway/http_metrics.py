@@ -15,23 +15,23 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("shardserve_gateway_requests", "HTTP requests answered, by endpoint and status code",
+        self.requests = Counter("shardserve:gateway_requests", "HTTP requests answered, by endpoint and status code",
                                 ["endpoint", "code"], registry=r)
-        self.in_flight = Gauge("shardserve_gateway_requests_in_flight", "generation requests being answered",
+        self.in_flight = Gauge("shardserve:gateway_requests_in_flight", "generation requests being answered",
                                registry=r)
-        self.latency = Histogram("shardserve_gateway_request_duration_seconds",
+        self.latency = Histogram("shardserve:gateway_request_duration_seconds",
                                  "generation requests: arrival to last byte", ["endpoint"], buckets=LATENCY_BUCKETS,
                                  registry=r)
-        self.ttft = Histogram("shardserve_gateway_time_to_first_token_seconds",
+        self.ttft = Histogram("shardserve:gateway_time_to_first_token_seconds",
                               "streamed requests: arrival to the first generated text", ["endpoint"],
                               buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("shardserve_gateway_prompt_tokens", "prompt tokens of answered requests",
+        self.prompt_tokens = Counter("shardserve:gateway_prompt_tokens", "prompt tokens of answered requests",
                                      registry=r)
-        self.completion_tokens = Counter("shardserve_gateway_completion_tokens",
+        self.completion_tokens = Counter("shardserve:gateway_completion_tokens",
                                          "tokens generated for answered requests", registry=r)
-        self.disconnects = Counter("shardserve_gateway_client_disconnects",
+        self.disconnects = Counter("shardserve:gateway_client_disconnects",
                                    "requests whose client left before the end (aborted upstream)", registry=r)
-        self.upstream_errors = Counter("shardserve_gateway_upstream_errors", "gRPC errors from the server, by code",
+        self.upstream_errors = Counter("shardserve:gateway_upstream_errors", "gRPC errors from the server, by code",
                                        ["code"], registry=r)
 
     def text(self) -> bytes:

@@ -87,9 +87,11 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
             signal.signal(s, drain_on_signal)
         metrics = f", metrics on http://{cluster.metrics_address}/metrics" if cluster.metrics_address else ""
         replicas_now = len(cluster.status()["replicas"])
+        # the OpenAI API is one flag away: said where a vLLM user looks for its port
+        http = "; no OpenAI HTTP API (--http-port 8000 adds it)" if http_port is None else ""
         print(f"shardserve ready: {model_name_of(config, model_name)} (tp={config.tensor_parallel_size}, "
-              f"replicas={replicas_now}, {config.device}) serving on {cluster.address}{metrics} [{time.perf_counter() - start:.1f} s]",
-              flush=True)
+              f"replicas={replicas_now}, {config.device}) serving on {cluster.address}{metrics} "
+              f"[{time.perf_counter() - start:.1f} s]{http}", flush=True)
         if http_port is not None:
             from shardserve.gateway.app import GatewayThread
 

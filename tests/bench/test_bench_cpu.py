@@ -5,6 +5,7 @@ is checked against the expected figures for an H200 (4.25 TB/s copy bandwidth, 7
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -206,6 +207,10 @@ def test_offline_without_workload_flags_on_cpu_is_cpu_sized_shows_progress_and_n
     assert record["workload"]["num_prompts"] == 16
     assert (record["workload"]["input_len"], record["workload"]["output_len"]) == ("32-128", "32-128")
     assert f"record: {out}" in printed.out
+    summary = re.search(r"^Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s$",
+                        printed.out, flags=re.M)  # vLLM's plain summary line
+    assert summary and float(summary.group(2)) > float(summary.group(3)) > 0
+    assert float(summary.group(3)) == pytest.approx(record["output_tokens_per_s"], rel=1e-3)
     assert "shardserve: 100%" in printed.err and "tok/s" in printed.err  # the tqdm bar over output tokens
 
 

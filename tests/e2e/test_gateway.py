@@ -418,7 +418,7 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks_on_the_server(oai
     # Each gateway process counts its own, and each new connection lands on one of the two: ask until the one that
     # served the stream answers.
     deadline = time.monotonic() + 60
-    while not re.search(r"shardserve_gateway_client_disconnects_total ([1-9])",
+    while not re.search(r"shardserve:gateway_client_disconnects_total ([1-9])",
                         httpx.get(str(oai.base_url).removesuffix("/v1/") + "/metrics").text):
         assert time.monotonic() < deadline, "no gateway process counted the disconnect"
 

@@ -286,9 +286,9 @@ def test_metrics_count_requests_by_endpoint_and_status(fake):
     httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 30})
     text = httpx.get(f"{base}/metrics").text
-    assert re.search(r'shardserve_gateway_requests_total\{code="200",endpoint="chat"\} [1-9]', text)
-    assert re.search(r'shardserve_gateway_requests_total\{code="400",endpoint="chat"\} [1-9]', text)
-    assert "shardserve_gateway_request_duration_seconds_bucket" in text
+    assert re.search(r'shardserve:gateway_requests_total\{code="200",endpoint="chat"\} [1-9]', text)
+    assert re.search(r'shardserve:gateway_requests_total\{code="400",endpoint="chat"\} [1-9]', text)
+    assert "shardserve:gateway_request_duration_seconds_bucket" in text
 
 
 def test_the_gateway_command_serves_until_sigterm_then_exits_0(fake):

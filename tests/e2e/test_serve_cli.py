@@ -95,6 +95,7 @@ def test_ready_line_and_model_info_name_the_model_without_server_paths(served, d
     with Client(address, timeout=30) as client:
         info = client.model_info()
     assert server.ready_line.startswith("shardserve ready: SmolLM2-135M-Instruct (tp=1, replicas=1, cpu)")
+    assert server.ready_line.rstrip().endswith("; no OpenAI HTTP API (--http-port 8000 adds it)")  # where vLLM's is
     assert info.model == "SmolLM2-135M-Instruct" and info.tokenizer == info.model
     assert default_model_dir not in server.ready_line and "/" not in info.model + info.tokenizer
 
