@@ -1,7 +1,8 @@
 """The whole engine (LLM API: scheduler, block manager, runner, sampler) against transformers, greedy, fp32, CPU.
 
 Tokens must be identical; where they differ, the first difference must be a near-tie (< 1e-3) in transformers' own
-logits (tests/hf_reference.assert_greedy_match). After every run every KV block must be free again.
+logits, and each chosen token's log-probability must be transformers' within tests/hf_reference.LOGPROB_TOL
+(tests/hf_reference.assert_greedy_match). After every run every KV block must be free again.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from shardserve import LLM, SamplingParams
 from tests.hf_reference import assert_greedy_match, hf_greedy
 
 NEW_TOKENS = 64
-GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+# logprobs=0: each chosen token's log-probability too, held to transformers' log-softmax at every step
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=0)
 
 SYSTEM = "You are a careful assistant. Answer briefly and precisely, and say so when you are not sure. "
 TEXTS = [
@@ -38,7 +40,7 @@ def assert_all_blocks_free(llm: LLM) -> None:
 def check_against_reference(outputs, references) -> None:
     for out, ref in zip(outputs, references):
         assert out.outputs[0].finish_reason == "length"
-        assert_greedy_match(out.outputs[0].token_ids, ref)
+        assert_greedy_match(out.outputs[0].token_ids, ref, logprobs=out.outputs[0].logprobs)
 
 
 # ---- the default model ---------------------------------------------------------------------------------------

@@ -27,9 +27,12 @@ def test_bench_soak_kills_a_rank_mid_run_and_loses_nothing_answers_every_status_
     kinds = {key.split()[0] for key in notes["outcomes"]}
     assert {"greedy", "seeded", "stop", "unseeded", "cancel", "deadline"} <= kinds
     assert kinds & set(EXPECTED), "no invalid request was sent"
+    # every invalid kind got its one status; cancels were cancelled; a deadline request finished or ran out of time;
+    # every other kind finished as asked
+    valid = {"cancel": {"cancelled"}, "deadline": {"ok", "DEADLINE_EXCEEDED"}}
     for key, count in notes["outcomes"].items():
         kind, outcome = key.split()
-        assert outcome == EXPECTED.get(kind, outcome), key  # every invalid kind got its one status
+        assert outcome in ({EXPECTED[kind]} if kind in EXPECTED else valid.get(kind, {"ok"})), key
     (kill,) = notes["kills"]
     assert kill["not_serving_after_s"] is not None and kill["serving_again_s"] is not None
     assert notes["leftover"]["kv_blocks_used"] == 0 and notes["leftover"]["num_running"] == 0

@@ -68,16 +68,17 @@ def stream_requests() -> list[tuple[list[int], dict]]:
     return out
 
 
-def run_streams(address: str, fault=None) -> list[list[int]]:
+def run_streams(address: str, fault=None, resume: bool = True) -> list[list[int]]:
     """Runs every request as a stream at once; once every stream has a few tokens, fault() runs (once).
-    Returns each stream's tokens; a stream that errors fails the test."""
+    Returns each stream's tokens; a stream that errors fails the test. resume=False: the client never sends a
+    request again, so only the server's own carrying over can finish a stream the fault touched."""
     received: list[list[int]] = [[] for _ in range(NUM_STREAMS)]
     errors: list[BaseException] = []
 
     def consume(i: int, prompt, sampling) -> None:
         try:
             with Client(address, timeout=300) as client:
-                for delta in client.stream(prompt, **sampling):
+                for delta in client.stream(prompt, resume=resume, **sampling):
                     received[i] += delta.token_ids
         except BaseException as e:  # noqa: BLE001 (reported below)
             errors.append(e)

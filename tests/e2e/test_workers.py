@@ -27,14 +27,16 @@ NUM_NEW = 12
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=2024, max_tokens=NUM_NEW, ignore_eos=True)
 
 
-def _generate(engine: Engine) -> dict[str, list[int]]:
-    """Greedy requests g0, g1 and a seeded one s (same prompt as g1), stepped to completion."""
+def _generate(engine: Engine) -> dict[str, object]:
+    """Greedy requests g0, g1 (with each chosen token's logprob) and a seeded one s (same prompt as g1), stepped to
+    completion: request id -> its CompletionOutput."""
     for i, prompt in enumerate(PROMPTS):
-        engine.admit(f"g{i}", prompt, SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True))
+        engine.admit(f"g{i}", prompt,
+                     SamplingParams(temperature=0.0, max_tokens=NUM_NEW, ignore_eos=True, logprobs=0))
     engine.admit("s", PROMPTS[1], SEEDED)
     while engine.has_unfinished():
         engine.step()
-    return {out.request_id: out.outputs[0].token_ids for out in engine.take_finished()}
+    return {out.request_id: out.outputs[0] for out in engine.take_finished()}
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +62,10 @@ def test_tp2_over_grpc_matches_tp1_greedy_and_seeded(tp2, tiny_llama_dir, e2e_co
     single = _generate(Engine(single_executor.config, single_executor, vocab_size=VOCAB))
     single_executor.shutdown()
     for i, ref in enumerate(hf_greedy(tiny_llama_dir, PROMPTS, NUM_NEW)):
-        assert_greedy_match(single[f"g{i}"], ref)
-        assert_greedy_match(cluster[f"g{i}"], ref)
-    assert len(cluster["s"]) == NUM_NEW
-    assert cluster["s"] == single["s"]  # the same seed gives the same tokens at TP=2 as at TP=1
+        for run in (single, cluster):
+            assert_greedy_match(run[f"g{i}"].token_ids, ref, logprobs=run[f"g{i}"].logprobs)
+    assert len(cluster["s"].token_ids) == NUM_NEW
+    assert cluster["s"].token_ids == single["s"].token_ids  # the same seed gives the same tokens at TP=2 as at TP=1
     assert all(h.ready for h in executor.health())
 
 

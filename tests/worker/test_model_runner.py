@@ -109,12 +109,15 @@ def hf_greedy(model_dir: str, prompt: list[int], num_new: int) -> tuple[list[int
 
 
 def assert_same_or_near_tie(ours: list[int], reference: list[int], ref_logits: torch.Tensor) -> None:
+    """Our tokens equal transformers', or at the first difference our token is within 1e-3 of transformers' top
+    logit there (the prefixes are still equal, so its logits judge); the rest of the path is not compared."""
     if ours == reference:
         return
+    assert len(ours) == len(reference), (ours, reference)
     first = next(i for i, (a, b) in enumerate(zip(ours, reference)) if a != b)
-    top2 = ref_logits[first].topk(2).values
-    gap = (top2[0] - top2[1]).item()
-    assert gap < 1e-3, f"token {first} differs ({ours[first]} vs {reference[first]}) with a top-2 gap of {gap}"
+    step = ref_logits[first]
+    gap = (step.max() - step[ours[first]]).item()
+    assert gap < 1e-3, f"token {first} differs ({ours[first]} vs {reference[first]}): our token is {gap} below the top"
 
 
 GREEDY = SamplingSpec(temperature=0.0)
@@ -154,11 +157,15 @@ def test_chunked_prefill_gives_the_same_tokens(driver, reference):
 
 
 def test_prefix_cache_hit_reuses_blocks_filled_by_an_earlier_request(driver, reference):
+    """The hit lands in a block-table row that never held the cached ids (the first request is still running, and
+    no block id is 0, the value of a fresh row), so only the runner's own write of the cached ids can make it right."""
+    driver.next_block = 3
     driver.prefill_and_decode({"first": (PROMPTS[0], GREEDY)}, 1)
     cached = 2 * BLOCK_SIZE  # the first two full blocks of the shared prompt
     new = driver.add("second", PROMPTS[0], GREEDY, cached_from="first", cached_tokens=cached)
-    driver.step({"second": len(PROMPTS[0]) - cached}, new=[new], finished=["first"])
-    for _ in range(7):
+    driver.step({"second": len(PROMPTS[0]) - cached}, new=[new])
+    driver.step({"second": 1}, finished=["first"])
+    for _ in range(6):
         driver.step({"second": 1})
     assert driver.blocks["second"][:2] == driver.blocks["first"][:2]
     assert_same_or_near_tie(driver.generated("second"), *reference[0])
@@ -200,14 +207,16 @@ def test_logprobs_match_transformers_log_softmax(driver, reference):
     new = [driver.add("a", PROMPTS[0], spec)]
     results = [driver.step({"a": len(PROMPTS[0])}, new=new)] + [driver.step({"a": 1}) for _ in range(3)]
     ref_tokens, ref_logits = reference[0]
-    if driver.generated("a") != ref_tokens[:4]:
-        pytest.skip("a near-tie changed the path; the greedy test checks the tie")
+    ours = driver.generated("a")
+    assert_same_or_near_tie(ours, ref_tokens[:4], ref_logits[:4])
     ref_logp = torch.log_softmax(ref_logits[:4], dim=1)
-    for i, res in enumerate(results):
+    for i, res in enumerate(results):  # transformers' logits judge every position up to the first difference
         lp = res.logprobs[0]
-        assert abs(lp.logprob - ref_logp[i, ref_tokens[i]].item()) < 1e-4
-        assert lp.top_ids == ref_logp[i].topk(3).indices.tolist()
+        assert abs(lp.logprob - ref_logp[i, ours[i]].item()) < 1e-4
         assert max(abs(a - b) for a, b in zip(lp.top_logprobs, ref_logp[i].topk(3).values.tolist())) < 1e-4
+        if ours[i] != ref_tokens[i]:
+            break  # a near-tie: the top ids may swap, and the paths part from here
+        assert lp.top_ids == ref_logp[i].topk(3).indices.tolist()
 
 
 def test_a_plan_naming_an_unknown_request_is_an_error(driver):
