@@ -1,7 +1,7 @@
 """Property: whatever mix of valid and invalid requests, cancellations and deadlines clients send, every call ends
 in a result or the right status, a valid greedy stream running alongside gives transformers' tokens, and the KV
 blocks return to zero. Driven by hypothesis against the real server (the tiny model in-process behind the real
-controller and gRPC on 127.0.0.1). Profiles: "ci" (the default: a few examples) and "soak"
+controller and gRPC on 127.0.0.1). Profiles: "ci" (the default: 30 examples) and "soak"
 (SHARDSERVE_FUZZ_PROFILE=soak: many more)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from shardserve.cluster.api_security import ApiSecurity  # noqa: E402
 from tests.e2e.test_client_security import _serve  # noqa: E402
 from tests.hf_reference import assert_greedy_match, hf_greedy  # noqa: E402
 
-settings.register_profile("ci", max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+settings.register_profile("ci", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 settings.register_profile("soak", max_examples=300, deadline=None,
                           suppress_health_check=[HealthCheck.function_scoped_fixture])
 PROFILE = os.environ.get("SHARDSERVE_FUZZ_PROFILE", "ci")

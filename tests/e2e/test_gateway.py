@@ -441,7 +441,8 @@ def test_sigterm_drains_health_turns_503_and_the_gateway_stops_with_serve(served
     server, _, base = served
     root = base.removesuffix("/v1")
     assert httpx.get(f"{root}/health").status_code == 200
-    # a live stream keeps the drain open, so the gateway must answer health while it lasts
+    # a live stream (longer than the 30 s drain could wait for) keeps the drain open: the gateway must answer health
+    # while it lasts
     model = httpx.get(f"{base}/models").json()["data"][0]["id"]
     body = {"model": model, "prompt": [1, 2, 3], "max_tokens": 400, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{base}/completions", json=body, timeout=120) as live:
@@ -455,7 +456,7 @@ def test_sigterm_drains_health_turns_503_and_the_gateway_stops_with_serve(served
         assert reply is not None, "the gateway vanished while a stream was still draining"
         assert reply.status_code == 503, reply.text
         assert reply.json()["error"]["type"] == "service_unavailable_error"
-        assert [line for line in lines if line.startswith("data:")][-1] == "data: [DONE]"  # the drain let it finish
+    # leaving the stream aborts its request: the drain ends, and serve with it
     assert server.proc.wait(60) == 0
     assert _get(f"{root}/health") is None  # nothing listens there any more
 
