@@ -86,6 +86,8 @@ class Engine:
         self.num_finished = 0
         self.num_restarts = 0  # executors replaced after a failure (restart)
         self.async_scheduling = self._resolve_async_scheduling(config, executor)
+        # pipeline stages: as many plans in flight as stages (on disjoint requests: cluster/scheduler.py)
+        self.max_plans_in_flight = max(MAX_PLANS_IN_FLIGHT, config.pipeline_parallel_size)
         self._in_flight: deque[StepPlan] = deque()  # submitted, results not collected yet (async only)
         self._token_text = TokenTexts(tokenizer)  # logprobs' decoded_token
 
@@ -97,7 +99,9 @@ class Engine:
 
     @staticmethod
     def _resolve_async_scheduling(config: EngineConfig, executor: Executor) -> bool:
-        wanted = config.async_scheduling if config.async_scheduling is not None else config.device == "cuda"
+        wanted = config.async_scheduling
+        if wanted is None:  # on CUDA, and wherever pipeline stages would otherwise idle
+            wanted = config.device == "cuda" or config.pipeline_parallel_size > 1
         if config.speculative_config:  # each plan proposes from the tokens the previous step kept
             if config.async_scheduling:
                 raise ValueError("speculative decoding runs without async scheduling")
@@ -203,9 +207,9 @@ class Engine:
         return deltas
 
     def _step_overlapped(self, deltas: list[RequestDelta]) -> None:
-        """Submits the next plan (when fewer than two are in flight), then collects the oldest one, unless the
+        """Submits the next plan (while fewer than max_plans_in_flight are), then collects the oldest one, unless the
         plan just submitted is the only one: the first step of a burst only submits."""
-        plan = self.scheduler.schedule() if len(self._in_flight) < MAX_PLANS_IN_FLIGHT else None
+        plan = self.scheduler.schedule() if len(self._in_flight) < self.max_plans_in_flight else None
         if plan is not None:
             self.executor.submit(plan)
             self._in_flight.append(plan)
@@ -213,7 +217,7 @@ class Engine:
         if not self._in_flight:
             self._check_progress()
             return
-        if plan is None or len(self._in_flight) == MAX_PLANS_IN_FLIGHT:
+        if plan is None or len(self._in_flight) == self.max_plans_in_flight:
             done = self._in_flight.popleft()
             self._apply(done, self.executor.collect(), deltas)
 

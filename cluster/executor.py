@@ -38,6 +38,7 @@ from shardserve.proto import worker_pb2_grpc as pb_grpc
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.convert import engine_config_to_proto, step_plan_to_proto, step_result_from_proto
 from shardserve.proto.plan import StepPlan, StepResult
+from shardserve.proto.stages import result_rank, world_size
 from shardserve.proto.transport import worker_channel
 
 _CLOSE = object()  # ends a request stream
@@ -139,8 +140,10 @@ class GrpcExecutor:
         stopped by its owner instead, and stays up after a failure for health checks to report it."""
         if not secret:
             raise ValueError("GrpcExecutor needs the workers' launch secret (secret=...)")
-        if len(endpoints) != config.tensor_parallel_size:
-            raise ValueError(f"{len(endpoints)} endpoints for tensor_parallel_size {config.tensor_parallel_size}")
+        if len(endpoints) != world_size(config):
+            raise ValueError(f"{len(endpoints)} endpoints for tensor_parallel_size {config.tensor_parallel_size} x "
+                             f"pipeline_parallel_size {config.pipeline_parallel_size}")
+        self._result_rank = result_rank(config)  # whose answers carry the tokens (the last pipeline stage's first)
         self.config = config
         self.endpoints = list(endpoints)
         self.deadline = deadline if deadline is not None else StepDeadline()
@@ -211,7 +214,8 @@ class GrpcExecutor:
         self._in_flight.append((plan.step_id, time.monotonic(), plan.num_batched_tokens))
 
     def collect(self) -> StepResult:
-        """Waits for every rank's reply to the oldest submitted step; returns rank 0's result."""
+        """Waits for every rank's reply to the oldest submitted step; returns the result rank's (rank 0's, or the
+        last pipeline stage's first rank's)."""
         if self._broken is not None:
             raise WorkerError(f"the executor failed earlier: {self._broken}")
         if not self._in_flight:
@@ -241,7 +245,7 @@ class GrpcExecutor:
                 self._fail(f"rank {rank} acknowledged step {reply.step_id}, expected {step_id}")
         self.last_forward_ms = max(r.forward_ms for r in replies)
         self.forward_ms_total += self.last_forward_ms
-        return step_result_from_proto(replies[0])
+        return step_result_from_proto(replies[self._result_rank])
 
     def _fail(self, message: str) -> None:
         self._broken = message

@@ -61,6 +61,7 @@ class Request:
     last_step_id: int = 0  # the last plan that computed it: its blocks stay allocated until that plan's result
     num_new_tokens: int = 0  # tokens the last applied result appended (more than 1 where drafts were accepted)
     draft_index: Any = None  # the speculative proposer's state for this request (cluster/speculation.py)
+    num_tokens_sent: int = 0  # pipeline stages: token_ids[:n] the stages before the last have (they do not sample)
 
     # streaming
     detokenizer: IncrementalDetokenizer | None = None

@@ -24,6 +24,12 @@ registers blocks in the prefix cache only once the plan that computed them has r
   plan's writes land last, and a block enters the prefix cache only after the plan that filled it was applied.
   The request's token from that plan still lands (it waits at the queue head until then, see `schedule`).
 
+Pipeline stages (pipeline_parallel_size N > 1): up to N plans are in flight, each on its own requests: a request
+in a plan whose result has not been applied is left out of the next plans (never in two batches at once), and a
+plan takes at most max_num_seqs / N requests, so that the running requests make N batches that follow each other
+through the stages. The stages before the last do not sample: each plan carries, per scheduled request, the token
+its previous step sampled (`StepPlan.sampled_token_ids`), which the controller has by then.
+
 Lost workers (`restart`): when the TP group fails, its KV cache and every plan in flight are gone. Every live
 request goes back to waiting as a preempted one does, with only the tokens whose values the controller has
 (prompt + generated so far; a token sampled by a plan whose result never came is dropped, and sampled again by the
@@ -63,6 +69,8 @@ class Scheduler:
         self.last_applied_step_id = 0  # the newest plan whose result update() has applied
         spec = parse_speculative_config(config.speculative_config)
         self.speculator: Speculator | None = Speculator(spec) if spec is not None else None
+        self.pipeline = config.pipeline_parallel_size > 1  # plans in flight on disjoint requests (see above)
+        self.max_seqs_per_plan = -(-config.max_num_seqs // config.pipeline_parallel_size)
 
     # ---- admission -----------------------------------------------------------------------------------------
     def add(self, seq: Request) -> None:
@@ -159,9 +167,13 @@ class Scheduler:
         speculator = self.speculator if self.speculator is not None and self.speculator.active(len(self.running)) \
             else None
         draft_token_ids: dict[str, list[int]] = {}
+        per_plan, pipeline, applied = self.max_seqs_per_plan, self.pipeline, self.last_applied_step_id
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(req_ids) < per_plan:
             seq = self.running[i]
+            if pipeline and seq.last_step_id > applied:  # in a plan in flight: not in a second one
+                i += 1
+                continue
             n = min(self._wants_tokens(seq, max_model_len), budget)
             if n <= 0:
                 i += 1
@@ -198,7 +210,8 @@ class Scheduler:
 
         computing: set[int] | None = None  # hashes of the full blocks running requests are computing (built once)
         waits: list[Request] = []  # waiting requests whose next block is among them: they keep their place
-        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs
+               and len(req_ids) < per_plan):
             seq = self.waiting[0]
             if seq.num_pending_tokens:  # a token from a plan made before its preemption is still to land
                 break
@@ -233,6 +246,7 @@ class Scheduler:
                 )
             )
             seq.known_to_workers = True
+            seq.num_tokens_sent = len(seq.token_ids)
             req_ids.append(seq.req_id)
             num_tokens.append(n)
             scheduled.append(seq)
@@ -261,6 +275,12 @@ class Scheduler:
             in_flight.append((seq, seq.epoch, seq.num_computed_tokens))
             seq.last_step_id = self.step_id
         self._in_flight[self.step_id] = in_flight
+        sampled: list[int] = []
+        if pipeline:  # the stages that do not sample get each request's token from its previous step
+            for seq in scheduled:
+                sent = seq.num_tokens_sent
+                sampled.append(seq.token_ids[sent] if sent < len(seq.token_ids) else -1)
+                seq.num_tokens_sent = len(seq.token_ids)
         plan = StepPlan(
             step_id=self.step_id,
             new_requests=new_requests,
@@ -270,6 +290,7 @@ class Scheduler:
             finished_req_ids=self._finished_ids,
             preempted_req_ids=self._preempted_ids,
             draft_token_ids=draft_token_ids,
+            sampled_token_ids=sampled,
         )
         self._finished_ids, self._preempted_ids = [], []
         return plan

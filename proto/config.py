@@ -42,6 +42,11 @@ class EngineConfig:
         None, user=False, help="the folder with the tokenizer files (from the model); None: token ids only")
     tensor_parallel_size: int = _setting(
         1, flags=("-tp", "--tp", "--tensor-parallel-size"), help="tensor-parallel ranks (GPUs, or processes on CPU)")
+    pipeline_parallel_size: int = _setting(
+        1, flags=("-pp", "--pp", "--pipeline-parallel-size"),
+        help="pipeline stages: the decoder layers split across them, each stage tensor_parallel_size ranks")
+    pp_layer_partition: str | None = _setting(
+        None, help="decoder layers per pipeline stage, comma-separated (e.g. 15,15); default: as even as can be")
     device: str = _setting("cpu", user_default="auto", choices=DEVICES, help="auto: cuda when available")
     dtype: str = _setting(
         "float32", user_default="auto",
@@ -95,6 +100,14 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pp_layer_partition is not None:
+            parse_layer_partition(self.pp_layer_partition, self.pipeline_parallel_size)
+        if self.pipeline_parallel_size > 1 and self.kv_cache_dtype == "fp8":
+            raise ValueError("kv_cache_dtype fp8 is not supported with pipeline_parallel_size > 1 yet")
+        if self.pipeline_parallel_size > 1 and self.speculative_config:
+            raise ValueError("speculative decoding is not supported with pipeline_parallel_size > 1 yet")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -105,6 +118,18 @@ class EngineConfig:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+def parse_layer_partition(text: str, stages: int) -> list[int]:
+    """"15,15" -> [15, 15]: one positive layer count per pipeline stage (ValueError otherwise)."""
+    try:
+        counts = [int(part) for part in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"pp_layer_partition must be comma-separated layer counts, got {text!r}") from None
+    if len(counts) != stages or min(counts) < 1:
+        raise ValueError(f"pp_layer_partition needs {stages} positive layer counts (one per pipeline stage), "
+                         f"got {text!r}")
+    return counts
 
 
 def user_settings() -> dict[str, Field]:

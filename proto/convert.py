@@ -75,6 +75,7 @@ def step_plan_to_proto(plan: StepPlan) -> pb.StepPlan:
         num_tokens=plan.num_tokens,
         finished_req_ids=plan.finished_req_ids,
         preempted_req_ids=plan.preempted_req_ids,
+        sampled_token_ids=plan.sampled_token_ids,
     )
     if plan.new_requests:
         msg.new_requests.extend([_new_request_to_proto(r) for r in plan.new_requests])
@@ -99,6 +100,7 @@ def step_plan_from_proto(msg: pb.StepPlan) -> StepPlan:
         finished_req_ids=list(msg.finished_req_ids),
         preempted_req_ids=list(msg.preempted_req_ids),
         draft_token_ids={d.req_id: list(d.token_ids) for d in msg.draft_token_ids},
+        sampled_token_ids=list(msg.sampled_token_ids),
     )
 
 

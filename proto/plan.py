@@ -72,6 +72,10 @@ class StepPlan:
     finished_req_ids: list[str] = field(default_factory=list)  # finished or aborted: drop state (before this step)
     preempted_req_ids: list[str] = field(default_factory=list)  # preempted: drop state (before this step)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposed tokens to verify (speculation)
+    # Pipeline stages before the last do not sample, so they do not know the tokens their requests sampled: per
+    # entry of req_ids, the token its previous step sampled (-1: none). Empty unless pipeline_parallel_size > 1,
+    # where a request is never in two plans in flight, so the controller always has that token when it plans.
+    sampled_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:

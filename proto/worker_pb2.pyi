@@ -23,10 +23,12 @@ WORKER_STATE_READY: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class EngineConfig(_message.Message):
-    __slots__ = ("model", "tokenizer", "tensor_parallel_size", "device", "dtype", "load_format", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "block_events", "kv_cache_dtype", "quantization", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "attention_backend", "enforce_eager", "async_scheduling", "seed", "dist_timeout_s", "speculative_config")
+    __slots__ = ("model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition", "device", "dtype", "load_format", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "block_events", "kv_cache_dtype", "quantization", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "attention_backend", "enforce_eager", "async_scheduling", "seed", "dist_timeout_s", "speculative_config")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PP_LAYER_PARTITION_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FORMAT_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +52,8 @@ class EngineConfig(_message.Message):
     model: str
     tokenizer: str
     tensor_parallel_size: int
+    pipeline_parallel_size: int
+    pp_layer_partition: str
     device: str
     dtype: str
     load_format: str
@@ -70,7 +74,7 @@ class EngineConfig(_message.Message):
     seed: int
     dist_timeout_s: float
     speculative_config: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load_format: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., block_events: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_memory_gb: _Optional[float] = ..., gpu_memory_utilization: _Optional[float] = ..., attention_backend: _Optional[str] = ..., enforce_eager: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., seed: _Optional[int] = ..., dist_timeout_s: _Optional[float] = ..., speculative_config: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., pp_layer_partition: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load_format: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., block_events: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_memory_gb: _Optional[float] = ..., gpu_memory_utilization: _Optional[float] = ..., attention_backend: _Optional[str] = ..., enforce_eager: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., seed: _Optional[int] = ..., dist_timeout_s: _Optional[float] = ..., speculative_config: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("rank", "world_size", "init_method", "device", "config")
@@ -200,7 +204,7 @@ class NewBlocks(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "req_ids", "num_tokens", "new_block_ids", "finished_req_ids", "preempted_req_ids", "draft_token_ids")
+    __slots__ = ("step_id", "new_requests", "req_ids", "num_tokens", "new_block_ids", "finished_req_ids", "preempted_req_ids", "draft_token_ids", "sampled_token_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -209,6 +213,7 @@ class StepPlan(_message.Message):
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -217,7 +222,8 @@ class StepPlan(_message.Message):
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_req_ids: _containers.RepeatedScalarFieldContainer[str]
     draft_token_ids: _containers.RepeatedCompositeFieldContainer[DraftTokens]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., req_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[_Union[NewBlocks, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Iterable[_Union[DraftTokens, _Mapping]]] = ...) -> None: ...
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., req_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[_Union[NewBlocks, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., preempted_req_ids: _Optional[_Iterable[str]] = ..., draft_token_ids: _Optional[_Iterable[_Union[DraftTokens, _Mapping]]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DraftTokens(_message.Message):
     __slots__ = ("req_id", "token_ids")

@@ -36,7 +36,7 @@ def test_every_field_says_what_it_is_and_every_user_setting_is_a_flag_and_a_keyw
 def test_the_flag_spellings_and_defaults_users_know_still_work():
     defaults = engine_kwargs(parse())
     assert defaults == dict(
-        model=None, tensor_parallel_size=1, device="auto", dtype="auto", load_format="auto", block_size=16,
+        model=None, tensor_parallel_size=1, pipeline_parallel_size=1, pp_layer_partition=None, device="auto", dtype="auto", load_format="auto", block_size=16,
         max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None, enable_prefix_caching=True,
         kv_cache_dtype="auto", quantization="none", num_kv_blocks=None, kv_cache_memory_gb=None, gpu_memory_utilization=0.9,
         attention_backend="auto", enforce_eager=False, async_scheduling=None, seed=0, speculative_config=None,
@@ -46,17 +46,19 @@ def test_the_flag_spellings_and_defaults_users_know_still_work():
         "--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--block-size", "32",
         "--num-kv-blocks", "40", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.8",
         "--attention-backend", "torch", "--enforce-eager", "--no-prefix-caching", "--no-async-scheduling",
-        "--seed", "7", "--kv-cache-dtype", "fp8", "--quantization", "fp8",
+        "--seed", "7", "--kv-cache-dtype", "fp8", "--quantization", "fp8", "-pp", "2", "--pp-layer-partition", "3,5",
         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
     ))
     assert given == dict(
-        model="m", tensor_parallel_size=2, device="cpu", dtype="bf16", load_format="dummy", block_size=32,
+        model="m", tensor_parallel_size=2, pipeline_parallel_size=2, pp_layer_partition="3,5", device="cpu", dtype="bf16", load_format="dummy", block_size=32,
         max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, enable_prefix_caching=False,
         kv_cache_dtype="fp8", quantization="fp8", num_kv_blocks=40, kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, attention_backend="torch",
         enforce_eager=True, async_scheduling=False, seed=7,
         speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
     )
     assert engine_kwargs(parse("--tensor-parallel-size", "4", "--async-scheduling"))["tensor_parallel_size"] == 4
+    assert engine_kwargs(parse("--pipeline-parallel-size", "3"))["pipeline_parallel_size"] == 3
+    assert engine_kwargs(parse("--pp", "3"))["pipeline_parallel_size"] == 3
     with pytest.raises(SystemExit):
         parse("--device", "gpu")  # choices come from the field too
 

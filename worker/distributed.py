@@ -13,6 +13,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,7 @@ class _TPGroup:
     size: int = 1
     owns_process_group: bool = False  # True when init_distributed created a torch.distributed group
     one_shot: "_OneShotAllReduce | None" = None  # small-message all-reduce over symmetric memory (CUDA, TP=2)
+    group: Any = None  # the TP group's torch ProcessGroup when the world also holds other pipeline stages
 
 
 _group = _TPGroup()
@@ -49,8 +51,11 @@ def prepare_worker_process(num_threads: int | None = None) -> None:
 
 
 def init_distributed(rank: int, world_size: int, init_method: str, backend: str, timeout_s: float,
-                     bind_host: str | None = None) -> None:
-    """Joins the TP group. backend: "gloo" (CPU), "nccl" (CUDA) or "auto" (nccl when CUDA is available).
+                     bind_host: str | None = None, tp: int | None = None) -> None:
+    """Joins the replica's process group. backend: "gloo" (CPU), "nccl" (CUDA) or "auto" (nccl when CUDA is available).
+    tp: the TP group's size where the world is several pipeline stages of tp ranks each (proto/stages.py): every
+    rank then makes every stage's TP group (new_group is collective over the world), and the layers' collectives
+    run in its own; the stages' activations cross between them point to point (worker/stage_link.py).
 
     A "tcp://host:port" rendezvous is a TCPStore that rank 0 serves on a socket it binds to that host itself
     (torch's own tcp:// init listens on every interface); bind_host, the address this worker was given, also
@@ -59,6 +64,9 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
     global _group
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size, got rank={rank} world_size={world_size}")
+    tp = world_size if tp is None else tp
+    if world_size % tp:
+        raise ValueError(f"world_size {world_size} is not a multiple of the TP size {tp}")
     if world_size == 1:
         _group = _TPGroup(rank=0, size=1, owns_process_group=False)
         return
@@ -76,7 +84,13 @@ def init_distributed(rank: int, world_size: int, init_method: str, backend: str,
         else:
             dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timeout)
-    _group = _TPGroup(rank=rank, size=world_size, owns_process_group=True)
+    group = None
+    if tp < world_size:
+        for first in range(0, world_size, tp):  # every rank makes every group, in the same order
+            made = dist.new_group(list(range(first, first + tp)), timeout=timedelta(seconds=timeout_s)) if tp > 1 else None
+            if first <= rank < first + tp:
+                group = made
+    _group = _TPGroup(rank=rank % tp, size=tp, owns_process_group=True, group=group)
 
 
 def _tcp_store(init_method: str, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
@@ -127,7 +141,7 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         one_shot = _group.one_shot
         if one_shot is not None and one_shot.fits(x):
             return one_shot(x)
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_group.group)
     return x
 
 
@@ -167,7 +181,7 @@ def enable_one_shot_all_reduce(dtype: torch.dtype, device: torch.device, max_byt
     measured on the H200 pair, Llama-3-8B bs=1 decode at TP=2 took 3.733 ms with it and 3.739 ms with NCCL alone
     (docs/performance-history.md), so it does not yet pay for its extra start-up step. Checked once against NCCL on a test
     tensor; on any failure or mismatch it stays off with a warning. Every rank must call it (collective)."""
-    if _group.size != 2 or device.type != "cuda" or os.environ.get("SHARDSERVE_SYMM_MEM_ALL_REDUCE", "0") != "1":
+    if _group.size != 2 or _group.group is not None or device.type != "cuda" or os.environ.get("SHARDSERVE_SYMM_MEM_ALL_REDUCE", "0") != "1":
         return False
     try:
         one_shot = _OneShotAllReduce(dtype, device, max_bytes)
@@ -196,7 +210,7 @@ def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_group.size)]
-    dist.all_gather(parts, x)
+    dist.all_gather(parts, x, group=_group.group)
     return torch.cat(parts, dim=-1)
 
 

@@ -159,9 +159,12 @@ class InputBatch:
     """Every request's state on this rank, each step's batch built from it, and the placeholders of the tokens
     sampled by steps still in flight."""
 
-    def __init__(self, block_size: int, max_seqs: int = 64, max_blocks: int = 0) -> None:
-        """max_seqs and max_blocks (per request) size the device block table; it grows past them if it must."""
+    def __init__(self, block_size: int, max_seqs: int = 64, max_blocks: int = 0, samples: bool = True) -> None:
+        """max_seqs and max_blocks (per request) size the device block table; it grows past them if it must.
+        samples: False on a pipeline stage before the last, which learns its requests' sampled tokens from the
+        plans (StepPlan.sampled_token_ids) instead of sampling them."""
         self.block_size = block_size
+        self.samples = samples
         self.requests: dict[str, RequestState] = {}
         self.tables = DeviceBlockTables(max_seqs, max_blocks)
         self.last_step_id = 0
@@ -263,6 +266,10 @@ class InputBatch:
             state = self._state(req_id)
             tables.write(state.table_row, len(state.block_ids), blocks)
             state.block_ids.extend(blocks)
+        if not self.samples and plan.sampled_token_ids:
+            for req_id, token in zip(plan.req_ids, plan.sampled_token_ids):
+                if token >= 0:
+                    self._state(req_id).token_ids.append(token)
         for req_id, drafts in plan.draft_token_ids.items():  # speculation: verified this step (spec_verify.py)
             self._state(req_id).token_ids.extend(drafts)
 

@@ -35,6 +35,9 @@ def map_checkpoint_name(name: str) -> tuple[str, Any]:
 
 
 def _skipped(name: str, model: nn.Module) -> bool:
+    holds = getattr(model, "holds_checkpoint_tensor", None)
+    if holds is not None and not holds(name):
+        return True  # another pipeline stage's
     if "rotary_emb.inv_freq" in name or name.endswith((".self_attn.k_scale", ".self_attn.v_scale")):
         return True  # (the KV scales: read by worker/kv_scales.py for an FP8 cache)
     # a tied checkpoint may still store lm_head.weight: the embedding already supplies it

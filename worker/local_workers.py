@@ -27,6 +27,7 @@ from typing import Any
 
 from shardserve.proto.auth import new_secret
 from shardserve.proto.config import EngineConfig
+from shardserve.proto.stages import world_size
 from shardserve.proto.transport import free_port
 
 
@@ -58,13 +59,14 @@ class LocalWorkers:
 
 def start_local_workers(config: EngineConfig, startup_timeout_s: float = 120.0, group: int = 0,
                         groups: int = 1) -> LocalWorkers:
-    """Starts config.tensor_parallel_size worker processes (spawned, daemonic) and waits for their addresses.
+    """Starts tensor_parallel_size x pipeline_parallel_size worker processes (spawned, daemonic; rank order as
+    proto/stages.py lays them out) and waits for their addresses.
     They serve but are not initialised: GrpcExecutor runs Init, LoadWeights, ProfileMemory and AllocateKVCache.
     Raises RuntimeError when a rank fails or does not report in time (every started rank is stopped then).
     group of groups: one of several TP groups on this host (LLM's data parallelism): on CUDA its ranks see only
     GPUs group * tp ... group * tp + tp - 1 (of those this process sees); on CPU the groups share the cores."""
     ctx = mp.get_context("spawn")
-    tp = config.tensor_parallel_size
+    tp = world_size(config)  # every rank of the group: its pipeline stages' TP ranks
     visible = _visible_gpus(group * tp, tp) if config.device == "cuda" and groups > 1 else None
     workers = LocalWorkers([], f"tcp://127.0.0.1:{free_port()}", [], new_secret())
     try:

@@ -20,6 +20,7 @@ from shardserve.kernels.backend_choice import get_backend
 from shardserve.kernels.kv_fp8 import FP8_DTYPE
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult, cdiv
+from shardserve.proto.stages import result_rank, stage_of
 from shardserve.worker import cuda_graphs, graph_memory, kv_cache, kv_scales
 from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.layers import cpu_packed
@@ -28,6 +29,7 @@ from shardserve.worker.sampler import plain_greedy, sample, sample_tokens
 from shardserve.worker.sampler_warm_up import warm_up as sampler_warm_up
 from shardserve.worker.sampling_row import SamplingRow
 from shardserve.worker.spec_verify import launch_verify_step
+from shardserve.worker.stage_link import StageLink, stage_forward
 from shardserve.worker.step_in_flight import StepInFlight
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -61,6 +63,7 @@ class ModelRunner:
 
         self.config = config
         self.rank = rank
+        self.reports = rank == result_rank(config)  # whose StepResult carries the tokens (the step loop asks)
         self.device = torch_device(config.device, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -68,12 +71,16 @@ class ModelRunner:
         self.kv_dtype = kv_cache_torch_dtype(config)
         self.block_size = config.block_size
         self.hf_config = read_hf_config(config.model)  # not transformers' AutoConfig: see hf_config.py
+        # this rank's pipeline stage (all of the model at pipeline_parallel_size 1) and its link to its neighbours
+        self.stage = stage_of(config, rank, self.hf_config.num_hidden_layers)
+        self.link = StageLink(self.stage, rank, config.tensor_parallel_size, self.hf_config.hidden_size, self.dtype,
+                              self.device) if self.stage.count > 1 else None
         self.attn_backend = get_backend(config.attention_backend, self.device.type)
         if self.kv_dtype == FP8_DTYPE and self.attn_backend.name == "flash-attn":  # it has no FP8 cache here
             if config.attention_backend != "auto":
                 raise ValueError("kv_cache_dtype fp8 needs the triton or torch attention backend, not flash-attn")
             self.attn_backend = get_backend("triton", self.device.type)
-        self.model = build_model(self.hf_config, self.dtype, self.device, self.attn_backend)
+        self.model = build_model(self.hf_config, self.dtype, self.device, self.attn_backend, self.stage)
         with torch.inference_mode():
             if config.load_format == "dummy":
                 init_dummy_weights(self.model, config.seed)
@@ -94,7 +101,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         # every request's state on this rank, and each step's batch; its device block table sized for the limits
-        self.input_batch = InputBatch(self.block_size, config.max_num_seqs, cdiv(config.max_model_len, self.block_size))
+        self.input_batch = InputBatch(self.block_size, config.max_num_seqs, cdiv(config.max_model_len, self.block_size),
+                                      samples=self.stage.is_last)
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None  # captured by allocate_kv_cache on CUDA
         self._graph_reserve: int | None = None  # bytes the KV sizing left for the graphs (measured)
 
@@ -121,11 +129,12 @@ class ModelRunner:
         self.kv_caches = kv_cache.allocate_kv_cache(
             self.model, num_blocks, self.block_size, self.kv_dtype, self.device, self.attn_backend)
         self.num_blocks = num_blocks
-        if cuda_graphs.graphs_unsupported_reason(self.config, self.device, self.attn_backend) is None:
+        if self.link is None and cuda_graphs.graphs_unsupported_reason(self.config, self.device, self.attn_backend) is None:
             self.decode_graphs = cuda_graphs.capture_decode_graphs(
                 self.model, self.kv_caches, self.attn_backend, self.config, self.device, self._graph_reserve
             )
-        sampler_warm_up(self.model.vocab_size, self.dtype, self.device)
+        if self.stage.is_last:
+            sampler_warm_up(self.model.vocab_size, self.dtype, self.device)
         if self.device.type == "cuda" and num_blocks >= self._profile_blocks():
             # The KV sizing emptied torch's cache after measuring the largest step; without this its activations
             # are allocated from the device again inside the first large prefill steps served (on an H200 the first
@@ -156,7 +165,11 @@ class ModelRunner:
         plan = StepPlan(1, new_requests=new, req_ids=[r.req_id for r in new], num_tokens=lens)
         batch = InputBatch(self.block_size).prepare(plan)
         input_ids, positions, meta = batch.to_device(self.device)
-        hidden = self.model(input_ids, positions, scratch, meta)
+        carried = None if self.stage.is_first else (torch.zeros(total, self.hf_config.hidden_size, dtype=self.dtype,
+                                                                device=self.device),) * 2
+        hidden = self.model(input_ids, positions, scratch, meta, carried)
+        if not self.stage.is_last:  # (a pipeline stage's own layers only: nothing is sent while profiling)
+            return
         rows = min(self.config.max_num_seqs, total)
         logits = self.model.compute_logits(hidden[-rows:])
         state = batch.states[0]
@@ -180,7 +193,10 @@ class ModelRunner:
         step = StepInFlight(StepResult(step_id=plan.step_id))
         if batch.states:
             step.start_device_timer(self.device)
-            hidden, last_rows = self._forward(batch)
+            hidden, last_rows = self._forward(batch, plan.step_id)
+            if hidden is None:  # a pipeline stage before the last: its output went on to the next stage
+                step.host_s = time.perf_counter() - started
+                return step
             if batch.sample_rows:
                 rows = self.input_batch.sampling_rows(batch)
                 graphed = self._graph_head(batch, rows)
@@ -231,13 +247,14 @@ class ModelRunner:
         self.input_batch.resolve_placeholders(step)
         return step.finish()
 
-    def _forward(self, batch: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(self, batch: StepInputs, step_id: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The step's hidden states and the row of each sequence's last token in them: a decode batch that
-        prepare() padded for a captured CUDA graph replays it (worker/cuda_graphs.py); anything else runs eagerly."""
+        prepare() padded for a captured CUDA graph replays it (worker/cuda_graphs.py); anything else runs eagerly.
+        A pipeline stage runs its layers between its neighbours (worker/stage_link.py): None before the last."""
         if batch.padded is not None:
             return self.decode_graphs.run(batch), self.decode_graphs.rows(batch.num_seqs)
         input_ids, positions, meta = batch.to_device(self.device)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        hidden = stage_forward(self.model, self.link, step_id, input_ids, positions, self.kv_caches, meta)
         return hidden, meta.query_start_loc[1:].long() - 1
 
 

@@ -13,8 +13,9 @@ finish() itself. What it guarantees:
 - An exception in a step is different: this rank's state may be half-updated and its peers may be stuck in a
   collective with it, so the rank turns FAILED, the step is answered with the traceback and every later plan is
   refused. Never a silent death.
-- Rank 0 answers a step with its StepResult; the other ranks sampled the same tokens (worker/sampler.py) and
-  answer with the step id and their forward_ms only.
+- One rank answers a step with its StepResult: rank 0, or with pipeline stages the last stage's first rank
+  (proto/stages.py: result_rank); the other ranks sampled the same tokens (worker/sampler.py) or hold earlier
+  stages, and answer with the step id and their forward_ms only.
 - Launch-ahead (serve): after launching plan N, the loop takes plan N+1 only while N still runs on the device;
   if it arrives, N+1 is launched behind N before N's tokens are read back, so the device goes from one step to
   the next without waiting for this process (the engine sends N+1 before it collects N: async scheduling). If N
@@ -59,6 +60,7 @@ class StepLoop:
     def __init__(self, runner: Any = None, rank: int = 0) -> None:
         self.runner = runner  # a ModelRunner with its KV cache allocated; None: not ready, every plan is refused
         self.rank = rank
+        self.reports = rank == 0  # whether this rank's answers carry the sampled tokens (start() sets it)
         self.last_step_id = 0  # the last launched step
         self.error = ""  # set once a step (or the worker's start-up, via fail()) raised: the rank is FAILED
         self._launched: deque[_Launched] = deque()  # on the device, not finished yet; oldest first
@@ -67,6 +69,7 @@ class StepLoop:
     def start(self, runner: Any, rank: int) -> None:
         """The runner is ready (KV cache allocated): plans may run from now on."""
         self.runner, self.rank = runner, rank
+        self.reports = getattr(runner, "reports", rank == 0)
 
     def stop(self) -> None:
         """Drops the runner and whatever was launched; later plans are refused. Takes no lock: a step stuck in
@@ -114,7 +117,7 @@ class StepLoop:
                 result = self.runner.finish_step(launched.handle)
             except Exception as exc:
                 return self._failed(launched.step_id, exc)
-        if self.rank == 0:
+        if self.reports:
             return result
         return StepResult(launched.step_id, forward_ms=result.forward_ms)  # an acknowledgement
 

@@ -59,7 +59,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 self.rank, self.world_size = request.rank, request.world_size
                 backend = "nccl" if self.config.device == "cuda" else "gloo"
                 init_distributed(self.rank, self.world_size, request.init_method, backend, self.config.dist_timeout_s,
-                                 bind_host=self.bind_host)
+                                 bind_host=self.bind_host, tp=self.config.tensor_parallel_size)
                 self._state = pb.WORKER_STATE_INITIALIZED
             except Exception:
                 self._fail_call(context, "Init")

@@ -31,13 +31,14 @@ from shardserve.cluster.sampling_params import SamplingParams, output_seed
 from shardserve.settings.resolve import build_engine_config
 from shardserve.settings.engine_factory import build_engine
 from shardserve.proto.config import EngineConfig
+from shardserve.proto.stages import world_size
 
 
 def create_executor(config: EngineConfig, group: int = 0, groups: int = 1):
     """TP=1 runs the model in this process. TP > 1 (or one of several groups) runs one local process per rank,
     each serving the Worker gRPC service on loopback (joined by torch.distributed), driven by a GrpcExecutor that
     stops them with itself."""
-    if config.tensor_parallel_size == 1 and groups == 1:
+    if world_size(config) == 1 and groups == 1:
         from shardserve.worker.inprocess import InProcessExecutor
 
         return InProcessExecutor(config)
@@ -60,7 +61,7 @@ def _check_local_devices(config: EngineConfig, groups: int) -> None:
     import torch
 
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    need = config.tensor_parallel_size * groups
+    need = world_size(config) * groups
     if have < need:
         raise ValueError(
             f"--device cuda (device='cuda') with --tp {config.tensor_parallel_size} x {groups} group(s) needs "

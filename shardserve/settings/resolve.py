@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from shardserve.settings.model_source import resolve_model
 from shardserve.proto.speculative import parse_speculative_config
+from shardserve.proto.stages import layer_counts
 from shardserve.proto.config import EngineConfig, user_default, user_settings
 from shardserve.worker.models import SUPPORTED_ARCHITECTURES
 from shardserve.worker.models.hf_config import read_hf_config
@@ -34,6 +35,7 @@ class ModelFacts:
     num_key_value_heads: int
     intermediate_size: int
     sliding_window: int | None = None  # tokens a layer attends back over, where the model limits it
+    num_hidden_layers: int = 0  # decoder layers (split across pipeline stages)
 
 
 def _read_json(path: str) -> dict:
@@ -78,6 +80,7 @@ def read_model_facts(model_dir: str) -> ModelFacts:
         num_key_value_heads=config.num_key_value_heads,
         intermediate_size=config.intermediate_size,
         sliding_window=getattr(config, "sliding_window", None),  # Qwen2/Qwen3: only with use_sliding_window
+        num_hidden_layers=config.num_hidden_layers,
     )
 
 
@@ -165,6 +168,12 @@ def _check_tensor_parallel_size(tp, facts: ModelFacts) -> None:
         )
 
 
+def _check_pipeline_parallel_size(pp, partition, facts: ModelFacts) -> None:
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+    layer_counts(facts.num_hidden_layers, pp, partition)  # each stage at least one layer; a partition adds up
+
+
 # Tokens a step takes at most where max_num_batched_tokens is unset, on CUDA: 8192 for serving (a step with a long
 # prompt's chunk in it holds up every running stream's next token for as long as the chunk takes), 16384 for an
 # offline batch (LLM, `bench offline`). At 8192 a prefill step's launching took ~14 ms of an H200 host's time
@@ -190,6 +199,7 @@ def build_engine_config(*, offline: bool = False, **settings) -> EngineConfig:
     resolved = resolve_model(s["model"], s["load_format"])
     facts = read_model_facts(resolved.model_dir)
     _check_tensor_parallel_size(s["tensor_parallel_size"], facts)
+    _check_pipeline_parallel_size(s["pipeline_parallel_size"], s["pp_layer_partition"], facts)
     device = resolve_device(s["device"])
     max_model_len = s["max_model_len"]
     if max_model_len is None:

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
+from shardserve.proto.stages import PipelineStage
 from shardserve.worker.distributed import tp_size
 from shardserve.worker.layers import _fused
 from shardserve.worker.layers.activation import SiluAndMul
@@ -150,25 +151,44 @@ class DecoderLayer(nn.Module):
                           **tiles["down"])
 
 
+class OtherStageLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage holds: no weights, so checkpoint names keep their indices."""
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, hf_config: Any, variant: DecoderVariant, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, variant: DecoderVariant, backend: AttentionBackend,
+                 stage: PipelineStage | None = None) -> None:
         super().__init__()
+        num_layers = hf_config.num_hidden_layers
+        self.stage = stage if stage is not None else PipelineStage(0, 1, 0, num_layers)
+        first, end = self.stage.first_layer, self.stage.end_layer
         theta, scaling = rope_settings(hf_config)
         rotary = RotaryEmbedding(head_dim_of(hf_config), hf_config.max_position_embeddings, theta, scaling)
         self.rotary = rotary
-        self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
+        # The last stage keeps a tied embedding's weight for its LM head (one Parameter either way).
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+        if self.stage.is_first or (self.stage.is_last and tied):
+            self.embed_tokens = VocabParallelEmbedding(hf_config.vocab_size, hf_config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(hf_config, variant, rotary, backend) for _ in range(hf_config.num_hidden_layers)
+            DecoderLayer(hf_config, variant, rotary, backend) if first <= i < end else OtherStageLayer()
+            for i in range(num_layers)
         )
-        self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        if self.stage.is_last:
+            self.norm = RMSNorm(hf_config.hidden_size, hf_config.rms_norm_eps)
+        self.stage_layers: tuple[DecoderLayer, ...] = tuple(self.layers[first:end])  # (registered in self.layers)
 
-    def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+    def forward(self, input_ids, positions, kv_caches, meta, carried=None):
+        """The stage's layers: from the token embedding (the first stage) or from `carried`, the previous stage's
+        (hidden states, residual). The last stage returns the normed hidden states, any other its (x, residual)."""
+        if carried is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = carried
+        for layer, kv_cache in zip(self.stage_layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)
-        x = self.norm(x) if residual is None else self.norm(x, residual)[0]
-        return x
+        if not self.stage.is_last:
+            return x, residual
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class DecoderForCausalLM(nn.Module):
@@ -178,19 +198,22 @@ class DecoderForCausalLM(nn.Module):
     def variant_for(cls, hf_config: Any) -> DecoderVariant:
         raise NotImplementedError
 
-    def __init__(self, hf_config: Any, backend: AttentionBackend) -> None:
+    def __init__(self, hf_config: Any, backend: AttentionBackend, stage: PipelineStage | None = None) -> None:
         super().__init__()
         tp = tp_size()
         if hf_config.num_attention_heads % tp:
             raise ValueError(
                 f"tensor_parallel_size ({tp}) must divide num_attention_heads ({hf_config.num_attention_heads})"
             )
-        self.model = DecoderModel(hf_config, self.variant_for(hf_config), backend)
+        self.model = DecoderModel(hf_config, self.variant_for(hf_config), backend, stage)
+        self.stage = self.model.stage
         self.tie_word_embeddings = bool(getattr(hf_config, "tie_word_embeddings", False))
-        tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tied_to=tied_to)
-        qkv = self.model.layers[0].self_attn.qkv_proj if hf_config.num_hidden_layers else None
-        self.num_layers = hf_config.num_hidden_layers
+        if self.stage.is_last:  # the LM head and the sampler live on the last pipeline stage only
+            tied_to = self.model.embed_tokens if self.tie_word_embeddings else None
+            self.lm_head = ParallelLMHead(hf_config.vocab_size, hf_config.hidden_size, tied_to=tied_to)
+        layers = self.model.stage_layers
+        qkv = layers[0].self_attn.qkv_proj if layers else None
+        self.num_layers = len(layers)  # this stage's: its KV cache holds these
         self.head_dim = head_dim_of(hf_config)
         self.num_kv_heads_per_rank = qkv.num_kv_heads_per_rank if qkv is not None else 0
         self.vocab_size = hf_config.vocab_size
@@ -201,8 +224,22 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (k_cache, v_cache)
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
-        return self.model(input_ids, positions, kv_caches, meta)
+        carried: tuple[torch.Tensor, torch.Tensor] | None = None,  # a later pipeline stage's input (stage_link.py)
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, hidden]; (x, residual) before the last stage
+        return self.model(input_ids, positions, kv_caches, meta, carried)
+
+    def holds_checkpoint_tensor(self, name: str) -> bool:
+        """False for a checkpoint tensor that another pipeline stage loads (its layers, embedding, norm, LM head)."""
+        stage = self.stage
+        if stage.count == 1:
+            return True
+        if name.startswith("model.layers."):
+            return stage.first_layer <= int(name.split(".", 3)[2]) < stage.end_layer
+        if name.startswith("model.embed_tokens."):
+            return hasattr(self.model, "embed_tokens")
+        if name.startswith(("model.norm.", "lm_head.")):
+            return stage.is_last
+        return True
 
     def quantize_weights_fp8(self) -> None:
         """quantization="fp8": every decoder linear layer's weight to e4m3 with per-channel scales
@@ -210,7 +247,7 @@ class DecoderForCausalLM(nn.Module):
         does not: its kernel spreads a row over many programs; one program a row, to find the row's scale in the
         same pass, took 20 us at 256 rows of Llama-3-8B against 5.7 + 3.6 us for the two launches, 2026-12-03.)"""
         quantize_linear_weights(self)
-        for layer in self.model.layers:  # (the one-row layer's GEMVs read the e4m3 weights themselves: gemv.py)
+        for layer in self.model.stage_layers:  # (the one-row layer's GEMVs read the e4m3 weights themselves: gemv.py)
             layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

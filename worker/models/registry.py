@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from shardserve.kernels.backends import AttentionBackend
+from shardserve.proto.stages import PipelineStage
 from shardserve.worker.models import SUPPORTED_ARCHITECTURES
 from shardserve.worker.models.decoder import DecoderForCausalLM
 from shardserve.worker.models.llama import LlamaForCausalLM
@@ -29,8 +30,10 @@ def supported_architectures() -> list[str]:
     return sorted(SUPPORTED_ARCHITECTURES)
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device, attn_backend: AttentionBackend) -> nn.Module:
-    """Builds the model with uninitialised parameters (load_weights or init_dummy_weights fills them)."""
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device, attn_backend: AttentionBackend,
+                stage: PipelineStage | None = None) -> nn.Module:
+    """Builds the model with uninitialised parameters (load_weights or init_dummy_weights fills them); with a
+    pipeline stage, only what that stage holds (proto/stages.py)."""
     architectures = getattr(hf_config, "architectures", None) or []
     arch = architectures[0] if architectures else None
     if arch not in MODEL_CLASSES:
@@ -41,7 +44,7 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device, attn_b
     torch.set_default_dtype(dtype)  # parameters are created in the model dtype; rotary caches stay float32
     try:
         with torch.device(device):
-            model = MODEL_CLASSES[arch](hf_config, attn_backend)
+            model = MODEL_CLASSES[arch](hf_config, attn_backend, stage)
     finally:
         torch.set_default_dtype(previous_dtype)
     return model.eval()
