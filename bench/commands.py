@@ -104,6 +104,9 @@ def add_bench_parser(sub) -> None:
     from shardserve.bench.soak import add_soak_parser
 
     add_soak_parser(kinds, add_engine_args, _run("shardserve.bench.soak"))
+    from shardserve.bench.pipeline import add_parser as add_pipeline_parser
+
+    add_pipeline_parser(kinds, add_engine_args, _run("shardserve.bench.pipeline"))
 
 
 def _run(module: str):

@@ -46,7 +46,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
     stats = Stats.of(decode)
     ms_per_step = stats.p50
     print(f"decode at batch {args.batch_size}: median {ms_per_step:.3f} ms per step over {len(decode)} steps "
-          f"(tp {config.tensor_parallel_size}, CUDA graphs: {graphs or 'see the worker logs'})", flush=True)
+          f"(tp {config.tensor_parallel_size}, pp {config.pipeline_parallel_size}, CUDA graphs: {graphs or 'see the worker logs'})", flush=True)
     record = BenchRecord.for_engine(
         "latency", args.model, config,
         workload=dict(num_prompts=args.batch_size, input_len=args.input_len, output_len=args.output_len,

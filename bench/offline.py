@@ -59,7 +59,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         sample = Workload(workload.prompts[:n], [fixed] * n)
     print(f"workload: {len(workload.prompts)} prompts, {workload.num_prompt_tokens} prompt tokens, "
           f"{workload.num_output_tokens} output tokens; device {config.device}, dtype {config.dtype}, "
-          f"tp {config.tensor_parallel_size}", flush=True)
+          f"tp {config.tensor_parallel_size}, pp {config.pipeline_parallel_size}", flush=True)
     runs, sample_run, graphs, peak = run_engine(config, workload, args.temperature, args.seed, vocab, sample=sample,
                                                 profile_path=args.profile, progress="shardserve",
                                                 repeats=args.repeats)

@@ -39,6 +39,7 @@ class BenchRecord:
     num_gpus: int
     tp: int
     replicas: int | None = None
+    pp: int = 1  # pipeline stages (each of tp ranks)
     dtype: str | None = None  # the model's (weights' and activations') dtype: "bfloat16", "float32" ...
     kv_cache_dtype: str | None = None  # the KV cache's element type: "bfloat16", "float32", "fp8" ...
     quantization: str | None = None  # the linear layers' weights: "none" (the model's dtype) or "fp8"
@@ -66,7 +67,7 @@ class BenchRecord:
         tp = config.tensor_parallel_size
         return cls(benchmark=benchmark, model=model or "SmolLM2-135M-Instruct", load_format=config.load_format,
                    device=device_name(config.device), num_gpus=tp if config.device == "cuda" else 0, tp=tp,
-                   replicas=1, dtype=getattr(config, "dtype", None),
+                   replicas=1, pp=getattr(config, "pipeline_parallel_size", 1), dtype=getattr(config, "dtype", None),
                    kv_cache_dtype=getattr(config, "kv_cache_dtype", None),
                    quantization=getattr(config, "quantization", None), **fields)
 

@@ -88,6 +88,8 @@ class Engine:
         self.async_scheduling = self._resolve_async_scheduling(config, executor)
         # pipeline stages: as many plans in flight as stages (on disjoint requests: cluster/scheduler.py)
         self.max_plans_in_flight = max(MAX_PLANS_IN_FLIGHT, config.pipeline_parallel_size)
+        if not self.async_scheduling:  # one plan at a time: all the requests it can take in one batch
+            self.scheduler.num_batches = 1
         self._in_flight: deque[StepPlan] = deque()  # submitted, results not collected yet (async only)
         self._token_text = TokenTexts(tokenizer)  # logprobs' decoded_token
 

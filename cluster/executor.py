@@ -160,6 +160,7 @@ class GrpcExecutor:
         self._stubs = [pb_grpc.WorkerStub(ch) for ch in self._channels]
         self.last_forward_ms = 0.0  # the slowest rank's forward_ms in the last collected step
         self.forward_ms_total = 0.0  # ... summed over every collected step (a control-plane share's numerator)
+        self.forward_ms_by_rank = [0.0] * len(endpoints)  # each rank's own, summed (a pipeline stage's busy time)
         try:
             self._start(init_method, startup_timeout_s)
         except BaseException:
@@ -243,6 +244,9 @@ class GrpcExecutor:
         for rank, reply in enumerate(replies):
             if reply.step_id != step_id:
                 self._fail(f"rank {rank} acknowledged step {reply.step_id}, expected {step_id}")
+        by_rank = self.forward_ms_by_rank
+        for rank, reply in enumerate(replies):
+            by_rank[rank] += reply.forward_ms
         self.last_forward_ms = max(r.forward_ms for r in replies)
         self.forward_ms_total += self.last_forward_ms
         return step_result_from_proto(replies[self._result_rank])

@@ -26,8 +26,8 @@ registers blocks in the prefix cache only once the plan that computed them has r
 
 Pipeline stages (pipeline_parallel_size N > 1): up to N plans are in flight, each on its own requests: a request
 in a plan whose result has not been applied is left out of the next plans (never in two batches at once), and a
-plan takes at most max_num_seqs / N requests, so that the running requests make N batches that follow each other
-through the stages. The stages before the last do not sample: each plan carries, per scheduled request, the token
+plan takes at most 1/N of the live requests (and of max_num_seqs), so that they make N batches that follow each other
+through the stages (one batch at a time when the engine overlaps no plans). The stages before the last do not sample: each plan carries, per scheduled request, the token
 its previous step sampled (`StepPlan.sampled_token_ids`), which the controller has by then.
 
 Lost workers (`restart`): when the TP group fails, its KV cache and every plan in flight are gone. Every live
@@ -70,7 +70,9 @@ class Scheduler:
         spec = parse_speculative_config(config.speculative_config)
         self.speculator: Speculator | None = Speculator(spec) if spec is not None else None
         self.pipeline = config.pipeline_parallel_size > 1  # plans in flight on disjoint requests (see above)
-        self.max_seqs_per_plan = -(-config.max_num_seqs // config.pipeline_parallel_size)
+        # batches the live requests are split into: one per stage while plans overlap (the engine sets 1 when it
+        # runs one plan at a time)
+        self.num_batches = config.pipeline_parallel_size
 
     # ---- admission -----------------------------------------------------------------------------------------
     def add(self, seq: Request) -> None:
@@ -167,7 +169,9 @@ class Scheduler:
         speculator = self.speculator if self.speculator is not None and self.speculator.active(len(self.running)) \
             else None
         draft_token_ids: dict[str, list[int]] = {}
-        per_plan, pipeline, applied = self.max_seqs_per_plan, self.pipeline, self.last_applied_step_id
+        per_plan, pipeline, applied = self.config.max_num_seqs, self.pipeline, self.last_applied_step_id
+        if self.num_batches > 1:  # an even share of the live requests, so that every stage has a batch
+            per_plan = -(-min(per_plan, len(self.requests)) // self.num_batches)
         i = 0
         while i < len(self.running) and budget > 0 and len(req_ids) < per_plan:
             seq = self.running[i]

@@ -88,6 +88,7 @@ def test_converted_default_model_greedy_says_paris(default_model_dir):
         ("qwen3-0.6b", "Qwen3ForCausalLM", 28, 1024, 16, 8, 151936, True),
         ("llama-3-8b", "LlamaForCausalLM", 32, 4096, 32, 8, 128256, False),
         ("llama-3-70b", "LlamaForCausalLM", 80, 8192, 64, 8, 128256, False),
+        ("llama-3-405b", "LlamaForCausalLM", 126, 16384, 128, 8, 128256, False),
     ],
 )
 def test_builtin_name_resolves_to_a_shipped_config_with_dummy_weights(name, arch, layers, hidden, heads,

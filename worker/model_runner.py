@@ -195,7 +195,7 @@ class ModelRunner:
             step.start_device_timer(self.device)
             hidden, last_rows = self._forward(batch, plan.step_id)
             if hidden is None:  # a pipeline stage before the last: its output went on to the next stage
-                step.host_s = time.perf_counter() - started
+                step.host_s = self._busy_s(started)
                 return step
             if batch.sample_rows:
                 rows = self.input_batch.sampling_rows(batch)
@@ -215,8 +215,12 @@ class ModelRunner:
                 self.input_batch.add_placeholders(step, batch)
                 step.result.req_ids = [plan.req_ids[i] for i in batch.sample_rows]
             self._launch_prompt_logprobs(plan, batch, hidden, step)
-        step.host_s = time.perf_counter() - started
+        step.host_s = self._busy_s(started)
         return step
+
+    def _busy_s(self, started: float) -> float:
+        """Host time since started, less what a pipeline stage spent waiting for the stage before it."""
+        return time.perf_counter() - started - (self.link.take_wait_s() if self.link is not None else 0.0)
 
     def _graph_head(self, batch: StepInputs, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(logits, tokens) from a replayed graph that holds the LM head (cuda_graphs.graph_lm_head), where every

@@ -35,7 +35,7 @@ class StageLink:
         self.dtype = dtype
         self.device = device
         self._sends: deque[tuple[dist.Work, torch.Tensor]] = deque()  # in flight, oldest first
-        self.wait_s = 0.0  # time spent waiting for the previous stage's activations (the bubble), summed
+        self.wait_s = 0.0  # time spent waiting for the previous stage's activations since take_wait_s()
 
     def receive(self, step_id: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The previous stage's (hidden states, residual) of this step: [num_tokens, hidden] each."""
@@ -46,6 +46,12 @@ class StageLink:
         dist.recv(buffer, src=self.prev_rank, tag=step_id % _TAG_SPACE)
         self.wait_s += time.perf_counter() - started
         return buffer[0], buffer[1]
+
+    def take_wait_s(self) -> float:
+        """The time spent waiting in receive() since the last call: a step's host time less it is the stage's own
+        work (StepResult.forward_ms), which the executor sums per rank to measure each stage's bubble."""
+        wait, self.wait_s = self.wait_s, 0.0
+        return wait
 
     def send(self, step_id: int, x: torch.Tensor, residual: torch.Tensor | None) -> None:
         """Hands this stage's output on to the next stage without waiting for it to be taken."""

@@ -64,7 +64,8 @@ def _check_local_devices(config: EngineConfig, groups: int) -> None:
     need = world_size(config) * groups
     if have < need:
         raise ValueError(
-            f"--device cuda (device='cuda') with --tp {config.tensor_parallel_size} x {groups} group(s) needs "
+            f"--device cuda (device='cuda') with --tp {config.tensor_parallel_size} x --pp "
+            f"{config.pipeline_parallel_size} x {groups} group(s) needs "
             f"{need} CUDA GPU(s) on this host; it has {have}"
         )
 

@@ -45,6 +45,11 @@ def add_cluster_parsers(sub) -> None:
                        "beside the controller, so replicas' host work uses several cores), controller (threads of "
                        "the controller process), auto (process when there is more than one replica)")
     serve.add_argument("--served-model-name", default=None, help="the name GetModelInfo reports")
+    serve.add_argument("--dry-run", action="store_true",
+                       help="print the placement report (each pipeline stage's layers, weight and KV bytes per GPU) "
+                       "and exit: nothing is loaded or started")
+    serve.add_argument("--gpu-memory-gb", type=float, default=80.0,
+                       help="--dry-run: the memory of one GPU in GiB (80: H100, 141: H200)")
     serve.add_argument("--http-port", type=int, default=None,
                        help="also serve the OpenAI-compatible HTTP gateway on this port (0 = any free port)")
     serve.add_argument("--http-host", default=None, help="the gateway's bind address (default: --host)")
@@ -173,12 +178,30 @@ def _check_port_free(host: str, port: int | None, flag: str) -> None:
                              f"is another server using it? Pick another {flag}") from None
 
 
+def _dry_run(args: argparse.Namespace) -> int:
+    """The placement report for GPUs (device and dtype "auto" taken as CUDA's), without starting anything."""
+    from shardserve.launch.stage_report import placement_report
+    from shardserve.settings.model_source import display_name
+    from shardserve.settings.resolve import build_engine_config
+
+    if args.gpu_memory_gb <= 0:
+        raise ValueError(f"--gpu-memory-gb {args.gpu_memory_gb}: give a size > 0")
+    kwargs = engine_kwargs(args)
+    if kwargs.get("device") == "auto":
+        kwargs["device"] = "cuda"
+    config = build_engine_config(**kwargs)
+    print(placement_report(config, args.gpu_memory_gb, display_name(args.model)), flush=True)
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from shardserve.cluster.step_deadline import StepDeadline
     from shardserve.settings.resolve import build_engine_config
     from shardserve.launch.local_ray import exit_past_broken_ray
     from shardserve.launch.server_process import serve
 
+    if args.dry_run:
+        return _dry_run(args)
     _check_port_free(args.host, args.port, "--port")
     if args.metrics_port:
         _check_port_free("0.0.0.0", args.metrics_port, "--metrics-port")

