@@ -40,6 +40,10 @@ def add_bench_parser(sub) -> None:
     latency.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     latency.add_argument("--output-len", type=int, default=256, help="tokens generated per request")
     latency.add_argument("--batch-size", type=int, default=1, help="requests decoded together")
+    latency.add_argument("--workload", choices=("random", "grounded"), default="random",
+                         help="random: random token ids (--input-len); grounded: each prompt asks for a passage "
+                         "in it to be copied (speculative decoding's case; with a tokenizer the prompt is one of two passages, "
+                         "without one --input-len random ids and their first 8 again)")
     latency.add_argument("--no-roofline", action="store_true", help="skip measuring the bound")
     latency.add_argument("--json-out", default=None, help="append the result as a JSON record to this file")
     latency.add_argument("--profile", default=None, metavar="PATH", help="torch profiler table of the timed run")

@@ -35,6 +35,7 @@ class EngineRun:
     prompt_tokens: int
     step_ms: list[float] = field(default_factory=list)  # controller-side wall time of each engine.step()
     steps: list[StepTiming | None] = field(default_factory=list)  # the executor step inside it (None: no step)
+    step_tokens: list[int] = field(default_factory=list)  # output tokens each engine.step() delivered
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -198,6 +199,7 @@ def run_workload(bench: BenchEngine, workload: Workload, temperature: float, see
         run.step_ms.append((time.perf_counter() - t0) * 1e3)
         run.steps.append(timings[-1] if len(timings) > before else None)
         new_tokens = sum(len(d.token_ids) for d in deltas)
+        run.step_tokens.append(new_tokens)
         run.output_tokens += new_tokens
         if bar is not None:
             bar.update(new_tokens)

@@ -55,6 +55,21 @@ class EngineStats:
     num_computed_tokens: int  # positions computed by the workers (prefill, recompute and decode)
     num_generated_tokens: int
     num_finished: int
+    # speculative decoding (vLLM's spec_decode counters; 0 without it): verification rows, draft tokens proposed,
+    # draft tokens accepted, and per draft position the drafts accepted up to and including it
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
+
+    @property
+    def spec_mean_acceptance_length(self) -> float:
+        """Tokens a verification step gains on average (1 + accepted drafts); 0 before any."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 class Engine:
@@ -344,7 +359,7 @@ class Engine:
 
     def stats(self) -> EngineStats:
         bm = self.block_manager
-        return EngineStats(
+        stats = EngineStats(
             num_waiting=len(self.scheduler.waiting),
             num_running=len(self.scheduler.running),
             num_kv_blocks=bm.num_blocks,
@@ -359,6 +374,12 @@ class Engine:
             num_generated_tokens=self.num_generated_tokens,
             num_finished=self.num_finished,
         )
+        if self.scheduler.speculator is not None:
+            spec = self.scheduler.speculator.stats
+            stats.spec_num_drafts, stats.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
+            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
+            stats.spec_accepted_per_pos = tuple(spec.accepted_per_pos)
+        return stats
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -322,7 +322,15 @@ class Front:
             self._idle.set()
 
 
+def _sum_field(values: list):
+    """Numbers add up; tuples (per-position counts) add position by position."""
+    if values and isinstance(values[0], tuple):
+        width = max(len(v) for v in values)
+        return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+    return sum(values)
+
+
 def sum_stats(stats: list[EngineStats]) -> EngineStats:
-    total = EngineStats(*(sum(getattr(s, f) for s in stats) for f in EngineStats.__slots__))
+    total = EngineStats(*(_sum_field([getattr(s, f) for s in stats]) for f in EngineStats.__slots__))
     total.kv_usage = total.num_kv_blocks_used / max(total.num_kv_blocks, 1)
     return total

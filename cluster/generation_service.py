@@ -247,6 +247,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             msg.requests_finished = stats.num_finished
             msg.prompt_tokens_total = stats.num_prompt_tokens
             msg.generation_tokens_total = stats.num_generated_tokens
+            msg.spec_decode_num_drafts = stats.spec_num_drafts
+            msg.spec_decode_num_draft_tokens = stats.spec_num_draft_tokens
+            msg.spec_decode_num_accepted_tokens = stats.spec_num_accepted_tokens
+            msg.spec_decode_num_accepted_tokens_per_pos.extend(stats.spec_accepted_per_pos)
+            msg.spec_decode_acceptance_rate = stats.spec_acceptance_rate
+            msg.spec_decode_mean_acceptance_length = stats.spec_mean_acceptance_length
         for replica in counters["replicas"]:
             row = msg.replicas.add(id=replica["id"], state=replica["state"], requests_routed=replica["routed"])
             if (s := replica["stats"]) is not None:

@@ -50,6 +50,14 @@ class ControllerMetrics:
         self.generation_tokens = one(Counter, "generation_tokens", "Generated tokens")
         self.prefix_cache_queries = one(Counter, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
         self.prefix_cache_hits = one(Counter, "prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.spec_drafts = one(Counter, "spec_decode_num_drafts", "Speculative verification rows (drafts proposed)")
+        self.spec_draft_tokens = one(Counter, "spec_decode_num_draft_tokens", "Draft tokens proposed")
+        self.spec_accepted_tokens = one(Counter, "spec_decode_num_accepted_tokens", "Draft tokens accepted")
+        self._spec_per_pos = Counter("shardserve:spec_decode_num_accepted_tokens_per_pos",
+                                     "Drafts accepted up to and including each draft position", m + ["position"],
+                                     registry=r)
+        self._model_name = model_name
+        self._spec_seen: dict[str, tuple] = {}
         self.num_waiting = one(Gauge, "num_requests_waiting", "Requests waiting to be scheduled")
         self.num_running = one(Gauge, "num_requests_running", "Requests in the running batch")
         self.kv_usage = one(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = full)")
@@ -92,6 +100,22 @@ class ControllerMetrics:
         self.prefix_cache_queries.inc(max(queries - seen_queries, 0))
         self.prefix_cache_hits.inc(max(hits - seen_hits, 0))
         self._prefix_seen[replica] = (queries, hits)
+        self._observe_speculation(stats, replica)
+
+    def _observe_speculation(self, stats, replica: str) -> None:
+        """Advances the spec_decode counters by what this replica's cumulative counts add."""
+        now = (stats.spec_num_drafts, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens,
+               stats.spec_accepted_per_pos)
+        seen = self._spec_seen.get(replica, (0, 0, 0, ()))
+        if now == seen:
+            return
+        self.spec_drafts.inc(max(now[0] - seen[0], 0))
+        self.spec_draft_tokens.inc(max(now[1] - seen[1], 0))
+        self.spec_accepted_tokens.inc(max(now[2] - seen[2], 0))
+        for position, count in enumerate(now[3]):
+            before = seen[3][position] if position < len(seen[3]) else 0
+            self._spec_per_pos.labels(model_name=self._model_name, position=str(position)).inc(max(count - before, 0))
+        self._spec_seen[replica] = now
 
     def observe_delta(self, delta) -> None:
         """A RequestDelta: its tokens, and its queue time (on a request's first delta)."""

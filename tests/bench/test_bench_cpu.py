@@ -72,6 +72,17 @@ def test_latency_record_has_ms_per_token_and_the_weight_read_bound(model_dir, tm
     assert record["notes"]["weight_read_bound_ms"] > 0
 
 
+def test_latency_with_ngram_speculation_on_the_grounded_workload_records_tokens_per_s_and_acceptance(
+        model_dir, tmp_path):
+    record = run_bench(tmp_path, "latency", "--model", model_dir, "--workload", "grounded", "--input-len", "40",
+                       "--output-len", "12",
+                       "--no-roofline", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}')
+    assert record["workload"]["kind"] == "grounded" and record["output_tokens_per_s"] > 0
+    spec = record["notes"]["speculation"]
+    assert spec["num_drafts"] > 0 and spec["num_draft_tokens"] >= spec["num_accepted_tokens"]
+    assert record["notes"]["decode_tokens_per_s"] > 0
+
+
 def test_control_plane_record_in_process(model_dir, tmp_path):
     record = run_bench(tmp_path, "control-plane", "--model", model_dir, "--executor", "local", "--num-prompts", "4",
                        "--input-len", "8", "--output-len", "8")

@@ -56,3 +56,40 @@ def test_speculative_config_parses_dicts_and_json_and_refuses_what_is_wrong():
                       ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "exceeds")]:
         with pytest.raises(ValueError, match=says):
             parse_speculative_config(bad)
+
+
+def _stats(**spec):
+    from shardserve.cluster.engine import EngineStats
+
+    base = dict(num_waiting=0, num_running=1, num_kv_blocks=10, num_kv_blocks_used=2, num_kv_blocks_cached=0,
+                kv_usage=0.2, num_steps=5, num_preemptions=0, num_prompt_tokens=8, num_cached_prompt_tokens=0,
+                num_computed_tokens=20, num_generated_tokens=12, num_finished=0)
+    return EngineStats(**base, **spec)
+
+
+def test_replicas_stats_sum_the_speculation_counters_position_by_position():
+    from shardserve.cluster.front import sum_stats
+
+    total = sum_stats([_stats(spec_num_drafts=3, spec_num_draft_tokens=10, spec_num_accepted_tokens=4,
+                              spec_accepted_per_pos=(2, 1, 1)),
+                       _stats(spec_num_drafts=1, spec_num_draft_tokens=4, spec_num_accepted_tokens=4,
+                              spec_accepted_per_pos=(1, 1, 1, 1))])
+    assert (total.spec_num_drafts, total.spec_num_draft_tokens, total.spec_num_accepted_tokens) == (4, 14, 8)
+    assert total.spec_accepted_per_pos == (3, 2, 2, 1)
+    assert total.spec_acceptance_rate == pytest.approx(8 / 14) and total.spec_mean_acceptance_length == 3.0
+
+
+def test_prometheus_has_vllms_spec_decode_counters_advanced_by_what_each_replica_adds():
+    from shardserve.cluster.metrics import ControllerMetrics
+
+    metrics = ControllerMetrics("m")
+    metrics.observe_stats(_stats(spec_num_drafts=2, spec_num_draft_tokens=8, spec_num_accepted_tokens=3,
+                                 spec_accepted_per_pos=(2, 1)), replica="a")
+    metrics.observe_stats(_stats(spec_num_drafts=5, spec_num_draft_tokens=20, spec_num_accepted_tokens=9,
+                                 spec_accepted_per_pos=(4, 3, 2)), replica="a")
+    metrics.observe_stats(_stats(spec_num_drafts=1, spec_num_draft_tokens=4, spec_num_accepted_tokens=0), replica="b")
+    text = metrics.render().decode()
+    assert 'shardserve:spec_decode_num_drafts_total{model_name="m"} 6.0' in text
+    assert 'shardserve:spec_decode_num_draft_tokens_total{model_name="m"} 24.0' in text
+    assert 'shardserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
+    assert 'shardserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 2.0' in text

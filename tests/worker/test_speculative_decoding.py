@@ -56,9 +56,10 @@ def params(i: int) -> SamplingParams:
     return SamplingParams(**{"max_tokens": 24 + 5 * (i % 3), **kind})
 
 
-def run(cfg: EngineConfig, prompts=PROMPTS, make_params=params, rounds: int = 1) -> tuple[dict, Engine]:
+def run(cfg: EngineConfig, prompts=PROMPTS, make_params=params, rounds: int = 1, make_executor=InProcessExecutor
+        ) -> tuple[dict, Engine]:
     """Every prompt, `rounds` times one round after the other on one engine (later rounds hit the prefix cache)."""
-    engine = Engine(cfg, InProcessExecutor(cfg), byte_level_bpe(), [EOS], vocab_size=VOCAB)
+    engine = Engine(cfg, make_executor(cfg), byte_level_bpe(), [EOS], vocab_size=VOCAB)
     outputs = {}
     try:
         for r in range(rounds):
@@ -103,6 +104,14 @@ def test_speculation_under_chunked_prefill_preemption_and_prefix_hits(model_dir,
     assert engine.scheduler.num_preemptions > 0
     assert engine.scheduler.num_cached_prompt_tokens > 0
     assert engine.scheduler.speculator.stats.num_accepted_tokens > 0
+
+
+def test_speculation_at_tp2_over_grpc_gives_the_outputs_of_plain_decoding_at_tp1(model_dir, plain_outputs):
+    from shardserve.api.llm import create_executor
+
+    got, engine = run(config(model_dir, NGRAM, tensor_parallel_size=2), make_executor=create_executor)
+    assert_same(got, plain_outputs)
+    assert engine.stats().spec_num_accepted_tokens > 0
 
 
 def test_keeping_every_draft_changes_the_outputs(model_dir, plain_outputs, monkeypatch):
