@@ -18,17 +18,20 @@ def add_gateway_parser(sub) -> None:
                          help="gateway processes sharing the port (SO_REUSEPORT): one core's worth of streams each")
     gateway.add_argument("--worker-of-parent", action="store_true", help=argparse.SUPPRESS)  # started by --workers
     from shardserve.cli.server_commands import add_connection_args
+    from shardserve.gateway.request_limits import add_limit_flags
 
     add_connection_args(gateway.add_argument_group("upstream TLS (a server's token comes from each HTTP request's "
                                                    "Authorization header)"), prefix="upstream-")
+    add_limit_flags(gateway.add_argument_group("limits: what one request or connection may cost (docs/security.md)"))
     gateway.set_defaults(func=cmd_gateway)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from shardserve.cli.server_commands import connection_kwargs
     from shardserve.gateway.app import run_gateway
+    from shardserve.gateway.request_limits import limits_from_args
 
     tls = connection_kwargs(args, prefix="upstream-")
     tls.pop("token")
     return run_gateway(args.upstream, args.host, args.port, args.request_timeout, args.access_log, args.workers,
-                       args.worker_of_parent, upstream_tls=tls)
+                       args.worker_of_parent, upstream_tls=tls, limits=limits_from_args(args))

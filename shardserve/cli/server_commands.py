@@ -59,6 +59,11 @@ def add_cluster_parsers(sub) -> None:
                        help="beyond the floor, a step may take this many times the recent 99th-percentile step time")
     serve.add_argument("--http-workers", type=int, default=1,
                        help="gateway processes on the HTTP port: a thread of this one, plus N-1 (`gateway --workers`)")
+    from shardserve.gateway.request_limits import add_limit_flags
+
+    add_limit_flags(serve.add_argument_group("the HTTP gateway's limits (docs/security.md; its body limit is "
+                                             "--max-request-bytes, the server's)"), prefix="http-",
+                    skip=("max_request_bytes",))
     api = serve.add_argument_group("client API security (docs/security.md)")
     api.add_argument("--auth-token-file", default=None, metavar="PATH",
                      help="clients must send 'authorization: Bearer <the token in this file>' (health stays open)")
@@ -215,6 +220,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--replicas {args.replicas}: give a number >= 1 or 'auto'")
     security = api_security(args)
     plane_tls = worker_tls(args)
+    from shardserve.gateway.request_limits import limits_from_args
+
+    http_limits = limits_from_args(args, "http-", max_request_bytes=security.max_request_bytes)
     config = build_engine_config(**engine_kwargs(args))
     strategy = args.placement_strategy
     if args.placement == "spread":
@@ -228,7 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  drain_timeout_s=args.drain_timeout,
                  strategy=strategy, model_name=args.served_model_name or display_name(args.model),
                  max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host,
-                 http_workers=args.http_workers, security=security,
+                 http_workers=args.http_workers, http_limits=http_limits, security=security,
                  step_deadline=StepDeadline(floor_s=args.step_timeout_floor, factor=args.step_timeout_factor),
                  stream_interval=args.stream_interval, worker_tls=plane_tls, replica_hosts=args.replica_hosts)
     return exit_past_broken_ray(code)  # a Ray that died under serve: no interpreter finalization (it crashed)

@@ -14,7 +14,10 @@ the server frees the request's KV blocks.
 
 Status mapping (OpenAI error bodies {"error": {"message", "type", "param", "code"}}): invalid input (ours, or the
 server's INVALID_ARGUMENT with its reason) 400, an unknown model 404, RESOURCE_EXHAUSTED 429 (413 where it is
-gRPC's message limit: the same request can never pass), UNAVAILABLE 503, DEADLINE_EXCEEDED 504. An error after a stream has begun arrives as a last `data: {"error": ...}` event.
+gRPC's message limit: the same request can never pass), UNAVAILABLE 503, DEADLINE_EXCEEDED 504. An error after a
+stream has begun arrives as a last `data: {"error": ...}` event. What a request and a connection may cost the
+gateway (body size, prompts, header size, read timeouts, open connections) is GatewayLimits'
+(shardserve/gateway/request_limits.py): past it 413, 400, 431, 408 or 503, before the body is read whole.
 """
 
 from __future__ import annotations
@@ -32,16 +35,20 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.client.clients import AsyncClient
+from shardserve.gateway.connections import protocol_class
 from shardserve.gateway.generation import Gateway, GatewayError, metadata_of
 from shardserve.gateway.processes import Workers, bind, exit_with_stdin
 from shardserve.gateway.openai_format import error_body
 from shardserve.gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from shardserve.gateway.request_limits import BodyLimits, GatewayLimits
 
 
-def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tls: dict | None = None) -> FastAPI:
+def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tls: dict | None = None,
+              limits: GatewayLimits | None = None) -> FastAPI:
     """The ASGI app for a gateway in front of the gRPC server at `upstream` (host:port); upstream_tls: AsyncClient's
     tls keywords (the token is not one: each HTTP request's Authorization header is forwarded)."""
-    gateway = Gateway(upstream, request_timeout_s)
+    limits = limits or GatewayLimits()
+    gateway = Gateway(upstream, request_timeout_s, max_prompts=limits.max_prompts)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -53,6 +60,7 @@ def build_app(upstream: str, request_timeout_s: float | None = None, upstream_tl
 
     app = FastAPI(title="shardserve gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.gateway = gateway
+    app.add_middleware(BodyLimits, limits=limits, on_refused=gateway.metrics.refused_for)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -168,7 +176,7 @@ def _local(upstream: str) -> str:
 
 
 def _server(upstream: str, sock: socket.socket, request_timeout_s: float | None, access_log: bool,
-            on_signal=None, upstream_tls: dict | None = None):
+            on_signal=None, upstream_tls: dict | None = None, limits: GatewayLimits | None = None):
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -177,14 +185,18 @@ def _server(upstream: str, sock: socket.socket, request_timeout_s: float | None,
                 on_signal(sig)
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(build_app(_local(upstream), request_timeout_s, upstream_tls), log_level="warning",
-                            access_log=access_log, timeout_graceful_shutdown=5, lifespan="on")
+    limits = limits or GatewayLimits()
+    app = build_app(_local(upstream), request_timeout_s, upstream_tls, limits)
+    metrics = app.state.gateway.metrics
+    config = uvicorn.Config(app, log_level="warning", access_log=access_log, timeout_graceful_shutdown=5,
+                            lifespan="on", timeout_keep_alive=limits.keep_alive_s,
+                            http=protocol_class(limits, metrics.refused_for, metrics.connection))
     return Server(config)
 
 
 def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, request_timeout_s: float | None = None,
                 access_log: bool = False, workers: int = 1, worker_of_parent: bool = False,
-                upstream_tls: dict | None = None) -> int:
+                upstream_tls: dict | None = None, limits: GatewayLimits | None = None) -> int:
     """`shardserve gateway`: serves until SIGINT/SIGTERM (uvicorn's graceful shutdown). workers > 1: this process
     and workers - 1 more on the same port (shardserve/gateway/processes.py)."""
     if workers < 1:
@@ -194,7 +206,8 @@ def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, reques
     others = None
     if workers > 1 and not worker_of_parent:
         try:
-            others = Workers(workers, upstream, host, bound, request_timeout_s, access_log, upstream_tls)
+            others = Workers(workers, upstream, host, bound, request_timeout_s, access_log, upstream_tls,
+                             limits=limits)
         except BaseException:
             sock.close()
             raise
@@ -204,7 +217,8 @@ def run_gateway(upstream: str, host: str = "127.0.0.1", port: int = 8000, reques
     # no-op ones make that a normal exit (0), as `shardserve serve` exits after its drain.
     previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        server = _server(upstream, sock, request_timeout_s, access_log, others and others.signal, upstream_tls)
+        server = _server(upstream, sock, request_timeout_s, access_log, others and others.signal, upstream_tls,
+                         limits)
         if worker_of_parent:
             exit_with_stdin(server)
         server.run(sockets=[sock])
@@ -221,7 +235,8 @@ class GatewayThread:
     and workers - 1 gateway processes on the same port (`--http-workers`), stopped with it."""
 
     def __init__(self, upstream: str, host: str = "127.0.0.1", port: int = 0,
-                 request_timeout_s: float | None = None, ready_timeout_s: float = 30.0, workers: int = 1) -> None:
+                 request_timeout_s: float | None = None, ready_timeout_s: float = 30.0, workers: int = 1,
+                 limits: GatewayLimits | None = None) -> None:
         if workers < 1:
             raise ValueError(f"--http-workers must be >= 1, got {workers}")
         sock = bind(host, port, reuse_port=workers > 1)
@@ -230,11 +245,11 @@ class GatewayThread:
         if workers > 1:
             try:
                 self._workers = Workers(workers, _local(upstream), host, sock.getsockname()[1], request_timeout_s,
-                                        access_log=False, ready_timeout_s=ready_timeout_s)
+                                        access_log=False, ready_timeout_s=ready_timeout_s, limits=limits)
             except BaseException:
                 sock.close()
                 raise
-        self._server = _server(upstream, sock, request_timeout_s, access_log=False)
+        self._server = _server(upstream, sock, request_timeout_s, access_log=False, limits=limits)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="shardserve-gateway", daemon=True)
         self._thread.start()

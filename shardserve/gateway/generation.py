@@ -72,9 +72,10 @@ class GatewayError(Exception):
 class Gateway:
     """The app's state: one upstream client (AsyncClient: one channel), the cached model info, the metrics."""
 
-    def __init__(self, upstream: str, request_timeout_s: float | None = None) -> None:
+    def __init__(self, upstream: str, request_timeout_s: float | None = None, max_prompts: int = 256) -> None:
         self.upstream_address = upstream
         self.request_timeout_s = request_timeout_s
+        self.max_prompts = max_prompts  # in one completions request (GatewayLimits.max_prompts)
         self.metrics = GatewayMetrics()
         self.client: AsyncClient | None = None
         self._info: dict[str | None, tuple[pb.ModelInfo, float]] = {}  # Authorization header -> (info, when)
@@ -105,6 +106,9 @@ class Gateway:
         try:
             if (unsupported := body.unsupported()) is not None:
                 raise GatewayError(400, str(unsupported), "invalid_request_error", unsupported.param)
+            if not chat and len(body.prompts()) > self.max_prompts:
+                raise GatewayError(400, f"prompt must be at most {self.max_prompts} prompts a request "
+                                   f"(--max-prompts), got {len(body.prompts())}", "invalid_request_error", "prompt")
             metadata = metadata_of(request)
             info = await self.model_info(metadata)
             if body.model is not None and body.model != info.model:

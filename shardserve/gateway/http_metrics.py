@@ -1,8 +1,9 @@
 """The HTTP gateway's own Prometheus metrics (GET /metrics): requests by endpoint and status, latency, time to the
-first token, tokens, client disconnects. Each gateway has a registry of its own, so that several in one process
-(tests, `serve --http-port` next to a standalone one) do not collide; the server's engine metrics stay on the
-server's --metrics-port. A gateway of several processes (--workers) has one registry per process, and a scrape
-gets the counts of whichever process accepts its connection (no multi-process aggregation yet)."""
+first token, tokens, client disconnects, refusals by the gateway's own limits, open connections. Each gateway has a
+registry of its own, so that several in one process (tests, `serve --http-port` next to a standalone one) do not
+collide; the server's engine metrics stay on the server's --metrics-port. A gateway of several processes (--workers)
+has one registry per process, and a scrape gets the counts of whichever process accepts its connection (no
+multi-process aggregation yet)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,17 @@ class GatewayMetrics:
                                    "requests whose client left before the end (aborted upstream)", registry=r)
         self.upstream_errors = Counter("shardserve:gateway_upstream_errors", "gRPC errors from the server, by code",
                                        ["code"], registry=r)
+        self.refused = Counter("shardserve_gateway_refused", "requests and connections refused by the gateway's own "
+                               "limits (request_limits.py), by reason: too_large, content_type, header_too_large, "
+                               "header_timeout, body_timeout, over_capacity", ["reason"], registry=r)
+        self.connections = Gauge("shardserve_gateway_connections_open", "HTTP connections open in this process",
+                                 registry=r)
+
+    def connection(self, change: int) -> None:
+        self.connections.inc(change)
+
+    def refused_for(self, reason: str) -> None:
+        self.refused.labels(reason).inc()
 
     def text(self) -> bytes:
         return generate_latest(self.registry)

@@ -43,9 +43,10 @@ class Workers:
     """Workers 1..count-1 of a gateway whose worker 0 is this process, started on (host, port)."""
 
     def __init__(self, count: int, upstream: str, host: str, port: int, request_timeout_s: float | None,
-                 access_log: bool, upstream_tls: dict | None = None, ready_timeout_s: float = 60.0) -> None:
+                 access_log: bool, upstream_tls: dict | None = None, ready_timeout_s: float = 60.0,
+                 limits=None) -> None:
         command = [sys.executable, "-m", "shardserve.cli.main", "gateway", "--upstream", upstream, "--host", host,
-                   "--port", str(port), "--worker-of-parent"]
+                   "--port", str(port), "--worker-of-parent"] + (limits.flags() if limits is not None else [])
         tls = upstream_tls or {}
         if tls.get("tls"):
             command.append("--upstream-tls")

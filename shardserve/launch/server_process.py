@@ -39,7 +39,7 @@ def resolve_ray_address(address: str | None) -> str:
 def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int, worker_host: str,
           metrics_port: int | None, drain_timeout_s: float, strategy: str = "STRICT_PACK",
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
-          http_host: str | None = None, http_workers: int = 1, replicas: int | str = 1,
+          http_host: str | None = None, http_workers: int = 1, http_limits=None, replicas: int | str = 1,
           routing: str = "cache-aware", security=None, step_deadline: StepDeadline | None = None,
           stream_interval: int = 1, worker_tls=None, replica_hosts: str = "auto") -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails for good (exits 1): a controller
@@ -101,7 +101,8 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
         if http_port is not None:
             from shardserve.gateway.app import GatewayThread
 
-            gateway = GatewayThread(cluster.address, http_host or host, http_port, workers=http_workers)
+            gateway = GatewayThread(cluster.address, http_host or host, http_port, workers=http_workers,
+                                    limits=http_limits)
             print(f"shardserve gateway ready: http://{gateway.address}/v1", flush=True)
         restarts = 0
         while not stop.wait(1.0):
