@@ -112,6 +112,10 @@ def add_bench_parser(sub) -> None:
 
     add_pipeline_parser(kinds, add_engine_args, _run("shardserve.bench.pipeline"))
 
+    from shardserve.bench.gateway_abuse import add_gateway_abuse_parser
+
+    add_gateway_abuse_parser(kinds, add_engine_args, _run("shardserve.bench.gateway_abuse"))
+
 
 def _run(module: str):
     def run(args: argparse.Namespace) -> int:
