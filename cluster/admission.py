@@ -16,6 +16,7 @@ a request may be:
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -25,9 +26,10 @@ from shardserve.cluster.errors import excerpt
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.plan import cdiv
 
-CHAT_ROLES = ("system", "user", "assistant")
-# text, token ids, chat messages ({"role", "content"}), or vLLM's prompt dicts ({"prompt": text} or
-# {"prompt_token_ids": [...]})
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+# text, token ids, chat messages ({"role", "content"}, an assistant's "tool_calls", a tool's "tool_call_id"), chat
+# with tools ({"messages": [...], "tools": [...]}: the chat template renders the tools), or vLLM's prompt dicts
+# ({"prompt": text} or {"prompt_token_ids": [...]})
 Prompt = str | list[int] | list[dict] | dict
 PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")
 
@@ -75,7 +77,10 @@ def encode_prompt(prompt: Prompt | EncodedPrompt, tokenizer) -> EncodedPrompt:
     cannot take."""
     if isinstance(prompt, EncodedPrompt):
         return prompt
-    if isinstance(prompt, dict):
+    tools = None
+    if isinstance(prompt, dict) and "messages" in prompt:
+        prompt, tools = _unwrap_chat_with_tools(prompt)
+    elif isinstance(prompt, dict):
         prompt = _unwrap_prompt_dict(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
@@ -91,17 +96,50 @@ def encode_prompt(prompt: Prompt | EncodedPrompt, tokenizer) -> EncodedPrompt:
                 raise ValueError(f"chat roles must be one of {', '.join(CHAT_ROLES)}; got {excerpt(m.get('role'))}")
             if not isinstance(m.get("content"), str):
                 raise ValueError("every chat message needs a string content")
-        text = tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True, tokenize=False)
+        with_tools = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template([_template_message(m) for m in prompt], add_generation_prompt=True,
+                                             tokenize=False, **with_tools)
         return EncodedPrompt(text, tokenizer.encode(text, add_special_tokens=False))
     if isinstance(prompt, (list, tuple)):
         return EncodedPrompt(None, list(prompt))
     raise ValueError(f"a prompt is text, token ids or chat messages; got {type(prompt).__name__}")
 
 
+def _unwrap_chat_with_tools(prompt: dict) -> tuple[list, list | None]:
+    unknown = sorted(set(prompt) - {"messages", "tools"})
+    if unknown:
+        raise ValueError(f"a chat prompt dict takes 'messages' and 'tools'; got {', '.join(map(repr, unknown))}")
+    messages, tools = prompt["messages"], prompt.get("tools")
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("'messages' must be a non-empty list of chat messages")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise ValueError("'tools' must be a list of tool definitions")
+    return list(messages), tools or None
+
+
+def _template_message(m: dict) -> dict:
+    """A chat message as chat templates read it: an assistant's tool calls with their arguments as objects (OpenAI
+    sends them as JSON text; the templates render them with tojson)."""
+    if not m.get("tool_calls"):
+        return m
+    calls = []
+    for call in m["tool_calls"]:
+        function = dict(call.get("function") or {})
+        if isinstance(function.get("arguments"), str):
+            try:
+                function["arguments"] = json.loads(function["arguments"])
+            except ValueError:
+                pass  # left as the text it is
+        calls.append({**call, "function": function})
+    return {**m, "tool_calls": calls}
+
+
 def prompt_text_bytes(prompt: Prompt) -> int:
     """How many bytes of text (UTF-8) a prompt holds: its text, or its chat messages' contents; 0 for token ids.
     Cheap next to tokenizing, so limits can be checked before it."""
-    if isinstance(prompt, dict):
+    if isinstance(prompt, dict) and "messages" in prompt:
+        prompt = prompt["messages"] if isinstance(prompt["messages"], list) else []
+    elif isinstance(prompt, dict):
         prompt = prompt.get("prompt", "")
     if isinstance(prompt, str):
         return len(prompt.encode("utf-8", "surrogatepass"))

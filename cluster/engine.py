@@ -33,6 +33,7 @@ from shardserve.cluster.executor import Executor
 from shardserve.cluster.outputs import RequestDelta, RequestOutput, TokenTexts, position_logprobs
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
+from shardserve.cluster.structured_outputs import compile_at_admission
 from shardserve.cluster.request import Request
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import StepPlan, StepResult, cdiv
@@ -61,6 +62,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()
+    grammar_mask_s: float = 0.0  # the last applied step's structured-output mask time on the workers (0: none)
 
     @property
     def spec_acceptance_rate(self) -> float:
@@ -107,6 +109,7 @@ class Engine:
             self.scheduler.num_batches = 1
         self._in_flight: deque[StepPlan] = deque()  # submitted, results not collected yet (async only)
         self._token_text = TokenTexts(tokenizer)  # logprobs' decoded_token
+        self._grammar_mask_s = 0.0  # the last applied result's (EngineStats)
 
     def _new_block_manager(self, executor: Executor) -> BlockManager:
         """The block manager over an executor's cache; it records block events where config.block_events says so."""
@@ -147,6 +150,8 @@ class Engine:
         if self.has_request(req_id):
             raise ValueError(f"request id {req_id!r} is already in use")
         params = check_request(token_ids, params, self.limits)  # max_tokens None: filled in
+        if params.structured_outputs is not None:  # a grammar that cannot compile is refused here (cached by text)
+            compile_at_admission(params, self.config.tokenizer, self.vocab_size, self.tokenizer)
         if resumed:
             check_resumed(resumed, params, self.vocab_size)
         params = self._seeds.fill(params)
@@ -211,6 +216,7 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------------------------
     def step(self) -> list[RequestDelta]:
         deltas, self._pending_deltas = self._pending_deltas, []
+        self._grammar_mask_s = 0.0
         if self.async_scheduling:
             self._step_overlapped(deltas)
             return deltas
@@ -256,6 +262,7 @@ class Engine:
         (a final_only request: only when it ends, its one delta carrying every token)."""
         if result.prompt_logprobs:
             self._apply_prompt_logprobs(result)
+        self._grammar_mask_s = result.grammar_mask_ms / 1e3
         for seq in self.scheduler.update(plan, result):
             # Usually one new token; a request that verified drafts may have several: each is checked in turn, and
             # a stop among them drops the tokens after it.
@@ -373,6 +380,7 @@ class Engine:
             num_computed_tokens=self.num_computed_tokens,
             num_generated_tokens=self.num_generated_tokens,
             num_finished=self.num_finished,
+            grammar_mask_s=self._grammar_mask_s,
         )
         if self.scheduler.speculator is not None:
             spec = self.scheduler.speculator.stats

@@ -94,7 +94,8 @@ class Front:
         if self.state is not State.STARTING:
             return
         self._prompts = PromptEncoder(tokenizer, self.settings.security.max_prompt_bytes
-                                      or default_max_prompt_bytes(self.settings.engine.max_model_len))
+                                      or default_max_prompt_bytes(self.settings.engine.max_model_len),
+                                      grammar_vocab=(self.settings.engine.tokenizer, self.settings.model.vocab_size))
         self.has_chat_template = has_chat_template(tokenizer)
         self.state = State.SERVING
         await self.set_health(any(r.serving for r in self.replicas))
@@ -169,6 +170,8 @@ class Front:
             self._idle.clear()
             try:
                 text, token_ids = await self._prompts.encode(prompt)
+                if params.structured_outputs is not None:  # compiled off the engine thread, which then finds it cached
+                    self.metrics.grammar_compile_time.observe(await self._prompts.compile_grammar(params))
                 if echo:
                     live.prompt_text, live.prompt_first_token_text = await self._prompts.echo_texts(text, token_ids)
                 if self.state is not State.SERVING:
@@ -193,6 +196,8 @@ class Front:
             self.note_rejected()
             raise
         self.metrics.prompt_tokens.inc(live.num_prompt_tokens)
+        if params.structured_outputs is not None:
+            self.metrics.structured_requests.inc()
         return live
 
     def note_rejected(self) -> None:

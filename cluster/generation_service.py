@@ -32,6 +32,7 @@ from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.convert import message_fields
+from shardserve.proto.request_fields import chat_from_proto, structured_outputs_dict
 from shardserve.proto.transport import host_port
 
 log = logging.getLogger(__name__)
@@ -98,12 +99,13 @@ def request_from_proto(msg: pb.GenerateRequest) -> tuple[object, SamplingParams,
     elif kind == "token_ids":
         prompt = list(msg.token_ids.ids)
     elif kind == "chat":
-        prompt = [{"role": m.role, "content": m.content} for m in msg.chat.messages]
-        if not prompt:
-            raise ValueError("chat must have at least one message")
+        prompt = chat_from_proto(msg.chat)
     else:
         raise ValueError("the request has no prompt: set text, token_ids or chat")
-    params = SamplingParams(**{"max_tokens": None, **message_fields(msg, _SAMPLING_FIELDS)})  # unset: the rest
+    fields = message_fields(msg, _SAMPLING_FIELDS)
+    if "structured_outputs" in fields:
+        fields["structured_outputs"] = structured_outputs_dict(msg.structured_outputs)
+    params = SamplingParams(**{"max_tokens": None, **fields})  # unset: the rest
     return prompt, params, msg.request_id if msg.HasField("request_id") else None
 
 

@@ -20,6 +20,7 @@ _STEP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2
 _TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 _REQUEST_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+_GRAMMAR_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 OUTCOMES = ("stop", "length", "abort", "rejected", "error")
 
@@ -74,6 +75,14 @@ class ControllerMetrics:
                         buckets=_TTFT_BUCKETS)
         self.tpot = one(Histogram, "time_per_output_token_seconds",
                         "Mean time per generated token after the first, per request", buckets=_TPOT_BUCKETS)
+        self.structured_requests = one(Counter, "structured_output_requests",
+                                       "Admitted requests with structured_outputs (a schema, regex, choice, grammar)")
+        self.grammar_compile_time = one(Histogram, "grammar_compile_seconds",
+                                        "Compiling a request's grammar at admission (a cached one: its look-up)",
+                                        buckets=_GRAMMAR_BUCKETS)
+        self.grammar_mask_time = one(Histogram, "grammar_mask_seconds",
+                                     "Host time of a step's structured-output masks (steps with a constrained row)",
+                                     buckets=_GRAMMAR_BUCKETS)
         for outcome in OUTCOMES:  # so that every series exists from the start, at 0
             self.requests.labels(outcome)
         # Per replica: its latest EngineStats (the gauges sum them) and the cumulative (prompt tokens, cached prompt
@@ -100,6 +109,8 @@ class ControllerMetrics:
         self.prefix_cache_queries.inc(max(queries - seen_queries, 0))
         self.prefix_cache_hits.inc(max(hits - seen_hits, 0))
         self._prefix_seen[replica] = (queries, hits)
+        if getattr(stats, "grammar_mask_s", 0.0) > 0.0:
+            self.grammar_mask_time.observe(stats.grammar_mask_s)
         self._observe_speculation(stats, replica)
 
     def _observe_speculation(self, stats, replica: str) -> None:

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from shardserve.cluster.admission import Prompt, encode_prompt, prompt_text_bytes
+from shardserve.cluster.structured_outputs import compile_at_admission
 
 BYTES_PER_TOKEN_LIMIT = 32  # the default limit: 32 bytes of text per token of max_model_len (a token is ~4)
 
@@ -25,9 +26,12 @@ def default_max_prompt_bytes(max_model_len: int) -> int:
 
 
 class PromptEncoder:
-    def __init__(self, tokenizer: Any, max_prompt_bytes: int, threads: int = 2) -> None:
+    def __init__(self, tokenizer: Any, max_prompt_bytes: int, threads: int = 2,
+                 grammar_vocab: tuple[str | None, int] | None = None) -> None:
+        """grammar_vocab: (tokenizer folder, vocabulary size) that structured outputs compile for."""
         self.max_prompt_bytes = max_prompt_bytes
         self._tokenizer = tokenizer
+        self._grammar_vocab = grammar_vocab
         self._local = threading.local()
         self._pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="shardserve-tokenize")
 
@@ -44,6 +48,15 @@ class PromptEncoder:
         """(the prompt as text: `text` where the prompt came as text, else its token ids decoded; its first token
         alone, decoded), on the pool; "" for what no tokenizer can decode."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, self._echo_texts, text, token_ids)
+
+    async def compile_grammar(self, params: Any) -> float:
+        """Compiles a request's structured-output grammar on the pool (ValueError if it cannot compile), so that
+        the engine thread's admission finds it in the cache; returns the seconds the compile took."""
+        if self._grammar_vocab is None:
+            raise ValueError("structured_outputs is not available on this server")
+        tokenizer_dir, vocab_size = self._grammar_vocab
+        return await asyncio.get_running_loop().run_in_executor(
+            self._pool, compile_at_admission, params, tokenizer_dir, vocab_size, self._tokenizer)
 
     def _thread_tokenizer(self):
         tokenizer = getattr(self._local, "tokenizer", None)

@@ -8,6 +8,7 @@ import typing
 from dataclasses import dataclass, field
 
 from shardserve.cluster.errors import excerpt
+from shardserve.cluster.structured_outputs import StructuredOutputsParams, as_structured_outputs
 from shardserve.proto.plan import SamplingSpec
 
 MAX_LOGPROBS = 20
@@ -72,8 +73,12 @@ class SamplingParams:
         None, f"token id -> a number in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}] added to its logit before "
               f"penalties and sampling (-100 all but bans it, +100 all but forces it); at most {MAX_LOGIT_BIAS} "
               "entries; the flag: TOKEN_ID=BIAS, repeatable")
+    structured_outputs: StructuredOutputsParams | None = _param(
+        None, "the output must match one of: a JSON schema (json), any JSON object (json_object), a regex, a choice "
+              "among strings, an EBNF grammar (a StructuredOutputsParams, or a dict of its fields)", cli=False)
 
     def __post_init__(self) -> None:
+        self.structured_outputs = as_structured_outputs(self.structured_outputs)
         self._check()
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -145,6 +150,13 @@ class SamplingParams:
                 if not _is_number(bias) or not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
                     raise ValueError(f"logit_bias must be numbers in [-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], "
                                      f"got {excerpt(bias)} for token {token}")
+        if self.structured_outputs is not None:
+            if self.ignore_eos and not self.stop_token_ids:
+                raise ValueError("structured_outputs ends the output with a stop token once the grammar is complete: "
+                                 "ignore_eos needs stop_token_ids to end it")
+            if self.min_tokens:
+                raise ValueError("min_tokens cannot be combined with structured_outputs (the grammar decides where "
+                                 "the output ends)")
         if self.best_of not in (None, 1):
             raise ValueError(f"best_of={excerpt(self.best_of)}: best-of-n candidates are not supported; ask for n "
                              "outputs and pick among them")
@@ -156,8 +168,11 @@ class SamplingParams:
         stop_ids = list(self.stop_token_ids)
         if not self.ignore_eos:
             stop_ids += [t for t in eos_token_ids if t not in stop_ids]
+        kind, text = self.structured_outputs.kind_and_text() if self.structured_outputs is not None else ("", "")
         return SamplingSpec(
             **{name: convert(getattr(self, name)) for name, convert in _SHARED_WITH_SPEC.items()},
+            grammar_kind=kind,
+            grammar=text,
             seed=self.seed if self.seed is not None else default_seed,
             logprobs=-1 if self.logprobs is None else self.logprobs,
             prompt_logprobs=-1 if self.prompt_logprobs is None else self.prompt_logprobs,
@@ -169,5 +184,5 @@ class SamplingParams:
 # SamplingSpec fields that take SamplingParams' value as it is, by name -> the spec's type (float or int).
 _SHARED_WITH_SPEC = {
     name: kind for name, kind in typing.get_type_hints(SamplingSpec).items()
-    if name not in ("seed", "logprobs", "prompt_logprobs", "stop_token_ids", "logit_bias")
+    if name not in ("seed", "logprobs", "prompt_logprobs", "stop_token_ids", "logit_bias", "grammar_kind", "grammar")
 }

@@ -183,7 +183,8 @@ class Scheduler:
                 i += 1
                 continue
             drafts = None
-            if speculator is not None and n == 1 and not seq.num_pending_tokens:
+            if (speculator is not None and n == 1 and not seq.num_pending_tokens
+                    and seq.params.structured_outputs is None):  # (verification does not mask: no drafts)
                 # room for the drafts and the token after them within max_tokens, max_model_len and the budget
                 limit = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - len(seq.token_ids),
                             budget) - 1

@@ -112,6 +112,7 @@ def step_result_to_proto(result: StepResult, rank: int = 0, error: str = "") -> 
         req_ids=result.req_ids,
         token_ids=result.token_ids,
         forward_ms=result.forward_ms,
+        grammar_mask_ms=result.grammar_mask_ms,
         error=error,
     )
     if any(lp is not None for lp in result.logprobs):
@@ -174,6 +175,7 @@ def step_result_from_proto(msg: pb.StepResult) -> StepResult:
             for p in msg.prompt_logprobs
         ],
         forward_ms=msg.forward_ms,
+        grammar_mask_ms=msg.grammar_mask_ms,
     )
 
 

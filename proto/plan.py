@@ -48,6 +48,11 @@ class SamplingSpec:
     stop_token_ids: list[int] = field(default_factory=list)  # eos (unless ignore_eos) + the user's stop ids
     prompt_logprobs: int = -1  # -1 = none; N >= 0 = each prompt token's logprob plus the top N (StepResult)
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (empty: none)
+    # Structured output (proto/grammar.py): "" = none, else one of GRAMMAR_KINDS; `grammar` is its canonical text
+    # (a JSON schema, a regex, a JSON list of choices, an EBNF grammar; "" for json_object). The workers compile it
+    # (cached by text) and mask every sampling step of the request with it.
+    grammar_kind: str = ""
+    grammar: str = ""
 
 
 @dataclass(slots=True)
@@ -115,5 +120,6 @@ class StepResult:
     token_ids: list[int] = field(default_factory=list)  # the sampled token of each
     logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # one per entry, None where not asked
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # prompt positions this step computed
+    grammar_mask_ms: float = 0.0  # host time of this step's structured-output masks (worker/grammar_matchers.py)
     forward_ms: float = 0.0  # the worker's own time for this step (inputs, forward, sampling): device time on CUDA
     #   (CUDA events around the step's kernels), host time elsewhere

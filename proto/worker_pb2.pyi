@@ -143,7 +143,7 @@ class AllocateKVCacheResponse(_message.Message):
     def __init__(self, num_blocks: _Optional[int] = ..., kv_cache_bytes: _Optional[int] = ...) -> None: ...
 
 class SamplingSpec(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs", "min_tokens", "stop_token_ids", "prompt_logprobs", "logit_bias")
+    __slots__ = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "seed", "logprobs", "min_tokens", "stop_token_ids", "prompt_logprobs", "logit_bias", "grammar_kind", "grammar")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,8 @@ class SamplingSpec(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_KIND_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -177,7 +179,9 @@ class SamplingSpec(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     prompt_logprobs: int
     logit_bias: _containers.ScalarMap[int, float]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ...) -> None: ...
+    grammar_kind: str
+    grammar: str
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., prompt_logprobs: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., grammar_kind: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("req_id", "token_ids", "num_prompt_tokens", "num_computed_tokens", "block_ids", "sampling")
@@ -260,7 +264,7 @@ class PromptLogprobs(_message.Message):
     def __init__(self, req_id: _Optional[str] = ..., start: _Optional[int] = ..., logprobs: _Optional[_Union[StepLogprobs, _Mapping]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "rank", "req_ids", "token_ids", "logprobs", "forward_ms", "error", "prompt_logprobs")
+    __slots__ = ("step_id", "rank", "req_ids", "token_ids", "logprobs", "forward_ms", "error", "prompt_logprobs", "grammar_mask_ms")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -269,6 +273,7 @@ class StepResult(_message.Message):
     FORWARD_MS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_MASK_MS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     rank: int
     req_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -277,7 +282,8 @@ class StepResult(_message.Message):
     forward_ms: float
     error: str
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., rank: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[StepLogprobs, _Mapping]] = ..., forward_ms: _Optional[float] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ...) -> None: ...
+    grammar_mask_ms: float
+    def __init__(self, step_id: _Optional[int] = ..., rank: _Optional[int] = ..., req_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Union[StepLogprobs, _Mapping]] = ..., forward_ms: _Optional[float] = ..., error: _Optional[str] = ..., prompt_logprobs: _Optional[_Iterable[_Union[PromptLogprobs, _Mapping]]] = ..., grammar_mask_ms: _Optional[float] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

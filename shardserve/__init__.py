@@ -9,6 +9,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from shardserve.cluster.outputs import RequestOutput
 from shardserve.cluster.sampling_params import SamplingParams
+from shardserve.cluster.structured_outputs import StructuredOutputsParams
 
 try:
     __version__ = version("shardserve")
@@ -25,4 +26,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "__version__"]

@@ -19,8 +19,9 @@ NAMES = [f.name for f in fields(SamplingParams)]
 GIVEN = dict(temperature=0.5, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.1, presence_penalty=0.5,
              frequency_penalty=-0.5, seed=42, max_tokens=30, min_tokens=3, stop=["END", "\n\n"],
              stop_token_ids=[5, 9], ignore_eos=True, logprobs=4, prompt_logprobs=2, skip_special_tokens=False,
-             include_stop_str_in_output=True, final_only=True, n=1, best_of=1, logit_bias={3: -100.0, 9: 2.5})
-API_ONLY = {f.name for f in fields(SamplingParams) if not f.metadata["cli"]}  # no flag: n, best_of
+             include_stop_str_in_output=True, final_only=True, n=1, best_of=1, logit_bias={3: -100.0, 9: 2.5},
+             structured_outputs=None)  # (min_tokens excludes it: test_structured_outputs_travel_by_name)
+API_ONLY = {f.name for f in fields(SamplingParams) if not f.metadata["cli"]}  # no flag: n, best_of, structured_outputs
 
 
 def parse(*argv: str, exclude=()) -> argparse.Namespace:
@@ -38,7 +39,7 @@ def test_every_field_is_a_flag_with_its_default_and_help():
     unset = sampling_kwargs(parse())
     assert unset == {f.name: CLI_SAMPLING_DEFAULTS.get(f.name, f.default) for f in fields(SamplingParams)
                      if f.name not in API_ONLY}
-    assert API_ONLY == {"n", "best_of"}
+    assert API_ONLY == {"n", "best_of", "structured_outputs"}
     assert (unset["max_tokens"], unset["temperature"]) == (128, 0.0)  # the command line's own defaults
     assert SamplingParams(**unset) == SamplingParams(max_tokens=128, temperature=0.0)
     assert "logprobs" not in sampling_kwargs(parse(exclude=("logprobs",)))
@@ -106,3 +107,21 @@ def test_a_value_the_request_cannot_hold_is_a_field_error_naming_the_field(promp
         build_request(prompt, None, sampling)
     assert refused.value.field == field and says in str(refused.value)
     assert isinstance(refused.value, ValueError)
+
+
+@pytest.mark.parametrize("spec", [{"json": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+                                  {"regex": "[a-z]+"}, {"choice": ["x", "y z"]}, {"grammar": 'root ::= "a"'},
+                                  {"json_object": True}])
+def test_structured_outputs_travel_by_name(spec):
+    """From the client's keyword (a dict or StructuredOutputsParams) to the server's SamplingParams and on to the
+    workers' spec (grammar_kind, grammar)."""
+    from shardserve import StructuredOutputsParams
+
+    kind, text = StructuredOutputsParams(**spec).kind_and_text()
+    for given in (spec, StructuredOutputsParams(**spec)):
+        params = request_from_proto(build_request("hi", None, {"structured_outputs": given}))[1]
+        assert params.structured_outputs.kind_and_text() == (kind, text)  # (a schema travels as its text)
+        params.structured_outputs = None
+        assert params == SamplingParams(max_tokens=None)
+    worker = SamplingParams(structured_outputs=spec).to_spec([2], 0)
+    assert (worker.grammar_kind, worker.grammar) == (kind, text) and kind == next(iter(spec))

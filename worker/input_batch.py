@@ -282,10 +282,11 @@ class InputBatch:
     # ---- sampled tokens: placeholders until read back ------------------------------------------------------
 
     def sampling_rows(self, batch: StepInputs) -> list[SamplingRow]:
-        """One SamplingRow per sampling request. Penalties read token values on the host: the placeholders of
-        requests that use them are resolved first (their steps read back early, losing their overlap)."""
+        """One SamplingRow per sampling request. Penalties and grammars (worker/grammar_matchers.py) read token
+        values on the host: the placeholders of requests that use them are resolved first (their steps read back
+        early, losing their overlap)."""
         for state in batch.sampling_states:
-            if state.pending and uses_penalties(state.sampling):
+            if state.pending and (uses_penalties(state.sampling) or state.sampling.grammar_kind):
                 for step_id, _ in list(state.pending.values()):
                     self._resolve(step_id)
         return [SamplingRow(s.sampling, s.token_ids, s.num_prompt_tokens) for s in batch.sampling_states]

@@ -23,6 +23,7 @@ from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult
 from shardserve.proto.stages import result_rank, stage_of
 from shardserve.worker import cuda_graphs, graph_memory, kv_cache, kv_scales
 from shardserve.worker.device_copy import device_tensor
+from shardserve.worker.grammar_matchers import GrammarMatchers
 from shardserve.worker.layers import cpu_packed
 from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
 from shardserve.worker.sampler import plain_greedy, sample, sample_tokens
@@ -104,6 +105,7 @@ class ModelRunner:
         self.input_batch = InputBatch(self.block_size, config.max_num_seqs, cdiv(config.max_model_len, self.block_size),
                                       samples=self.stage.is_last)
         self.decode_graphs: cuda_graphs.DecodeGraphRunner | None = None  # captured by allocate_kv_cache on CUDA
+        self.grammars = GrammarMatchers(config.tokenizer, self.model.vocab_size)  # structured outputs' matchers
         self._graph_reserve: int | None = None  # bytes the KV sizing left for the graphs (measured)
 
     @property
@@ -188,6 +190,7 @@ class ModelRunner:
         on the device as placeholders the next step reads there (worker/input_batch.py); finish_step reads them."""
         started = time.perf_counter()
         batch = self.input_batch.prepare(plan, self.decode_graphs)
+        self.grammars.drop(plan)
         if plan.draft_token_ids:  # speculative decoding: drafts verified in this step (worker/spec_verify.py)
             return launch_verify_step(self, plan, batch)
         step = StepInFlight(StepResult(step_id=plan.step_id))
@@ -198,8 +201,9 @@ class ModelRunner:
                 step.host_s = self._busy_s(started)
                 return step
             if batch.sample_rows:
-                rows = self.input_batch.sampling_rows(batch)
-                graphed = self._graph_head(batch, rows)
+                rows = self.input_batch.sampling_rows(batch)  # (after the forward is queued: may read tokens back)
+                constrained = any(r.spec.grammar_kind for r in rows)
+                graphed = None if constrained else self._graph_head(batch, rows)
                 if graphed is not None:
                     logits, tokens = graphed
                 else:
@@ -207,6 +211,9 @@ class ModelRunner:
                     if len(batch.sample_rows) < batch.num_seqs:
                         index = last_rows[device_tensor(batch.sample_rows, torch.int64, self.device)]
                     logits = self.model.compute_logits(hidden[index])
+                    if constrained:
+                        self.grammars.mask(logits, [plan.req_ids[i] for i in batch.sample_rows], rows)
+                        step.result.grammar_mask_ms = self.grammars.last_mask_s * 1e3
                     tokens = sample_tokens(logits, rows)
                 # Timed steps are the ones that sample: finish_step waits for those anyway (their tokens), while a
                 # prefill-chunk step's finish must not wait for the device.

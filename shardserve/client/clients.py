@@ -49,6 +49,7 @@ from shardserve.client.stream import (  # noqa: F401 (the result types are part 
 )
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
+from shardserve.proto.request_fields import chat_to_proto, structured_outputs_message
 
 # The sampling keywords: GenerateRequest's fields but the request id and the prompt (whose values the server checks).
 _REQUEST = pb.GenerateRequest.DESCRIPTOR
@@ -71,9 +72,9 @@ def build_request(prompt, request_id: str | None, sampling: dict) -> pb.Generate
         _put("request_id", lambda: setattr(msg, "request_id", request_id))
     if isinstance(prompt, str):
         _put("prompt", lambda: setattr(msg, "text", prompt))
-    elif isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
-        _put("messages", lambda: msg.chat.messages.extend(pb.ChatMessage(role=m["role"], content=m["content"])
-                                                           for m in prompt))
+    elif (isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt)) or (
+            isinstance(prompt, dict) and "messages" in prompt):  # chat, or {"messages": [...], "tools": [...]}
+        _put("messages", lambda: chat_to_proto(prompt, msg.chat))
     elif isinstance(prompt, (list, tuple)):
         # an empty list is sent as is: the server answers INVALID_ARGUMENT
         _put("prompt", lambda: msg.token_ids.ids.extend(prompt), "prompt token ids", "integers in [-2**31, 2**31)")
@@ -83,7 +84,9 @@ def build_request(prompt, request_id: str | None, sampling: dict) -> pb.Generate
         if value is None:
             continue
         field = _SAMPLING[name]
-        if field.message_type is not None:  # a map (logit_bias): token id -> bias
+        if name == "structured_outputs":  # a message of its own (a StructuredOutputsParams or a dict)
+            _put(name, lambda: msg.structured_outputs.CopyFrom(structured_outputs_message(value)))
+        elif field.message_type is not None:  # a map (logit_bias): token id -> bias
             _put(name, lambda: getattr(msg, name).update(value), f"{name} keys",
                  _holds("integers", field.message_type.fields[0]))
         elif field.is_repeated:  # stop="x" means ["x"]

@@ -17,6 +17,7 @@ from shardserve.client.clients import AsyncClient, FieldError
 from shardserve.cluster.sampling_params import output_seed
 from shardserve.gateway.http_metrics import GatewayMetrics
 from shardserve.gateway.openai_format import DONE, Choice, error_body, prompt_tokens, response_body, sse, usage_chunk
+from shardserve.gateway.tool_calls import ToolCallChoice
 from shardserve.proto import generation_pb2 as pb
 
 # gRPC status -> (HTTP status, OpenAI error type, code)
@@ -123,11 +124,13 @@ class Gateway:
             choices, work = [], []  # prompt-major, as OpenAI orders them: prompt p's j-th choice is p * n + j
             for prompt in prompts:
                 for j in range(n):
-                    choice = Choice(chat, rid, info.model, len(choices), top_logprobs=sampling.get("logprobs"),
-                                    usage_field=body.include_usage, token_ids=body.return_token_ids,
-                                    echo=sampling.get("echo", False), echo_only=body.echo_only,
-                                    prompt_logprobs=body.prompt_logprobs is not None,
-                                    stop_token_ids=body.stop_token_ids or ())
+                    options = dict(top_logprobs=sampling.get("logprobs"), usage_field=body.include_usage,
+                                   token_ids=body.return_token_ids, echo=sampling.get("echo", False),
+                                   echo_only=body.echo_only, prompt_logprobs=body.prompt_logprobs is not None,
+                                   stop_token_ids=body.stop_token_ids or ())
+                    mode = body.tool_mode() if chat else None
+                    choice = (Choice(chat, rid, info.model, len(choices), **options) if mode is None else
+                              ToolCallChoice(chat, rid, info.model, len(choices), tool_mode=mode, **options))
                     choice.prompt_shared = j > 0
                     seeded = dict(sampling)  # a seeded request's choices differ: the j-th draws with seed + j
                     if "seed" in sampling:

@@ -8,7 +8,9 @@ Three kinds of fields:
   scheduler has) and its `return_token_ids` (the output's token ids next to its text: a model without a tokenizer
   has no text);
 - OpenAI fields that change nothing here and are accepted and ignored (`user`, `metadata`, `store`, ...);
-- OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `suffix`, `tools`, ...):
+- structured outputs: OpenAI's `response_format` and vLLM's `structured_outputs` / `guided_*` fields
+  (shardserve/gateway/structured_fields.py), sent as the GenerateRequest's structured_outputs;
+- OpenAI fields that would change the answer in a way we cannot honour (`best_of`, `suffix`, `audio`, ...):
   `unsupported()` names them, and the gateway answers 400 with that field as `param`.
 Any other field is refused by pydantic (extra="forbid"), as OpenAI refuses unrecognized arguments, and so is a value
 of another JSON type (strict: "8" is no integer, 8.0 no integer either, as OpenAI's API has it).
@@ -25,14 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from shardserve.cluster.errors import excerpt
 from shardserve.cluster.sampling_params import MAX_LOGPROBS, MAX_N  # as LLM.generate's
-
-
-class UnsupportedField(ValueError):
-    """An OpenAI field whose value this server cannot honour; `param` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+from shardserve.gateway.structured_fields import structured_outputs_of
+from shardserve.gateway.tool_calls import ToolMode, tool_mode, tool_schema
+from shardserve.gateway.unsupported import UnsupportedField
 
 
 STRICT = ConfigDict(extra="forbid", strict=True)  # no unknown fields, no values of another JSON type
@@ -72,6 +69,14 @@ class _Request(BaseModel):
     include_stop_str_in_output: bool | None = None  # the matched stop string stays in the text
     prompt_logprobs: int | None = None  # each prompt token's logprob and the top N, as vLLM's choices carry them
     priority: int = 0  # vLLM's priority scheduling: this server schedules first come, first served (0 only)
+    # structured outputs, vLLM's spellings (the current one and the older guided_*): structured_fields.py
+    structured_outputs: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: one backend here (xgrammar)
+    guided_whitespace_pattern: str | None = None  # accepted and ignored
     # accepted and ignored: they change nothing about the answer
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -97,7 +102,15 @@ class _Request(BaseModel):
             if not token.isascii() or not token.isdigit():
                 return UnsupportedField("logit_bias", f"logit_bias keys must be token ids (digits), got "
                                                       f"{excerpt(token)}")
+        try:
+            self.structured()
+        except UnsupportedField as e:
+            return e
         return None
+
+    def structured(self) -> dict | None:
+        """The structured_outputs this request asks for (UnsupportedField for a malformed or doubled one)."""
+        return structured_outputs_of(self, getattr(self, "response_format", None))
 
     def sampling(self) -> dict[str, Any]:
         """The gRPC sampling fields this request sets (unset ones take the server's defaults)."""
@@ -108,7 +121,7 @@ class _Request(BaseModel):
                       logit_bias={int(token): bias for token, bias in self.logit_bias.items()} if self.logit_bias
                       else None, skip_special_tokens=self.skip_special_tokens,
                       include_stop_str_in_output=self.include_stop_str_in_output,
-                      prompt_logprobs=self.prompt_logprobs)
+                      prompt_logprobs=self.prompt_logprobs, structured_outputs=self.structured())
         return {k: v for k, v in fields.items() if v is not None}
 
     @property
@@ -188,9 +201,9 @@ class ChatCompletionRequest(_Request):
     max_completion_tokens: int | None = None  # absent (both): the server's, the rest of the context
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict] | None = None
+    tools: list[dict] | None = None  # rendered by the chat template; calls parsed or constrained (tool_calls.py)
     tool_choice: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # ignored: no tools
+    parallel_tool_calls: bool | None = None
     functions: list[dict] | None = None
     function_call: str | dict | None = None
     response_format: dict | None = None
@@ -201,14 +214,14 @@ class ChatCompletionRequest(_Request):
     web_search_options: dict | None = None
 
     def unsupported(self) -> UnsupportedField | None:
-        for name in ("tools", "functions", "function_call", "audio", "prediction", "web_search_options",
+        for name in ("functions", "function_call", "audio", "prediction", "web_search_options",
                      "reasoning_effort"):
             if getattr(self, name):
                 return UnsupportedField(name, f"{name} is not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            return UnsupportedField("tool_choice", "tool_choice is not supported (no tools)")
-        if self.response_format and self.response_format.get("type") != "text":
-            return UnsupportedField("response_format", "response_format other than {'type': 'text'} is not supported")
+        try:
+            self.tool_mode()
+        except UnsupportedField as e:
+            return e
         if self.modalities and self.modalities != ["text"]:
             return UnsupportedField("modalities", "only the text modality is supported")
         if self.top_logprobs is not None and not self.logprobs:
@@ -220,8 +233,6 @@ class ChatCompletionRequest(_Request):
             if (value := getattr(self, name)) is not None and value < 1:
                 return UnsupportedField(name, f"{name} must be an integer >= 1, got {value}")
         for i, m in enumerate(self.messages):
-            if m.role == "tool" or m.tool_calls or m.tool_call_id:
-                return UnsupportedField(f"messages.{i}.role", "tool messages are not supported (no tools)")
             if isinstance(m.content, list):
                 for j, part in enumerate(m.content):
                     if not isinstance(part, TextPart):
@@ -229,15 +240,36 @@ class ChatCompletionRequest(_Request):
                                                 f"only text content is supported, got {part.type!r}")
         return super().unsupported()
 
-    def chat(self) -> list[dict]:
-        """The messages as the gRPC API takes them ("developer" is OpenAI's newer name for "system")."""
+    def chat(self) -> list[dict] | dict:
+        """The messages as the gRPC API takes them ("developer" is OpenAI's newer name for "system"), with the
+        tools where the request has them ({"messages": [...], "tools": [...]}: the chat template renders them)."""
         out = []
         for m in self.messages:
             content = m.content or m.refusal or ""
             if isinstance(content, list):
                 content = "".join(part.text for part in content)
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
-        return out
+            message = {"role": "system" if m.role == "developer" else m.role, "content": content}
+            if m.tool_calls:
+                message["tool_calls"] = m.tool_calls
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            out.append(message)
+        return {"messages": out, "tools": self.tools} if self.tools else out
+
+    def tool_mode(self) -> ToolMode | None:
+        """What tools and tool_choice ask for (tool_calls.py); UnsupportedField for bad ones."""
+        return tool_mode(self.tools, self.tool_choice, self.parallel_tool_calls)
+
+    def structured(self) -> dict | None:
+        spec = super().structured()
+        mode = self.tool_mode()
+        schema = tool_schema(mode, self.tools, self.parallel_tool_calls) if mode is not None else None
+        if schema is None:
+            return spec
+        if spec is not None:
+            raise UnsupportedField("tool_choice", "a required or named tool_choice constrains the output: it "
+                                                  "cannot be combined with response_format or guided fields")
+        return {"json": schema}
 
     @property
     def limit(self) -> int | None:
