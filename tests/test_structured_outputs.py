@@ -88,7 +88,7 @@ def test_unconstrained_greedy_tokens_are_unchanged_beside_constrained_requests(l
 @pytest.mark.parametrize("spec, says", [
     ({"json": {"type": "objekt"}}, "invalid json: Unsupported type \"objekt\""),
     ({"json": "{not json"}, "invalid json: the schema is not JSON"),
-    ({"regex": "a(b"}, "invalid regex: Regex parsing error at position 3"),
+    ({"regex": "a(b"}, "invalid regex: Regex parsing error at position 4: The parenthesis is not closed"),
     ({"grammar": "root ::= missing"}, "invalid grammar: EBNF parser error at line 1, column 10: Rule \"missing\""),
     ({"grammar": "root ::= " + " | ".join(f'"{i}"' for i in range(20_000))}, "over the limit of 65536"),
     ({"json": PERSON, "regex": "a"}, "exactly one of json, regex, choice, grammar, json_object; got json, regex"),
