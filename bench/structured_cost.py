@@ -122,13 +122,50 @@ def step_costs(tokenizer_dir: str, vocab_size: int, batch: int, steps: int) -> d
                                   "plan_bytes_per_step_per_rank": sizes[0]}}
 
 
+LONG_TEXT = {"type": "object", "properties": {"text": {"type": "string", "minLength": 400, "maxLength": 800}},
+             "required": ["text"], "additionalProperties": False}  # no request ends before the steps timed
+
+
+def decode_steps(batch: int, steps: int, rounds: int) -> dict:
+    """The default model's decode step at `batch` requests, every request with a JSON schema against none, on this
+    CPU: rounds of each, taken in turns (the same prompts, greedy), each round's median step (decode steps only:
+    once every request has sampled its first token)."""
+    from shardserve import LLM, SamplingParams, StructuredOutputsParams
+
+    llm = LLM(max_num_seqs=batch)
+    engine = llm.engines[0]
+    prompts = [f"Write item {i} as JSON:" for i in range(batch)]
+    constrained = SamplingParams(temperature=0, max_tokens=steps + 2,
+                                 structured_outputs=StructuredOutputsParams(json=LONG_TEXT))
+    plain = SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True)
+    medians: dict[str, list[float]] = {"json": [], "none": []}
+    for r in range(rounds):
+        for name, params in (("json", constrained), ("none", plain)) if r % 2 == 0 else (("none", plain),
+                                                                                          ("json", constrained)):
+            for p in prompts:
+                llm.add_request(p, params)
+            times = []
+            while engine.has_unfinished():
+                started = time.perf_counter()
+                engine.step()
+                if engine.num_generated_tokens >= batch:  # past every request's first token
+                    times.append(time.perf_counter() - started)
+            engine.take_finished()
+            medians[name].append(statistics.median(times[1:-2]) * 1e3)
+    llm.shutdown()
+    json_ms, none_ms = statistics.median(medians["json"]), statistics.median(medians["none"])
+    return {"batch": batch, "rounds": rounds, "json_step_ms": json_ms, "unconstrained_step_ms": none_ms,
+            "ratio": json_ms / none_ms, "json_round_medians_ms": medians["json"],
+            "unconstrained_round_medians_ms": medians["none"]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rounds", type=int, default=4, help="decode-step rounds of each kind (0: none)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
-    torch.set_num_threads(1)
     from shardserve.bench.record import _git_commit, device_name
     from shardserve.settings.model_source import default_model_dir
 
@@ -141,6 +178,8 @@ def main() -> None:
                                                                                               152064)},
               "step": {"smollm2": step_costs(default_dir, 49152, args.batch, args.steps),
                        "qwen": step_costs(qwen_tokenizer_dir(), 152064, args.batch, args.steps)}}
+    if args.rounds:
+        record["decode_step"] = decode_steps(args.batch, args.steps, args.rounds)
     print(json.dumps(record, indent=2))
     if args.json_out:
         with open(args.json_out, "w") as f:
