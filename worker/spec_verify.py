@@ -54,7 +54,7 @@ def launch_verify_step(runner: Any, plan: StepPlan, batch: StepInputs) -> StepIn
     if not batch.states:
         return step
     step.start_device_timer(runner.device)
-    hidden, _ = runner._forward(batch)
+    hidden, _ = runner._forward(batch, plan.step_id)
     drafts_of = plan.draft_token_ids
     ends = list(itertools.accumulate(batch.query_lens))  # each request's rows end here in `hidden`
     hidden_rows: list[int] = []
