@@ -184,7 +184,7 @@ class Scheduler:
                 continue
             drafts = None
             if (speculator is not None and n == 1 and not seq.num_pending_tokens
-                    and seq.params.structured_outputs is None):  # (verification does not mask: no drafts)
+                    and seq.params.structured_outputs is None):  # (a grammar would have to follow the drafts)
                 # room for the drafts and the token after them within max_tokens, max_model_len and the budget
                 limit = min(seq.params.max_tokens - len(seq.output_token_ids), max_model_len - len(seq.token_ids),
                             budget) - 1

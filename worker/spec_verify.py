@@ -59,6 +59,7 @@ def launch_verify_step(runner: Any, plan: StepPlan, batch: StepInputs) -> StepIn
     ends = list(itertools.accumulate(batch.query_lens))  # each request's rows end here in `hidden`
     hidden_rows: list[int] = []
     rows: list[SamplingRow] = []
+    row_req_ids: list[str] = []
     groups = []  # (req_id, state, drafts, seq_len) per sampling request, in batch order
     for i in batch.sample_rows:
         state, req_id, seq_len = batch.states[i], plan.req_ids[i], batch.seq_lens[i]
@@ -67,10 +68,14 @@ def launch_verify_step(runner: Any, plan: StepPlan, batch: StepInputs) -> StepIn
         for j in range(d + 1):  # row j scores the token after position seq_len - d - 1 + j
             hidden_rows.append(ends[i] - 1 - d + j)
             rows.append(SamplingRow(state.sampling, state.token_ids[: seq_len - d + j], state.num_prompt_tokens))
+            row_req_ids.append(req_id)
         groups.append((req_id, state, drafts, seq_len))
     result = step.result
     if rows:
         logits = runner.model.compute_logits(hidden[device_tensor(hidden_rows, torch.int64, runner.device)])
+        if any(r.spec.grammar_kind for r in rows):  # structured rows (never drafted: one row each) are masked
+            runner.grammars.mask(logits, row_req_ids, rows)
+            result.grammar_mask_ms = runner.grammars.last_mask_s * 1e3
         sampled = sample_tokens(logits, rows)
         samples = sampled.tolist()
         logprobs = token_logprobs(logits, rows, sampled)
