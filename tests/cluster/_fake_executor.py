@@ -105,13 +105,19 @@ class FakeExecutor:
             assert req_id in self.requests, f"{req_id} scheduled but never sent"
             req = self.requests[req_id]
             req.block_ids += plan.new_block_ids.get(req_id, [])
+            drafts = plan.draft_token_ids.get(req_id)
+            if drafts:  # speculation: the drafts are computed with the last token, then verified
+                assert n == 1 + len(drafts) and req.num_computed + 1 == len(req.tokens), f"{req_id}: bad drafts"
+                req.tokens += drafts
             assert n >= 1 and req.num_computed + n <= len(req.tokens), f"{req_id}: bad token count {n}"
             self._check_prefix_kv(req)
             for pos in range(req.num_computed, req.num_computed + n):
                 assert pos // self.block_size < len(req.block_ids), f"{req_id}: no block for position {pos}"
                 self.kv[self._slot(req, pos)] = (req.tokens[pos], pos)
             req.num_computed += n
-            if req.num_computed == len(req.tokens):
+            if drafts:
+                self._verify(req_id, req, drafts, result)
+            elif req.num_computed == len(req.tokens):
                 spec = req.new.sampling
                 generated = len(req.tokens) - req.new.num_prompt_tokens
                 if req_id in self.script:
@@ -125,6 +131,33 @@ class FakeExecutor:
                 lp = TokenLogprobs(-0.5, [token], [-0.5]) if spec.logprobs >= 0 else None
                 result.logprobs.append(lp)
         return result
+
+    def _next(self, req_id: str, req: _WorkerRequest, tokens: list[int]) -> int:
+        """The token this fake samples after `tokens` (the request's list up to a position)."""
+        spec = req.new.sampling
+        generated = len(tokens) - req.new.num_prompt_tokens
+        if req_id in self.script:
+            return self.script[req_id][generated]
+        return _sample(tokens[-1], self.vocab_size, spec.stop_token_ids, generated < spec.min_tokens)
+
+    def _verify(self, req_id: str, req: _WorkerRequest, drafts: list[int], result: StepResult) -> None:
+        """Keeps the drafts up to the first one that differs from what would be sampled there, plus that sample;
+        drops the rest as a worker does (computed count, block table)."""
+        base = len(req.tokens) - len(drafts)
+        kept = []
+        for j in range(len(drafts) + 1):
+            kept.append(self._next(req_id, req, req.tokens[: base + j]))
+            if j == len(drafts) or kept[-1] != drafts[j]:
+                break
+        del req.tokens[base:]
+        req.tokens += kept
+        req.num_computed = len(req.tokens) - 1
+        del req.block_ids[-(-len(req.tokens) // self.block_size):]
+        self.history[req_id] = list(req.tokens)
+        for token in kept:
+            result.req_ids.append(req_id)
+            result.token_ids.append(token)
+            result.logprobs.append(TokenLogprobs(-0.5, [token], [-0.5]) if req.new.sampling.logprobs >= 0 else None)
 
     def _slot(self, req: _WorkerRequest, pos: int) -> int:
         return req.block_ids[pos // self.block_size] * self.block_size + pos % self.block_size
