@@ -170,7 +170,9 @@ def run_config(config, replicas: int, args: argparse.Namespace, workloads, bar, 
     finally:
         cluster.shutdown(drain_timeout_s=0)
     for run in runs:
-        run["config"], run["replicas"], run["tp"], run["start_s"] = f"{replicas}x{config.tensor_parallel_size}", \
+        pp = config.pipeline_parallel_size  # (-pp N: every replica N stages of tp ranks)
+        run["config"], run["replicas"], run["tp"], run["start_s"] = \
+            f"{replicas}x{config.tensor_parallel_size}" + (f" pp{pp}" if pp > 1 else ""), \
             replicas, config.tensor_parallel_size, started_s
     return runs
 
@@ -199,7 +201,7 @@ def main(args: argparse.Namespace, engine_kwargs: dict) -> int:
         import ray
 
         units = args.max_units or (int(ray.cluster_resources().get("GPU", 0)) if base.device == "cuda" else 2)
-        configs = sweep(max(units, 1), [1, 2, 4, 8])
+        configs = sweep(max(units // base.pipeline_parallel_size, 1), [1, 2, 4, 8])  # a replica: pp x tp units
     if args.shared_configs == "none":
         shared_at = set()
     else:
@@ -261,7 +263,7 @@ def _record(args: argparse.Namespace, base, r: dict) -> dict:
     record.replicas = r["replicas"]
     record.control_plane_share = r["control_plane_share"]
     if base.device == "cuda":
-        record.num_gpus = r["replicas"] * r["tp"]
+        record.num_gpus = r["replicas"] * r["tp"] * base.pipeline_parallel_size
     record.notes.update(efficiency=r["efficiency"], outputs_match_first=r["outputs_match_first"],
                         outputs_match_fraction=r["outputs_match_fraction"],
                         replica_hosts="process" if use_replica_hosts(args.replica_hosts, r["replicas"]) else "controller",

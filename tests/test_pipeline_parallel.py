@@ -46,6 +46,21 @@ def test_pipeline_stages_match_transformers_with_chunks_preemption_and_prefix_hi
         check_against_reference(again, reference[1:4])
         assert llm.engine.stats().num_cached_prompt_tokens > 0, "no prefix-cache hit happened"
         assert_all_blocks_free(llm)
+        if name.startswith("pp3"):  # seeded sampling, logprobs and prompt logprobs: as one rank gives them
+            sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=12, ignore_eos=True, logprobs=2,
+                                     prompt_logprobs=1)
+            got = llm.generate(prompts[:3], sampled, use_tqdm=False)
+            with LLM(model=model_dir, max_model_len=256) as one:
+                want = one.generate(prompts[:3], sampled, use_tqdm=False)
+            for g, w in zip(got, want):
+                assert g.outputs[0].token_ids == w.outputs[0].token_ids
+                assert _rounded(g.outputs[0].logprobs) == _rounded(w.outputs[0].logprobs)
+                assert _rounded(g.prompt_logprobs) == _rounded(w.prompt_logprobs)
+
+
+def _rounded(positions):
+    """{token: logprob to 4 places} per position (None stays None): what the stages and one rank must agree on."""
+    return [None if p is None else {t: round(lp.logprob, 4) for t, lp in p.items()} for p in positions]
 
 
 def test_default_model_over_two_stages_matches_transformers(default_model_dir):

@@ -38,7 +38,10 @@ MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST"
 def cpu_threads_per_rank(device: str, ranks_on_host: int) -> int | None:
     """torch's intra-op threads for each CPU rank: the ranks on a host share its cores (one process each with all
     of them would oversubscribe them). None on CUDA: torch's default."""
-    return None if device == "cuda" else max(1, (os.cpu_count() or 1) // ranks_on_host)
+    if device == "cuda":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # taskset, cpusets
+    return max(1, (cores or 1) // ranks_on_host)
 
 
 def prepare_worker_process(num_threads: int | None = None) -> None:
