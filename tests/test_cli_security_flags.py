@@ -59,7 +59,7 @@ def test_serve_takes_the_token_as_api_key_or_from_the_environment_as_vllm_users_
 
 def test_client_sends_api_key_or_the_environment_token(monkeypatch):
     from shardserve.cli.main import build_parser
-    from shardserve.cli.server_commands import API_KEY_ENV, connection_kwargs
+    from shardserve.cli.connection_flags import API_KEY_ENV, connection_kwargs
 
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert connection_kwargs(build_parser().parse_args(["client", "hi"]))["token"] == "from-env"

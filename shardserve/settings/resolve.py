@@ -20,6 +20,9 @@ from shardserve.proto.config import EngineConfig, user_default, user_settings
 from shardserve.worker.models import SUPPORTED_ARCHITECTURES
 from shardserve.worker.models.hf_config import read_hf_config
 
+# vLLM's trust_remote_code (LLM keyword, --trust-remote-code): accepted with this warning
+TRUST_REMOTE_CODE_NOTE = ("trust_remote_code: accepted and ignored: shardserve runs its own implementation of each "
+                          "supported architecture and never runs code that comes with a model")
 CPU_MAX_MODEL_LEN = 4096  # a default cap: the CPU cache is small; users can raise it
 DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 

@@ -98,7 +98,7 @@ def test_every_port_the_deploy_example_opens_is_in_the_port_table_and_the_aws_se
 def test_one_authentication_story_across_the_docs():
     """README, deploy/README and security.md all give the token as --api-key or SHARDSERVE_API_KEY (beside
     --auth-token-file in security.md), and none says the API has no authentication."""
-    from shardserve.cli.server_commands import API_KEY_ENV
+    from shardserve.cli.connection_flags import API_KEY_ENV
 
     for doc in DOCS:
         text = (ROOT / doc).read_text()
