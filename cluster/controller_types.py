@@ -1,5 +1,6 @@
-"""The controller's settings and its per-request records: what `shardserve serve` hands the controller actor
-(ControllerConfig, ServedModel) and what it keeps per live request (LiveRequest, StreamItem)."""
+"""The controller's and the fronts' settings and their per-request records: what `shardserve serve` hands the
+controller actor (ControllerConfig, ServedModel), what each front gets (FrontSettings) and what a front keeps per
+live request (LiveRequest, StreamItem)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,24 @@ class ControllerConfig:
     # host processes (start(replica_id, engine, build_engine, health_s, restart_tries, backoff_s) -> a Ray actor
     # handle running cluster/replica_host.py's ReplicaHost; kill(handle)): shardserve/launch/replica_actors.py.
     replica_hosts: object | None = None
+    # With replica hosts: the front processes that serve the client API (start(k, *FrontProcess args), find(k),
+    # kill(handle), count): shardserve/launch/front_actors.py's RayFronts.
+    fronts: object | None = None
+
+
+@dataclass
+class FrontSettings:
+    """One front's settings (cluster/front.py): the client API's side of ControllerConfig."""
+
+    engine: EngineConfig
+    model: ServedModel
+    num_replicas: int
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port; several fronts on one port share it (SO_REUSEPORT)
+    routing: str = "cache-aware"
+    max_live_requests: int = 4096  # this front's admission limit (its share of the cluster's)
+    stream_interval: int = 1
+    security: ApiSecurity = field(default_factory=ApiSecurity)
 
 
 @dataclass(slots=True)

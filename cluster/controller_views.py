@@ -8,7 +8,8 @@ import asyncio
 from collections.abc import Sequence
 from typing import Protocol
 
-from shardserve.cluster.replica import Replica
+from shardserve.cluster.engine import EngineStats
+from shardserve.cluster.replica import Replica, ReplicaState
 from shardserve.cluster.router import POLICIES
 
 
@@ -67,3 +68,30 @@ class ControllerViews:
         usable = [await asyncio.wrap_future(r.submit(reset)) if r.serving else 0 for r in replicas]
         await self.source.reset_routing(routing)
         return usable
+
+
+async def summed_stats(replicas: Sequence[Replica], routed: Sequence[int], serving: bool) -> tuple:
+    """(fresh engine stats summed over the serving and recovering replicas, or None; per replica: id, state,
+    requests routed, stats or None). Stats are taken between two steps."""
+    each = [None] * len(replicas)
+    stats = None
+    if serving:
+        up = [i for i, r in enumerate(replicas) if r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING)]
+        for i, s in zip(up, await asyncio.gather(*(replicas[i].stats() for i in up))):
+            each[i] = s
+        stats = _sum_stats([s for s in each if s is not None]) if up else None
+    return stats, [dict(id=r.id, state=r.state.value, routed=routed[i], stats=each[i]) for i, r in enumerate(replicas)]
+
+
+def _sum_field(values: list):
+    """Numbers add up; tuples (per-position counts) add position by position."""
+    if values and isinstance(values[0], tuple):
+        width = max(len(v) for v in values)
+        return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
+    return sum(values)
+
+
+def _sum_stats(stats: list[EngineStats]) -> EngineStats:
+    total = EngineStats(*(_sum_field([getattr(s, f) for s in stats]) for f in EngineStats.__slots__))
+    total.kv_usage = total.num_kv_blocks_used / max(total.num_kv_blocks, 1)
+    return total

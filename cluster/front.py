@@ -1,16 +1,11 @@
-"""Front: the client API's request side over a set of replicas (the Replica interface, cluster/replica.py): the
-Generation gRPC server (cluster/generation_service.py, which talks to it as a GenerationBackend), tokenizing
-(PromptEncoder), routing (cluster/router.py, its prefix index fed by the replicas' block events), admission limits,
-one asyncio queue per live request, and the streams' deltas from the replicas' step reports.
-
-Where it runs: with replica hosts, each front is a process of its own (cluster/front_actor.py; several on one port)
-and talks to every host directly, so a request's tokens pass through one process between its engine and its client
-and no process carries every replica's tokens; the controller (cluster/controller.py) never sees a token. Without
-hosts (one replica, tests, `--replica-hosts controller`) the controller holds one Front over its in-process replicas.
-
-Lifecycle: STARTING (health NOT_SERVING) -> SERVING (ready(): the replicas serve, the tokenizer is known) ->
-DRAINING (no new requests; in-flight ones may finish) -> STOPPED; FAILED once no replica is serving or recovering.
-Everything here runs on one event loop and never blocks.
+"""Front: the client API's request side over a set of replicas (the Replica interface): the Generation gRPC server
+(cluster/generation_service.py, which talks to it as a GenerationBackend), tokenizing, routing (cluster/router.py,
+its prefix index fed by the replicas' block events), admission limits, one asyncio queue per live request, and the
+streams' deltas from the replicas' step reports. With replica hosts each front is a process of its own
+(cluster/front_process.py; several share one port) talking to every host directly: a token passes through one
+process between its engine and its client, and the controller never sees one. Without hosts the controller holds
+one Front over its in-process replicas. Lifecycle: STARTING (health NOT_SERVING) -> SERVING (ready()) -> DRAINING
+-> STOPPED; FAILED once no replica is serving or recovering. Everything here runs on one event loop, never blocking.
 """
 
 from __future__ import annotations
@@ -18,11 +13,10 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass, field
 
 from shardserve.cluster.admission import Prompt, Seeds, has_chat_template
-from shardserve.cluster.api_security import ApiSecurity
-from shardserve.cluster.controller_types import LiveRequest, ServedModel, State, StreamItem
+from shardserve.cluster.controller_types import FrontSettings, LiveRequest, State, StreamItem
+from shardserve.cluster.controller_views import summed_stats
 from shardserve.cluster.engine import EngineStats
 from shardserve.cluster.engine_loop import StepReport
 from shardserve.cluster.errors import ServerOverloaded, ServerUnavailable, UnknownRequest
@@ -32,21 +26,7 @@ from shardserve.cluster.prompt_encoder import PromptEncoder, default_max_prompt_
 from shardserve.cluster.replica import Replica, ReplicaState
 from shardserve.cluster.router import POLICIES, Router
 from shardserve.cluster.sampling_params import SamplingParams
-from shardserve.proto.config import EngineConfig
 from shardserve.proto.transport import host_port
-
-
-@dataclass
-class FrontSettings:
-    engine: EngineConfig
-    model: ServedModel
-    num_replicas: int
-    host: str = "127.0.0.1"
-    port: int = 50051  # 0 = any free port; several fronts on one port share it (SO_REUSEPORT)
-    routing: str = "cache-aware"
-    max_live_requests: int = 4096  # this front's admission limit (its share of the cluster's)
-    stream_interval: int = 1
-    security: ApiSecurity = field(default_factory=ApiSecurity)
 
 
 class Front:
@@ -229,17 +209,10 @@ class Front:
                 live.replica.abort(req_id)
 
     async def server_stats(self) -> tuple[EngineStats | None, dict]:
-        """Fresh engine stats (taken between two steps), summed over the serving replicas, and this front's
-        counters, with each replica's id, state, requests routed here and stats (None when not serving)."""
-        stats, each = None, [None] * len(self.replicas)
-        if self.state in (State.SERVING, State.DRAINING):
-            serving = [i for i, r in enumerate(self.replicas)
-                       if r.state in (ReplicaState.SERVING, ReplicaState.RECOVERING)]
-            for i, s in zip(serving, await asyncio.gather(*(self.replicas[i].stats() for i in serving))):
-                each[i] = s
-            stats = sum_stats([s for s in each if s is not None]) if serving else None
-        replicas = [dict(id=r.id, state=r.state.value, routed=self.router.num_routed[i], stats=each[i])
-                    for i, r in enumerate(self.replicas)]
+        """Fresh engine stats summed over the serving replicas (None when not serving) and this front's counters,
+        with each replica's id, state, requests routed here and stats."""
+        stats, replicas = await summed_stats(self.replicas, self.router.num_routed,
+                                             self.state in (State.SERVING, State.DRAINING))
         return stats, {"requests_aborted": self.num_aborted, "requests_rejected": self.num_rejected,
                        "uptime_s": time.time() - self.started_at, "replicas": replicas}
 
@@ -326,16 +299,3 @@ class Front:
         if not self._live:
             self._idle.set()
 
-
-def _sum_field(values: list):
-    """Numbers add up; tuples (per-position counts) add position by position."""
-    if values and isinstance(values[0], tuple):
-        width = max(len(v) for v in values)
-        return tuple(sum(v[i] for v in values if i < len(v)) for i in range(width))
-    return sum(values)
-
-
-def sum_stats(stats: list[EngineStats]) -> EngineStats:
-    total = EngineStats(*(_sum_field([getattr(s, f) for s in stats]) for f in EngineStats.__slots__))
-    total.kv_usage = total.num_kv_blocks_used / max(total.num_kv_blocks, 1)
-    return total

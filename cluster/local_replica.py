@@ -149,11 +149,11 @@ class LocalReplica(ReplicaBase):
         return self.engine.tokenizer if self.engine is not None else None
 
     async def executor_facts(self) -> dict:
-        """The current group's facts: its rank nodes, its workers' own time in the steps so far (forward_s) and
-        its launcher.WorkerGroup (None where the executor has none)."""
+        """The current group's facts: its rank nodes, its workers' own time in the steps so far (forward_s), its
+        launcher.WorkerGroup (None where the executor has none) and the wall time of the engine's steps (step_s)."""
         executor = self.engine.executor if self.engine is not None else None
         return dict(nodes=list(getattr(executor, "node_ids", ())), group=getattr(executor, "group", None),
-                    forward_s=getattr(executor, "forward_ms_total", 0.0) / 1e3)
+                    forward_s=getattr(executor, "forward_ms_total", 0.0) / 1e3, step_s=self.step_s_total)
 
     # ---- health ---------------------------------------------------------------------------------------------
     async def _watch_workers(self) -> None:

@@ -1,18 +1,15 @@
-"""RemoteReplica: the controller's side of a replica whose Engine and EngineLoop run in a host process of their own
-(cluster/replica_host.py, a Ray actor). It keeps the `Replica` interface (start/stop, admit, abort, submit, stats,
-state, load, executor_facts; on_step / on_failure / on_state on the event loop), so the controller and the router
-do not know where a replica's engine runs.
-
-    hosts.start(replica_id, config, build_engine, ...) -> a Ray actor handle running ReplicaHost
-    hosts.kill(handle)                                    -> the host process ends (its TP group with it)
+"""RemoteReplica: the `Replica` interface (cluster/replica.py) over a replica host process (cluster/replica_host.py,
+a Ray actor running the replica's Engine and EngineLoop), so that neither the front nor the controller knows where a
+replica's engine runs. Two sides hold one: the controller (it starts, replaces and ends the host: OwnedHosts, and
+subscribes to state changes only) and each front process (it finds the host by the replica's name: FoundHosts, and
+subscribes to its own requests' deltas); cluster/host_sources.py.
 
 What crosses to the host: admissions and aborts, gathered per turn of the event loop into one call each
 (admit_many, abort_many); submit(fn) pickles fn. What comes back: one long-poll call at a time (next_events), each
-carrying every step report, state change and failure queued since the last, so the controller's cost per step is
-the report's dispatch plus a share of one call. A host that dies (its call raises) turns the replica FAILED: its
-live streams end with UNAVAILABLE (their clients resume them on the other replicas) and the replica turns
-RECOVERING while a new host starts in the background (restart_tries tries with backoff, as for a lost TP group;
-admissions to it wait meanwhile); when every try fails, or restart_tries is 0, it turns FAILED.
+carrying every event queued for this subscriber since the last. A host that dies (its call raises) turns the replica
+RECOVERING: its live streams end with UNAVAILABLE (on_failure; their clients resume them on the other replicas)
+while a new host starts (the controller) or is waited for (a front); admissions to it wait meanwhile; when that
+fails, or restart_tries is 0, it turns FAILED.
 """
 
 from __future__ import annotations
@@ -26,9 +23,9 @@ from typing import Any
 from shardserve.cluster.engine import Engine, EngineStats
 from shardserve.cluster.engine_loop import StepReport
 from shardserve.cluster.executor import WorkerError
+from shardserve.cluster.host_sources import OwnedHosts
 from shardserve.cluster.replica import ReplicaBase, ReplicaLoad, ReplicaState
 from shardserve.cluster.sampling_params import SamplingParams
-from shardserve.proto.config import EngineConfig
 
 log = logging.getLogger(__name__)
 
@@ -38,64 +35,58 @@ class ReplicaHostLost(WorkerError):
 
 
 class RemoteReplica(ReplicaBase):
-    def __init__(self, *args, hosts: Any = None, **kwargs) -> None:
-        """ReplicaBase's arguments; hosts: start(replica_id, config, build_engine, health_s, tries, backoff_s) ->
-        a host actor handle, kill(handle)."""
+    def __init__(self, *args, hosts: Any = None, subscriber: str = "control", deltas: bool = False,
+                 source: Any = None, **kwargs) -> None:
+        """ReplicaBase's arguments. source: where the host comes from (cluster/host_sources.py; default: OwnedHosts
+        over the launcher `hosts`). subscriber, deltas: this side's subscription (a front: its id, True)."""
         super().__init__(*args, **kwargs)
         self.engine = None  # in the host process
         self.tokenizer = None  # a copy of the host engine's, for the prompt encoder
-        self._settings = (self._health_interval_s, self._restart_tries, self._restart_backoff_s)
-        self._hosts = hosts
+        self._source = source or OwnedHosts(hosts, self.engine_config, self._build,
+                                            (self._health_interval_s, self._restart_tries, self._restart_backoff_s))
+        self._sub, self._deltas = subscriber, deltas
         self._host = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._pump: asyncio.Task | None = None
         self._admits: list[tuple[tuple, asyncio.Future]] = []
         self._aborts: list[tuple[str, Future]] = []
-        self._host_restarts = 0  # hosts replaced after dying (num_restarts adds the current host's group restarts)
         self._host_back: asyncio.Event | None = None  # set while a host serves (or the replica has failed)
 
     # ---- lifecycle ------------------------------------------------------------------------------------------
     async def start(self) -> None:
-        """Starts the host process and, in it, the engine; raises what that raised (the replica is then FAILED)."""
+        """Starts (or finds) the host process and, in it, the engine; raises what that raised (then FAILED)."""
         assert self.state in (ReplicaState.STOPPED, ReplicaState.FAILED), f"{self.id} is {self.state.value}"
         self._loop = asyncio.get_running_loop()
         self.state, self.error, self.load = ReplicaState.STARTING, None, ReplicaLoad()
-        host = None
         try:
-            host = self._host = await asyncio.to_thread(
-                self._hosts.start, self.id, self.engine_config, self._build, *self._settings)
-            info = await host.start.remote()
+            host, info = await self._source.first(self.id)
+            info = await host.subscribe.remote(self._sub, self._deltas) or info
         except BaseException as e:
-            if self.state is ReplicaState.STARTING:  # not stop()ped meanwhile (which ends the host itself)
+            if self.state is ReplicaState.STARTING:
                 log.exception("replica %s: starting its host failed", self.id)
                 self.state, self.error = ReplicaState.FAILED, e
-            if host is not None:
-                self._hosts.kill(host)
-            if self._host is host:
-                self._host = None
             raise
-        if self.state is not ReplicaState.STARTING or self._host is not host:  # stopped meanwhile
-            self._hosts.kill(host)
-            if self._host is host:
-                self._host = None
+        if self.state is not ReplicaState.STARTING:  # stopped meanwhile
+            if self._source.owns:
+                await self._source.release(host, 5.0, self.id)
             return
         self._serve(host, info)
 
     def _serve(self, host, info: dict) -> None:
         self._host = host
         self.tokenizer = info["tokenizer"]
+        self.num_restarts = self._source.num_replaced + info.get("num_restarts", 0)
         self.load.num_kv_blocks = self.load.num_free_blocks = info["num_kv_blocks"]
-        self.state, self.error = ReplicaState.SERVING, None
+        self.state, self.error = ReplicaState(info.get("state", "serving")), None
         self._host_back = self._host_back or asyncio.Event()
         self._host_back.set()
         self._pump = asyncio.create_task(self._read_events(host))
 
     def _host_lost(self, host, error: BaseException) -> None:
-        """The host process died, its engine and every request on it with it: the controller ends those requests
-        (on_failure: UNAVAILABLE, so their clients resume them elsewhere; the replica is RECOVERING by then, so the
-        server does not count it as failed) and a new host starts in the background."""
-        tries = self._settings[1]
-        if tries <= 0:
+        """The host process died, its engine and every request on it with it: their streams end (on_failure:
+        UNAVAILABLE, so their clients resume them elsewhere; the replica is RECOVERING by then, so nobody counts it
+        as failed) and a new host is started (or, in a front, waited for) in the background."""
+        if self._restart_tries <= 0:
             return self.fail(error)
         self._host = None
         self._host_back.clear()
@@ -103,55 +94,35 @@ class RemoteReplica(ReplicaBase):
         self._fail_admits(error)
         self._on_failure(self, error)
         self._on_state(self)
-        asyncio.create_task(self._replace_host(host, error))
+        asyncio.create_task(self._replace_host(host))
 
-    async def _replace_host(self, lost, error: BaseException) -> None:
-        _, tries, wait_s = self._settings
-        await asyncio.to_thread(self._hosts.kill, lost)  # its placement group too: the new host needs the room
-        for attempt in range(1, tries + 1):
-            if self.state is not ReplicaState.RECOVERING:  # stopped meanwhile
-                return
-            host = None
-            try:
-                host = await asyncio.to_thread(
-                    self._hosts.start, self.id, self.engine_config, self._build, *self._settings)
-                info = await host.start.remote()
-            except Exception as e:
-                log.exception("replica %s: starting a new host, try %d of %d, failed", self.id, attempt, tries)
-                error = e
-                if host is not None:
-                    await asyncio.to_thread(self._hosts.kill, host)
-                if attempt < tries:
-                    await asyncio.sleep(wait_s)  # backoff before the next try, as a lost TP group's restart
-                    wait_s = min(2 * wait_s, 15.0)
-                continue
-            if self.state is not ReplicaState.RECOVERING:  # stopped meanwhile
-                await asyncio.to_thread(self._hosts.kill, host)
-                return
-            self._host_restarts += 1
-            self.num_restarts = self._host_restarts
-            log.warning("replica %s: a new host process serves it (host restart %d)", self.id, self._host_restarts)
-            self._serve(host, info)
-            self._on_state(self)
+    async def _replace_host(self, lost) -> None:
+        try:
+            host, info = await self._source.replace(self.id, lost, lambda: self.state is ReplicaState.RECOVERING)
+            info = await host.subscribe.remote(self._sub, self._deltas) or info
+        except Exception as e:
+            if self.state is ReplicaState.RECOVERING:
+                self.fail(ReplicaHostLost(str(e)))
             return
-        self.fail(ReplicaHostLost(f"the host process of replica {self.id} could not be restarted in {tries} "
-                                  f"tries: {error}"))
+        if self.state is not ReplicaState.RECOVERING:  # stopped meanwhile
+            if self._source.owns:
+                await self._source.release(host, 5.0, self.id)
+            return
+        log.warning("replica %s: a new host process serves it", self.id)
+        self._serve(host, info)
+        self._on_state(self)
 
     async def stop(self, timeout_s: float = 30.0) -> None:
-        """Stops the host's engine loop and engine (its group), then ends the host process. Idempotent."""
+        """Stops the host's engine loop and engine (its group), then ends the host process (the controller's side;
+        a front's only stops listening). Idempotent."""
         self.state = ReplicaState.STOPPED
         host, self._host = self._host, None
         if self._host_back is not None:
             self._host_back.set()  # admissions waiting for a new host go on, and fail
         if self._pump is not None and not self._pump.done():
             self._pump.cancel()
-        if host is None:
-            return
-        try:
-            await asyncio.wait_for(host.stop.remote(timeout_s), timeout_s + 10)
-        except (Exception, asyncio.TimeoutError):
-            log.warning("replica %s: its host did not stop cleanly; ending it", self.id)
-        self._hosts.kill(host)
+        if host is not None:
+            await self._source.release(host, timeout_s, self.id)
 
     def fail(self, error: BaseException) -> None:
         if self.state not in (ReplicaState.SERVING, ReplicaState.RECOVERING):
@@ -171,7 +142,7 @@ class RemoteReplica(ReplicaBase):
     async def _read_events(self, host) -> None:
         while True:
             try:
-                events = await host.next_events.remote()
+                events = await host.next_events.remote(self._sub)
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # the host process died (or its actor failed)
@@ -182,20 +153,25 @@ class RemoteReplica(ReplicaBase):
             if self._host is not host:
                 return
             for event in events:
-                if event[0] == "step":
+                kind = event[0]
+                if kind == "step":
                     self._note_step(event[1])
                     self._on_step(self, event[1])
-                elif event[0] == "state":
+                elif kind == "state":
                     _, value, error, group_restarts = event
-                    self.num_restarts = self._host_restarts + group_restarts
+                    self.num_restarts = self._source.num_replaced + group_restarts
                     state = ReplicaState(value)
                     if state in (ReplicaState.RECOVERING, ReplicaState.SERVING) and self.state is not state \
                             and self.state in (ReplicaState.RECOVERING, ReplicaState.SERVING):
                         self.state = state
                         self.error = WorkerError(error) if error else self.error
                         self._on_state(self)
-                elif event[0] == "failed":
+                elif kind == "failed":
                     self.fail(WorkerError(event[1]))
+                elif kind == "dropped":  # the host forgot us (we stopped asking for too long): our requests there
+                    error = ReplicaHostLost(f"replica {self.id} dropped this front's requests")  # were aborted
+                    self._on_failure(self, error)
+                    await host.subscribe.remote(self._sub, self._deltas)
 
     # ---- requests -------------------------------------------------------------------------------------------
     def submit(self, fn: Callable[[Engine], object]) -> Future:
@@ -244,7 +220,7 @@ class RemoteReplica(ReplicaBase):
                 if not future.done():
                     future.set_result(None) if error is None else future.set_exception(error)
 
-        self._loop.create_task(settle(self._host.admit_many.remote([admission for admission, _ in batch])))
+        self._loop.create_task(settle(self._host.admit_many.remote([admission for admission, _ in batch], self._sub)))
 
     def abort(self, req_id: str) -> Future:
         """Engine.abort in the host: a concurrent Future of whether the request was live there."""
@@ -283,5 +259,5 @@ class RemoteReplica(ReplicaBase):
 
     async def executor_facts(self) -> dict:
         if self._host is None:
-            return dict(nodes=[], group=None, forward_s=0.0)
+            return dict(nodes=[], group=None, forward_s=0.0, step_s=0.0)
         return await self._host.executor_facts.remote()

@@ -57,6 +57,7 @@ SLOW_MODULES_FIRST = (
     "tests/bench/test_bench_scaling.py",  # 26 s
     "tests/worker/test_local_workers.py",  # 25 s
     "tests/e2e/test_replica_hosts.py",  # 22 s
+    "tests/e2e/test_front_tier.py",  # 65 s (two hosts, two fronts, a controller adopted)
     "tests/bench/test_bench_soak.py",  # 21 s
     "tests/test_kv_fp8_quality.py",  # 19 s
     "tests/bench/test_bench_cpu.py",  # 15 s

@@ -46,6 +46,9 @@ def add_cluster_parsers(sub) -> None:
                        help="where each replica's scheduler and engine loop run: process (a Ray actor of its own "
                        "beside the controller, so replicas' host work uses several cores), controller (threads of "
                        "the controller process), auto (process when there is more than one replica)")
+    serve.add_argument("--fronts", type=int, default=1,
+                       help="with replica host processes: front processes serving the client API on --port (they "
+                       "route and stream straight from the replicas; the controller never carries a token)")
     serve.add_argument("--served-model-name", default=None, help="the name GetModelInfo reports")
     serve.add_argument("--dry-run", action="store_true",
                        help="print the placement report (each pipeline stage's layers, weight and KV bytes per GPU) "
@@ -206,5 +209,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
                  max_live_requests=args.max_live_requests, http_port=args.http_port, http_host=args.http_host,
                  http_workers=args.http_workers, http_limits=http_limits, security=security,
                  step_deadline=StepDeadline(floor_s=args.step_timeout_floor, factor=args.step_timeout_factor),
-                 stream_interval=args.stream_interval, worker_tls=plane_tls, replica_hosts=args.replica_hosts)
+                 stream_interval=args.stream_interval, worker_tls=plane_tls, replica_hosts=args.replica_hosts,
+                 fronts=args.fronts)
     return exit_past_broken_ray(code)  # a Ray that died under serve: no interpreter finalization (it crashed)

@@ -119,10 +119,10 @@ def bundle_of(config: EngineConfig, rank: int) -> int:
 
 
 def place_group(config: EngineConfig, strategy: str = "STRICT_PACK", name: str = "shardserve-pg",
-                extra_cpus: float = 0.0, timeout_s: float = 60.0):
+                extra_cpus: float = 0.0, timeout_s: float = 60.0, detached: bool = False):
     """A placement group with one bundle per rank, or per pipeline stage with that stage's ranks' resources (bundle
-    0 with extra_cpus more: a replica host's), ready. Raises PlacementError when it cannot be placed within
-    timeout_s."""
+    0 with extra_cpus more: a replica host's), ready. detached: it outlives its creator (a replica host's, which
+    outlives the controller). Raises PlacementError when it cannot be placed within timeout_s."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
 
@@ -134,7 +134,7 @@ def place_group(config: EngineConfig, strategy: str = "STRICT_PACK", name: str =
         strategy = stage_strategy(strategy)
     bundles = [dict(bundle) for _ in range(pp if pp > 1 else tp)]
     bundles[0]["CPU"] += extra_cpus
-    pg = placement_group(bundles, strategy=strategy, name=name)
+    pg = placement_group(bundles, strategy=strategy, name=name, lifetime="detached" if detached else None)
     try:
         ray.get(pg.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:

@@ -22,6 +22,7 @@ from shardserve.cluster.step_deadline import StepDeadline
 from shardserve.settings.resolve import model_facts
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.stages import world_size
+from shardserve.launch.front_actors import RayFronts, sweep
 from shardserve.launch.replica_actors import RayReplicaHosts, use_replica_hosts
 
 
@@ -120,13 +121,14 @@ class RunningCluster:
         cut = 0
         try:
             cut = ray.get(self.controller.shutdown.remote(drain_timeout_s), timeout=drain_timeout_s + 60)
-        except Exception as e:  # a dead controller: its workers die with it (Ray: the actors it owns)
+        except Exception as e:  # a dead controller: its fronts and hosts are ended below
             print(f"shardserve: controller shutdown failed: {e!r}", file=sys.stderr)
         finally:
             try:
                 ray.kill(self.controller, no_restart=True)
             except Exception:
                 pass
+            sweep(self.name)  # whatever a dead controller left: fronts, hosts (and their groups), placement groups
         return cut
 
 
@@ -179,20 +181,29 @@ def start_cluster(
     stream_interval: int = 1,
     worker_tls=None,
     replica_hosts: str = "auto",
+    fronts: int = 1,
+    name: str | None = None,
 ) -> RunningCluster:
     """Launches the controller, which starts the replicas' worker groups (Ray must be connected:
     shardserve.launch.placement.ensure_ray), and returns once health is SERVING. Everything started is torn down again if
     any of it fails. security: the client API's token, TLS and size limit (cluster/api_security.py ApiSecurity;
-    None = none, the default limit). worker_tls: proto.auth.WorkerTLS, the worker plane over mutual TLS."""
+    None = none, the default limit). worker_tls: proto.auth.WorkerTLS, the worker plane over mutual TLS. fronts:
+    front processes on the client API's port (with replica hosts). name: a running cluster's (a new controller adopts
+    its live hosts and fronts instead of starting new ones: its controller died)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from shardserve.cluster.controller import Controller, ControllerConfig
 
-    name = f"shardserve-{uuid.uuid4().hex[:8]}"
+    if name is not None:
+        _end_dead_controller(f"{name}-controller")
+    name = name or f"shardserve-{uuid.uuid4().hex[:8]}"
     served = served_model(config, model_name_of(config, model_name))
     num_replicas = auto_replicas(config) if replicas == "auto" else int(replicas)
     hosts = RayReplicaHosts(name, config.device) if use_replica_hosts(replica_hosts, num_replicas) else None
+    if fronts < 1:
+        raise ValueError(f"--fronts must be at least 1, got {fronts}")
+    here = ray.get_runtime_context().get_node_id()
     controller = None
     try:
         controller_config = ControllerConfig(
@@ -208,10 +219,10 @@ def start_cluster(
             routing=routing,
             stream_interval=stream_interval,
             replica_hosts=hosts,
+            fronts=RayFronts(name, here, fronts) if hosts is not None else None,
         )
         if security is not None:
             controller_config.security = security
-        here = ray.get_runtime_context().get_node_id()
         controller = (
             ray.remote(Controller)
             .options(
@@ -239,8 +250,29 @@ def start_cluster(
             except Exception:
                 pass
             ray.kill(controller, no_restart=True)
+        sweep(name)
         raise
     return RunningCluster(address, status["metrics_address"], controller, name)
+
+
+def _end_dead_controller(actor_name: str, timeout_s: float = 30.0) -> None:
+    """A cluster's earlier controller (dead, or dying) is ended and its name freed for the new one."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            old = ray.get_actor(actor_name)
+        except ValueError:
+            return
+        try:
+            ray.kill(old, no_restart=True)
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"the earlier controller {actor_name} did not go away within {timeout_s:g} s")
 
 
 def auto_replicas(config: EngineConfig) -> int:

@@ -16,6 +16,9 @@ import dataclasses
 from dataclasses import dataclass, field
 
 REPLICA_HOST_MODES = ("auto", "process", "controller")
+# Hosts and fronts are detached named actors in this namespace: they outlive the controller that started them (its
+# death breaks no stream), and a restarted controller finds them by name.
+NAMESPACE = "shardserve"
 
 
 def use_replica_hosts(mode: str, num_replicas: int) -> bool:
@@ -48,10 +51,12 @@ class RayReplicaHosts:
 
         index = replica_id.rsplit("/", 1)[-1]
         cpus = 1 if self.device == "cuda" else 0
-        options = dict(name=f"{self.name}-host{index}", num_cpus=cpus, max_restarts=0, max_concurrency=1000)
+        options = dict(name=f"{self.name}-host{index}", namespace=NAMESPACE, lifetime="detached", num_cpus=cpus,
+                       max_restarts=0, max_concurrency=1000)
         pg = None
         if _takes_placement_group(build_engine):  # shardserve/launch/ray_serving.py's RayGroupFactory
-            pg = place_group(config, build_engine.strategy, f"{self.name}-host{index}-pg", extra_cpus=cpus)
+            pg = place_group(config, build_engine.strategy, f"{self.name}-host{index}-pg", extra_cpus=cpus,
+                             detached=True)
             build_engine = dataclasses.replace(build_engine, placement_group=pg)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=0)
@@ -60,16 +65,38 @@ class RayReplicaHosts:
         self._placement[handle._actor_id.hex()] = pg
         return handle
 
-    def kill(self, handle) -> None:
-        """Ends the host process (its TP group's actors die with it), then removes its placement group."""
+    def find(self, replica_id: str):
+        """The live host actor of this replica (started by this or an earlier controller), or None."""
         import ray
-        from ray.util.placement_group import remove_placement_group
+
+        try:
+            return ray.get_actor(self._host_name(replica_id), namespace=NAMESPACE)
+        except ValueError:
+            return None
+
+    @staticmethod
+    def same(a, b) -> bool:
+        return a._actor_id == b._actor_id
+
+    def _host_name(self, replica_id: str) -> str:
+        return f"{self.name}-host{replica_id.rsplit('/', 1)[-1]}"
+
+    def kill(self, handle, replica_id: str | None = None) -> None:
+        """Ends the host process (its TP group's actors die with it), then removes its placement group (found by
+        name when an earlier controller placed it)."""
+        import ray
+        from ray.util.placement_group import get_placement_group, remove_placement_group
 
         try:
             ray.kill(handle, no_restart=True)
         except Exception:  # already gone
             pass
         pg = self._placement.pop(handle._actor_id.hex(), None)
+        if pg is None and replica_id is not None:
+            try:
+                pg = get_placement_group(f"{self._host_name(replica_id)}-pg")
+            except Exception:
+                pg = None
         if pg is not None:
             try:
                 remove_placement_group(pg)

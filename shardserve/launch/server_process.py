@@ -41,10 +41,11 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
           model_name: str | None = None, max_live_requests: int = 4096, http_port: int | None = None,
           http_host: str | None = None, http_workers: int = 1, http_limits=None, replicas: int | str = 1,
           routing: str = "cache-aware", security=None, step_deadline: StepDeadline | None = None,
-          stream_interval: int = 1, worker_tls=None, replica_hosts: str = "auto") -> int:
+          stream_interval: int = 1, worker_tls=None, replica_hosts: str = "auto", fronts: int = 1) -> int:
     """Runs until SIGTERM/SIGINT (then drains and exits 0) or until the engine fails for good (exits 1): a controller
-    actor that died, or whose groups could not be restarted, is started again (with fresh groups) on the same
-    address, up to CONTROLLER_RESTARTS times. http_port: also the HTTP gateway (shardserve/gateway/app.py), started
+    actor that died is started again under the cluster's name (it adopts the running replica hosts and fronts: no
+    stream breaks, no weights are loaded again); one whose groups could not be restarted is replaced with fresh
+    groups on the same address; CONTROLLER_RESTARTS times at most. http_port: also the HTTP gateway (shardserve/gateway/app.py), started
     once the server is ready, stopped after the drain."""
     import ray
 
@@ -73,11 +74,12 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
     previous = {s: signal.signal(s, interrupt_startup) for s in (signal.SIGTERM, signal.SIGINT)}
     cluster = gateway = None
     code = 0
-    def start_on(bound_port: int) -> RunningCluster:
+    def start_on(bound_port: int, name: str | None = None) -> RunningCluster:
         return start_cluster(config, host=host, port=bound_port, worker_host=worker_host, metrics_port=metrics_port,
                              strategy=strategy, model_name=model_name, max_live_requests=max_live_requests,
                              replicas=replicas, routing=routing, security=security, step_deadline=step_deadline,
-                             stream_interval=stream_interval, worker_tls=worker_tls, replica_hosts=replica_hosts)
+                             stream_interval=stream_interval, worker_tls=worker_tls, replica_hosts=replica_hosts,
+                             fronts=fronts, name=name)
 
     try:
         start = time.perf_counter()
@@ -113,12 +115,13 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
                       f"{ray_host.process.returncode}: the engine is gone, stopping", file=sys.stderr, flush=True)
                 cluster, code = None, 1
                 break
+            died = False
             try:
                 status = cluster.status()
             except ray.exceptions.GetTimeoutError:
                 continue  # busy, not dead: asked again in a second
-            except Exception as e:  # the controller actor died (its worker groups died with it)
-                status = {"state": "failed", "error": repr(e)}
+            except Exception as e:  # the controller actor died (hosts and fronts outlive it; in-process replicas not)
+                status, died = {"state": "failed", "error": repr(e)}, True
             if status["state"] != "failed":
                 continue
             if restarts == CONTROLLER_RESTARTS or stop.is_set():
@@ -128,10 +131,12 @@ def serve(config: EngineConfig, *, ray_address: str | None, host: str, port: int
             restarts += 1  # a fresh controller and groups on the same address; resuming clients go on there
             print(f"shardserve: the engine failed ({status['error']}): starting it again "
                   f"({restarts}/{CONTROLLER_RESTARTS})", file=sys.stderr, flush=True)
-            cluster.shutdown(drain_timeout_s=0.0)
             bound_port = int(cluster.address.rsplit(":", 1)[1])
+            adopt = cluster.name if died else None  # a new controller adopts what still runs
+            if not died:
+                cluster.shutdown(drain_timeout_s=0.0)
             try:
-                cluster = start_on(bound_port)
+                cluster = start_on(bound_port, adopt)
             except Exception as e:
                 print(f"shardserve: starting the engine again failed: {e!r}", file=sys.stderr, flush=True)
                 code = 1

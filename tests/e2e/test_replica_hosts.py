@@ -81,8 +81,11 @@ def test_a_sigkilled_host_is_replaced_and_its_streams_resume_with_equal_tokens(c
     assert sorted(hosts) == [f"{running.name}-host0", f"{running.name}-host1"]
     assert hosts[f"{running.name}-host1"] != victim
     wait_for(lambda: len(_actors(ray_session, running.name, "-rank")) == 2, "the dead host's rank gone, a new one up")
-    status = running.status()
-    assert status["state"] == "serving" and status["live_requests"] == 0
+    wait_for(lambda: all(f["replicas"][f"{running.name}/1"] == "serving"
+                         for f in ray_session.get(running.controller.front_statuses.remote())),
+             "the front to find replica 1's new host")
+    wait_for(lambda: running.status()["live_requests"] == 0, "the fronts' counts to show no live request")
+    assert running.status()["state"] == "serving"
     prompts = [_unrelated(200 + i) for i in range(4)]
     outputs = _generate_all(running.address, prompts)  # round-robin: both replicas answer
     assert {o.replica for o in outputs} == {f"{running.name}/0", f"{running.name}/1"}
