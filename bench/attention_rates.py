@@ -116,7 +116,7 @@ def spread_contexts(batch: int, low: int, high: int, seed: int = 0) -> list[int]
 
 def ragged(model: str, specs: list[tuple[int, int, int]], copy_bytes_per_s: float) -> list[dict]:
     """The decode kernel on batches of unequal contexts (BATCH, LOW, HIGH: spread_contexts), its programs started
-    in batch order and longest first (SHARDSERVE_DECODE_ORDER=longest), next to a batch of equal contexts holding as
+    in batch order and longest first (as the backend starts them), next to a batch of equal contexts holding as
     many tokens (the probe's usual case): how much a batch's long tail costs, and how much the order wins back.
     Longest first is also timed at 2x and 4x choose_num_splits' splits (more, shorter programs for the long
     contexts: what a batch too small to fill the GPU twice over may need)."""
@@ -192,10 +192,6 @@ def attention_rates(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s:
 SWEEP = {  # (BLOCK_N, warps, stages, FP8 variant) per cache
     "bfloat16": [(64, 4, 2, None), (64, 4, 3, None), (64, 8, 2, None)],
     "fp8": [(128, 4, 2, "fp16"), (128, 4, 3, "fp16"), (128, 8, 2, "fp16"), (256, 8, 2, "fp16"),
-            (128, 4, 2, "k_transposed_load"), (128, 4, 3, "k_transposed_load"), (64, 4, 2, "k_transposed_load"),
-            (128, 4, 2, "transposed"), (16, 4, 2, "fma"), (32, 4, 2, "fma"), (32, 8, 2, "fma"), (64, 8, 2, "fma"),
-            (128, 4, 2, "e4m3_qk"), (128, 4, 3, "e4m3_qk"), (128, 4, 2, "e4m3"), (128, 4, 3, "e4m3"),
-            (128, 8, 2, "e4m3"), (64, 4, 2, "e4m3"), (256, 8, 2, "e4m3"),
             (128, 4, 2, "pairs"), (128, 4, 3, "pairs"), (128, 8, 2, "pairs"), (64, 4, 2, "pairs"), (256, 4, 2, "pairs"),
             (256, 8, 2, "pairs")],
 }
@@ -205,7 +201,7 @@ def sweep(model: str, shapes: list[tuple[int, int]], copy_bytes_per_s: float,
           cache_dtypes: tuple[str, ...] = ("bfloat16", "fp8"), variants: set[str] | None = None) -> list[dict]:
     """The decode kernel over SWEEP's settings x (choose_num_splits' splits, twice that) per shape and cache
     (variants: only these FP8 loops). Each FP8 row also gives its largest difference from the default loop's
-    output on the first copy of the case (the e4m3 loops round the query and probabilities: this shows by how much)."""
+    output on the first copy of the case."""
     from shardserve.kernels.paged_decode import choose_num_splits
 
     heads, kv_heads, dim = _model_shape(model)
@@ -256,7 +252,7 @@ def padded_rows(model: str, shapes: list[tuple[int, int]], rows: list[int], copy
 
     heads, kv_heads, dim = _model_shape(model)
     out = []
-    for cache_dtype, variants in (("bfloat16", [None]), ("fp8", ["fp16", "e4m3_qk"])):
+    for cache_dtype, variants in (("bfloat16", [None]), ("fp8", ["fp16", "pairs"])):
         for batch, context in shapes:
             cases, kv_bytes = _cases(heads, kv_heads, dim, batch, context, cache_dtype)
             splits = choose_num_splits(batch, kv_heads, context)
@@ -275,7 +271,7 @@ def padded_rows(model: str, shapes: list[tuple[int, int]], rows: list[int], copy
 
 def mixed_split(model: str, shapes: list[tuple[int, int]], prefill_tokens: int, copy_bytes_per_s: float) -> list[dict]:
     """A mixed batch (batch - 1 decodes, then one sequence extending its context by prefill_tokens) through the Triton
-    backend as one prefill-kernel launch (SHARDSERVE_SPLIT_MIXED=0) and split (=1: the decodes on the decode kernel),
+    backend as one prefill-kernel launch (split_mixed_decodes 0) and split (1: the decodes on the decode kernel),
     per cache: whether the split pays for its second launch."""
     from shardserve.kernels.backends import AttentionMetadata
     from shardserve.kernels.triton_backend import TritonAttentionBackend
@@ -358,11 +354,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep", action="store_true", help="the decode kernel's launch settings too")
     parser.add_argument("--sweep-shapes", default="32x1024,32x4096,64x1024,64x4096,256x800",
                         help="BATCHxCONTEXT,... for --sweep")
-    parser.add_argument("--sweep-variants", default="", help="FP8 loops to sweep, e.g. fp16,e4m3 (default: all)")
+    parser.add_argument("--sweep-variants", default="", help="FP8 loops to sweep, e.g. pairs (default: all)")
     parser.add_argument("--padded-rows", default="", help="time the decode kernel with the group padded to these "
                         "rows, e.g. 16,32,64, at --sweep-shapes")
     parser.add_argument("--mixed", default="", help="time mixed batches (BATCHxCONTEXT,...: batch - 1 decodes and one "
-                        "extend) as one launch and split (SHARDSERVE_SPLIT_MIXED)")
+                        "extend) as one launch and split (the setting split_mixed_decodes)")
     parser.add_argument("--mixed-prefill", type=int, default=512, help="the extend's new tokens in --mixed")
     parser.add_argument("--ragged", default="", help="time batches of unequal contexts in batch order and longest "
                         "first (BATCHxLOW-HIGH,..., e.g. 192x100-2048)")

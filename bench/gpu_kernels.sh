@@ -6,12 +6,10 @@
 #
 #   OUT=DIR BUDGET_S=480 bash bench/gpu_kernels.sh     # on the GPU host, from the project root
 #
-# ADOPT=1: the offline runs use the sweep's best settings per cache (SHARDSERVE_DECODE_LAUNCH, SHARDSERVE_FP8_DECODE,
-# SHARDSERVE_DECODE_PROGRAMS), else the defaults. STEPS / OFFLINE / SWEEP_ARGS narrow the run. Outputs: log.txt and
-# results.tgz (everything else: few files come back from the device machine).
+# STEPS / OFFLINE / SWEEP_ARGS narrow the run. Outputs: log.txt and results.tgz (everything else: few files come back from the device machine).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu-out}; BUDGET_S=${BUDGET_S:-480}; PY=${PY:-python3}; ADOPT=${ADOPT:-0}
+OUT=${OUT:-$PWD/gpu-out}; BUDGET_S=${BUDGET_S:-480}; PY=${PY:-python3}
 STEPS=${STEPS:-"tests rates topp offline"}
 START=$(date +%s)
 mkdir -p "$OUT"
@@ -41,39 +39,6 @@ fi
 if want topp && (( $(left) > 40 )); then
   timeout -k 5 90 $PY tests/gpu/sampling_timing.py "$OUT/topp_timing.json" > "$OUT/topp_timing.txt" 2>&1
   say "top-p timing: exit $?"; cat "$OUT/topp_timing.txt" | tee -a "$OUT/log.txt"
-fi
-if [ "$ADOPT" = 1 ] && [ -f "$OUT/attention_qwen3.json" ]; then
-  # per cache, the setting (and FP8 variant) with the least geometric-mean time over the shapes at the splits
-  # choose_num_splits picks; twice its programs where that setting ran faster with twice the splits
-  eval "$($PY - "$OUT/attention_qwen3.json" <<'PYEOF'
-import json, math, sys
-rows = [r for r in json.load(open(sys.argv[1])).get("sweep", []) if "ms" in r]
-launch, variant, ratios = [], None, []
-for cache, key in (("bfloat16", "bf16"), ("fp8", "fp8")):
-    by = {}
-    for r in rows:
-        if r["kv_cache_dtype"] == cache and r["splits"] == r["chosen_splits"]:
-            by.setdefault((r["block_n"], r["warps"], r["stages"], r.get("variant")), []).append(math.log(r["ms"]))
-    full = max((len(v) for v in by.values()), default=0)
-    scored = {k: sum(v) / len(v) for k, v in by.items() if len(v) == full}
-    if not scored:
-        continue
-    best = min(scored, key=scored.get)
-    launch.append(f"{key}={best[0]},{best[1]},{best[2]}")
-    if cache == "fp8":
-        variant = best[3]
-    mine = [r for r in rows if r["kv_cache_dtype"] == cache
-            and (r["block_n"], r["warps"], r["stages"], r.get("variant")) == best]
-    ratios += [math.log(b["ms"] / a["ms"]) for a in mine for b in mine
-               if (a["batch"], a["context"]) == (b["batch"], b["context"]) and a["splits"] == a["chosen_splits"]
-               and b["splits"] == 2 * a["chosen_splits"]]
-print(f"export SHARDSERVE_DECODE_LAUNCH='{';'.join(launch)}'")
-if variant:
-    print(f"export SHARDSERVE_FP8_DECODE={variant}")
-print(f"export SHARDSERVE_DECODE_PROGRAMS={1056 if ratios and sum(ratios) / len(ratios) < math.log(0.95) else 528}")
-PYEOF
-)"
-  say "offline runs with SHARDSERVE_DECODE_LAUNCH=${SHARDSERVE_DECODE_LAUNCH:-} SHARDSERVE_FP8_DECODE=${SHARDSERVE_FP8_DECODE:-} SHARDSERVE_DECODE_PROGRAMS=${SHARDSERVE_DECODE_PROGRAMS:-}"
 fi
 if want offline && (( $(left) > 60 )); then
   ONLY=${OFFLINE:-"offline_qwen3 offline_qwen3_fp8 offline_llama8b_fp8 offline_llama8b"} BUDGET_S=$(left) OUT=$OUT/offline \

@@ -21,6 +21,7 @@ BUDGET_S=${BUDGET_S:-330}
 PROFILE=${PROFILE:-0}  # 1: torch profiler tables of offline_qwen3 and latency_llama8b_tp1 in $OUT (slows those two runs)
 REPEATS=${REPEATS:-3}  # timed runs of the Qwen3 offline workload on one engine; the record's figure is their median
 ONLY=${ONLY:-}  # step names to run (space-separated); empty: every step
+EXTRA_FLAGS=${EXTRA_FLAGS:-}  # engine flags added to every benchmark command (bench/offline_ab.sh's A/B runs)
 START=$(date +%s)
 WORK=$(mktemp -d /tmp/shardserve-gpu-run.XXXXXX)
 mkdir -p "$OUT" "$WORK/json" "$WORK/logs"
@@ -143,7 +144,7 @@ finish_step() {
 
 bench() {  # bench NAME ARGS...: the shardserve bench command with its JSON record in $WORK/json/NAME.json
   local name=$1; shift
-  echo "$PY -m shardserve.cli.main bench $* --json-out $WORK/json/$name.json"
+  echo "$PY -m shardserve.cli.main bench $* ${EXTRA_FLAGS:-} --json-out $WORK/json/$name.json"
 }
 
 setup
@@ -212,11 +213,6 @@ start_step latency_llama8b_tp2 90 35 all $(bench latency_llama8b_tp2 latency --m
   --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT)
 finish_step latency_llama8b_tp2
 
-# (d2) the same with the one-shot symmetric-memory all-reduce (SHARDSERVE_SYMM_MEM_ALL_REDUCE=1, off by default)
-start_step latency_llama8b_tp2_symm 90 35 all env SHARDSERVE_SYMM_MEM_ALL_REDUCE=1 $(bench latency_llama8b_tp2_symm \
-  latency --model $BIG $DEV --tp 2 --input-len $LAT_IN --output-len $LAT_OUT --max-model-len $MML_LAT)
-finish_step latency_llama8b_tp2_symm
-
 # (e) offline Llama-3-8B [GPU 0]  ||  (f) transformers' continuous batching vs ours on Qwen3-0.6B [GPU 1]
 start_step offline_llama8b 120 45 0 $(bench offline_llama8b offline --model $BIG $DEV --num-prompts $N_BIG \
   --input-len $LENS --output-len $OLENS --max-model-len $MML_OFF)
@@ -238,12 +234,6 @@ start_step control_plane_tp2 150 60 all $(bench control_plane_tp2 control-plane 
   --num-prompts $N_CP --input-len $CP_IN --output-len $CP_OUT --max-model-len $MML_LAT --max-num-seqs $N_CP \
   --executor both)
 finish_step control_plane_tp2
-
-# (p2) the fused layer kernels off (SHARDSERVE_FUSED_KERNELS=0): what they buy, Llama-3-8B [GPU 0]
-start_step probe_llama8b_unfused 120 50 0 env SHARDSERVE_FUSED_KERNELS=0 $PY -m shardserve.cli.main bench probe \
-  --model $BIG ${DEV/--num-kv-blocks 256/} --batch-sizes 1,64 $PROBE_LENS --prefill-tokens 0 \
-  --json-out "$OUT/probe_llama8b_unfused.json"
-finish_step probe_llama8b_unfused
 
 # (a) GPU tests last (kernels were checked on the GPU before; the benchmarks come first): kernels, CUDA graphs vs
 # eager (TP=1, TP=2), the graphs' memory reserve, with whatever budget is left

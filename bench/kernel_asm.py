@@ -52,7 +52,8 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
     from shardserve.kernels.paged_decode import DECODE_KERNEL
 
     fp8 = cache == "fp8"
-    index = FP8_DECODE_VARIANTS.index(variant) if fp8 else 0
+    if fp8 and variant not in FP8_DECODE_VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(FP8_DECODE_VARIANTS)}; got {variant!r}")
     kv = ("*i16" if variant == "pairs" else "*fp8e4nv") if fp8 else "*bf16"
     types = dict.fromkeys(_POINTERS, "*bf16") | {"k_cache_ptr": kv, "v_cache_ptr": kv, "block_tables_ptr": "*i32",
                                                  "seq_lens_ptr": "*i32", "order_ptr": "*i32", "part_out_ptr": "*fp32",
@@ -60,7 +61,7 @@ def compile_decode(cache: str, variant: str, block_n: int, warps: int, stages: i
                                                  "scale_log2e": "fp32"}
     constants = dict(GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=1, BLOCK_G=rows,
                      BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, DOT_PRECISION="tf32", NUM_KV_HEADS=8,
-                     FP8=fp8, FP8_DOT=index, DOT_FP16=fp8 and index > 0 and variant != "fma", ASM=True,
+                     FP8=fp8, PAIRS=fp8 and variant == "pairs", DOT_FP16=fp8, ASM=True,
                      block_size=16, PDL=pdl, ORDERED=False)
     aligned = set(_POINTERS) | {n for n in DECODE_KERNEL.arg_names if n.startswith("stride") and n != "stride_bt"}
     return compile_kernel(DECODE_KERNEL, types, constants, aligned, arch, num_warps=warps, num_stages=stages,

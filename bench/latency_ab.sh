@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# bs=1 latency with a switch on and off (AB=VAR: VAR=1 / VAR=0, default SHARDSERVE_ONE_ROW; VALUES="auto 0" for
-# other values), paired runs on one GPU:
+# bs=1 latency with an engine setting at each of its values (FLAG=--setting, VALUES="v1 v2"), paired runs on one
+# GPU:
 # MODELS (default Llama-3-8B, then Qwen3-0.6B; dummy weights), RUNS pairs each (default "a b"), after the GPU tests
 # (GPU_TESTS: `-m gpu` tests, default the GPU suite; KERNEL_TESTS: kernel tests run compiled, default the one-row
 # layer's and the GEMV's).
 #
-#   OUT=DIR SHARDSERVE_COMMIT=<hash> bash bench/latency_ab.sh     # on the GPU host, from the project root
+#   OUT=DIR SHARDSERVE_COMMIT=<hash> FLAG=--split-mixed-decodes VALUES="0 1" bash bench/latency_ab.sh   # on the GPU host
 # Outputs: log.txt and results.tgz (test logs, each run's output and JSON record).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}; mkdir -p "$OUT"
-AB=${AB:-SHARDSERVE_ONE_ROW}; VALUES=${VALUES:-"1 0"}; MODELS=${MODELS:-"llama-3-8b qwen3-0.6b"}; RUNS=${RUNS:-"a b"}
+: "${FLAG:?FLAG=--setting names the engine flag}"; : "${VALUES:?VALUES names its values}"; MODELS=${MODELS:-"llama-3-8b qwen3-0.6b"}; RUNS=${RUNS:-"a b"}
 GPU_TESTS=${GPU_TESTS-tests/gpu}; KERNEL_TESTS=${KERNEL_TESTS-"tests/kernels/test_one_row_layer.py tests/kernels/test_gemv.py"}
 WORK=$(mktemp -d)
 say() { echo "[latency_ab $SECONDS s] $*" | tee -a "$OUT/log.txt"; }
@@ -28,9 +28,9 @@ run_tests() {  # run_tests NAME PYTEST_ARGS...
 for model in $MODELS; do
   for run in $RUNS; do
     for v in $VALUES; do
-      name=latency_${model}_${AB}${v}_$run
-      env "$AB=$v" timeout 90 python3 -m shardserve.cli.main bench latency --model $model --device cuda \
-        --load-format dummy --tp 1 --input-len 128 --output-len 256 --max-model-len 1024 \
+      name=latency_${model}_${FLAG#--}${v}_$run
+      timeout 90 python3 -m shardserve.cli.main bench latency --model $model --device cuda \
+        --load-format dummy --tp 1 --input-len 128 --output-len 256 --max-model-len 1024 $FLAG $v \
         --json-out "$WORK/$name.json" > "$WORK/$name.txt" 2>&1
       say "$name: exit $? $(grep -h 'ms/token\|ms per token' "$WORK/$name.txt" | tail -1)"
     done

@@ -9,7 +9,7 @@ import platform
 import shlex
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, is_dataclass
 
 
 @dataclass
@@ -43,6 +43,7 @@ class BenchRecord:
     dtype: str | None = None  # the model's (weights' and activations') dtype: "bfloat16", "float32" ...
     kv_cache_dtype: str | None = None  # the KV cache's element type: "bfloat16", "float32", "fp8" ...
     quantization: str | None = None  # the linear layers' weights: "none" (the model's dtype) or "fp8"
+    settings: dict = field(default_factory=dict)  # the run's EngineConfig, every field as resolved
     workload: dict = field(default_factory=dict)  # num_prompts, input_len, output_len, rate or concurrency
     output_tokens_per_s: float | None = None
     total_tokens_per_s: float | None = None
@@ -69,7 +70,8 @@ class BenchRecord:
                    device=device_name(config.device), num_gpus=tp if config.device == "cuda" else 0, tp=tp,
                    replicas=1, pp=getattr(config, "pipeline_parallel_size", 1), dtype=getattr(config, "dtype", None),
                    kv_cache_dtype=getattr(config, "kv_cache_dtype", None),
-                   quantization=getattr(config, "quantization", None), **fields)
+                   quantization=getattr(config, "quantization", None),
+                   settings=asdict(config) if is_dataclass(config) else {}, **fields)
 
     def write(self, path: str | None) -> None:
         text = json.dumps(asdict(self), indent=2)

@@ -24,10 +24,9 @@
  * ops round (the products, SiLU in float32 from the rounded gate, the product with the rounded up); e^x is a
  * polynomial, not torch's Sleef, so a SiLU may differ from torch's in its last bit.
  *
- * The loop held its own copy of the weights in a tile layout of 1 KiB tiles until 2026-12-03 (`52616a9`); reading
- * oneDNN's blocks instead saves that copy (the default model's peak 1,203 against 1,439 MiB) and costs about 3 ms
- * of a ~50 ms decode step at batch 32 on the development VM: the same bytes read in another order stream slower
- * there, for reasons not found (docs/performance.md).
+ * Reading oneDNN's blocks, not a copy of the weights in a tile layout of the loop's own, holds the weights once;
+ * it costs a few percent of a decode step, as the same bytes read in this order stream slower, for reasons not
+ * found (docs/performance-history.md).
  *
  * Where the compiler does not target AMX (no amx_tile/amx_bf16 on the host), linear_bf16_amx returns -1 and the
  * caller keeps oneDNN. Linux hands a process AMX's large register state only on request (amx_enable).

@@ -3,16 +3,16 @@ bfloat16 matmuls of a decode step's few rows on AMX (cpu_amx.c).
 
 The torch formulation of the in-place decode (torch_paged_decode.py) takes ~15 torch ops a layer, each a pass over
 the step's scores, and reads every key row once per query head; the C kernel reads each key and value once per KV
-head and keeps its sums in vector registers: the CPU benchmark's decode steps take about a third less time
-(docs/performance-history.md). It is compiled here, not at install: `cc -O3 -march=native -fopenmp` makes code for the
-host's own vector units, linked against the OpenMP runtime torch has loaded (`openmp_runtime`), so the shared object
-is cached per source, compiler, flags, runtime and CPU (`$XDG_CACHE_HOME/shardserve/native`, by default
-`~/.cache/shardserve/native`), written under a temporary name and renamed into place (processes building it at once
-each finish with a whole file); loading an object marks it used (its mtime), and a build removes the objects no
-process has loaded for UNUSED_DAYS (other sources, compilers, CPUs). Where there is no compiler, the build fails,
-or `SHARDSERVE_CPU_NATIVE=0`, `decode_kernel()` and `rms_norm()` are None and `store_kv()` and `rope_()` False, and
-the torch ops run instead: the same bits for the store, RoPE and RMSNorm, the same attention within float32
-rounding, oneDNN's matmuls.
+head and keeps its sums in vector registers, so decode steps take markedly less time (docs/performance.md). It is
+compiled here, not at install: `cc -O3 -march=native -fopenmp` makes code for the host's own vector units, linked
+against the OpenMP runtime torch has loaded (`openmp_runtime`), so the shared object is cached per source,
+compiler, flags, runtime and CPU (`$XDG_CACHE_HOME/shardserve/native`, by default `~/.cache/shardserve/native`),
+written under a temporary name and renamed into place (processes building it at once each finish with a whole
+file); loading an object marks it used (its mtime), and a build removes the objects no process has loaded for
+UNUSED_DAYS (other sources, compilers, CPUs). Where there is no compiler, the build fails, or ENABLED is False (the
+tests of that fallback), `decode_kernel()` and `rms_norm()` are None and `store_kv()` and `rope_()` False, and the
+torch ops run instead: the same bits for the store, RoPE and RMSNorm, the same attention within float32 rounding,
+oneDNN's matmuls.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-ENV_SWITCH = "SHARDSERVE_CPU_NATIVE"  # 0: the torch formulation only (A/B runs, hosts without a compiler)
+ENABLED = True  # False: the torch formulation only, as on a host without a compiler (the tests of that fallback)
 SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_amx.c")]
 HEADERS = [Path(__file__).with_name("cpu_vec.h")]
 FLAGS = ["-O3", "-march=native", "-fPIC"]
@@ -134,7 +134,7 @@ def _prune(directory: Path, keep: Path) -> None:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if os.environ.get(ENV_SWITCH, "1") == "0" or platform.system() != "Linux":
+    if not ENABLED or platform.system() != "Linux":
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:

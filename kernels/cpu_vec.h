@@ -1,7 +1,7 @@
 /* What the CPU's C kernels share (cpu_decode.c, cpu_amx.c): GCC's vector types, 16 lanes, bfloat16 rounding and
  * widening, loads and stores, e^x. */
-#ifndef SHARDSERVE_CPU_VEC_H
-#define SHARDSERVE_CPU_VEC_H
+#ifndef CPU_VEC_H_INCLUDED
+#define CPU_VEC_H_INCLUDED
 #include <stdint.h>
 #include <string.h>
 

@@ -3,7 +3,7 @@
 The GPU starts a grid's programs about in order, so in a batch of unequal contexts the programs of long contexts
 that sit late in the batch would run on alone at the end (kernels/paged_decode.py: ORDERED). On CUDA the order is
 one small Triton launch a step instead of torch.argsort, whose radix sort (and the int32 conversion after it) took
-~20 us of an H200's decode step at batch 256 (docs/performance-history.md): each sequence's rank is the number of contexts
+a noticeable share of a large batch's decode step: each sequence's rank is the number of contexts
 longer than its own plus the equal ones before it, counted against the whole batch in tiles, and the sequence is
 written at its rank. The ranks are a permutation, so every program writes one entry and no two write the same.
 """

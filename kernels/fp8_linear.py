@@ -4,9 +4,9 @@ At start-up each projection's weight W [N, K] becomes float8 e4m3 with one float
 (row n: its largest magnitude maps to 448), computed from the loaded weight (no calibration data). At each call
 the activations x [M, K] are quantized the same way per token (row m, one pass of `quantize_rows`), and the
 product runs on FP8 tensor cores with both scales applied to the float32 accumulator:
-y[m, n] = (sum_k xq[m, k] wq[n, k]) * sx[m] * sw[n]. On an H200 that halves the weights' bytes and runs the
-products at twice bf16's rate: Llama-3-8B's gate_up at 256 rows 94.7 -> 52.9 us, at 16,384 rows 1.9x faster
-(docs/performance-history.md). Small matrices at small M gain nothing or lose (Qwen3-0.6B's o_proj and down at <= 512 rows).
+y[m, n] = (sum_k xq[m, k] wq[n, k]) * sx[m] * sw[n]. That halves the weights' bytes and runs the products at twice
+bf16's rate, so large matrices gain at every batch size; small matrices at small M gain nothing or lose
+(docs/performance.md).
 
 The LM head and the embedding keep the model's dtype. Without CUDA (or where a dimension is not a multiple of 16,
 which the FP8 GEMM needs) `fp8_linear` computes the same quantized product in float32 in torch: the CPU runs the
@@ -132,7 +132,7 @@ def fp8_linear(x: torch.Tensor | Fp8Rows, weight: torch.Tensor, weight_scale: to
             xq, x_scale = quantize_rows_ref(rows)
     if fast:
         # fast accumulation: the products' partial sums promoted to float32 every few steps rather than at each
-        # one; 12% faster at prefill sizes on an H200, and within the format's own error (tests/gpu)
+        # one: faster at prefill sizes, and within the format's own error (tests/gpu)
         y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=weight_scale, out_dtype=dtype,
                              use_fast_accum=True)
     else:

@@ -1,10 +1,10 @@
 """Triton GEMV for decode at batch 1-4: y = x W^T with W [N, K] read once, at the copy rate.
 
 At M = 1 the matmul is a pass over the weight. cuBLAS picks 64-wide tiles and split-K for Llama-3-8B's qkv
-(6,144 x 4,096) and o_proj (4,096 x 4,096) and reads them at ~72% of the H200's copy rate (docs/performance-history.md,
-bs=1 profile). Here each program owns BLOCK_N output columns and walks K in BLOCK_K steps, every row of x against
-the same weight tile (loaded once, coalesced along K), accumulating in float32; SPLIT_K > 1 gives each program
-1/SPLIT_K of K and adds its partial sums into a float32 buffer with atomics (for shapes with few columns).
+(6,144 x 4,096) and o_proj (4,096 x 4,096), which reads them well below the copy rate. Here each program owns
+BLOCK_N output columns and walks K in BLOCK_K steps, every row of x against the same weight tile (loaded once,
+coalesced along K), accumulating in float32; SPLIT_K > 1 gives each program 1/SPLIT_K of K and adds its partial
+sums into a float32 buffer with atomics (for shapes with few columns).
 
 The layer's small kernels can ride along (gemv_fused), so a one-row decoder layer is four GEMVs and its attention:
 - norm: x is the residual stream and the GEMV reads RMSNorm(x) * weight (each program normalises the row itself;
@@ -27,8 +27,6 @@ Everything it writes comes after the wait, and every program waits, so the kerne
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -38,32 +36,18 @@ from shardserve.kernels.kv_fp8 import FP8_DTYPE
 from shardserve.kernels.pdl import supported as pdl_supported
 
 MAX_ROWS = 4
-# Programmatic dependent launch on CUDA (Hopper and later; SHARDSERVE_GEMV_PDL=0 turns it off): a GEMV may start, and
-# read its first weight tile, while the kernel before it finishes; it waits for that kernel before reading x. On an
-# H200 (docs/performance-history.md): Qwen3-0.6B bs=1 1.022 -> 0.968 ms; Llama-3-8B (weights of 34-235 MB) 4.304 -> 4.145 ms
-# with the FLAT GEMVs below (two pairs at c5ce5fd; before them it was slower, 4.608 -> 4.947, and was kept to
-# weights of at most 16 MB until then).
-PDL = os.environ.get("SHARDSERVE_GEMV_PDL", "1") != "0"
 # The one-row layer's GEMVs sum their products lane by lane and keep the weight tile out of shared memory (the
-# kernel's FLAT). Timed on an H200 (docs/performance-history.md, "FLAT one-row GEMVs"), flat against reduced, us:
-# Llama-3-8B qkv+norm 15.5/15.9, gate_up+norm 57.0/60.2, down+silu+residual 30.6/36.3 (cuBLAS alone 31.9), o_proj
-# +residual 11.4/11.7 (4x2048 tiles, loading ahead); Qwen3-0.6B 3.2/4.3, 5.3/5.1, 4.0/5.6, o_proj 1.9/3.5. The plain
-# GEMV (the LM head at batch 1) stays reduced: flat it read Qwen3-0.6B's in 81.8 us against 72.2. Hence "auto": flat
-# where the GEMV reads x through the norm or SiLU or adds a residual. SHARDSERVE_GEMV_FLAT=1: every one-row GEMV;
-# 0: none.
-FLAT = os.environ.get("SHARDSERVE_GEMV_FLAT", "auto")
-if FLAT not in ("auto", "0", "1"):
-    raise ValueError(f"SHARDSERVE_GEMV_FLAT={FLAT!r}: auto, 0 or 1")
-# e4m3 weights read this many elements at a time (_weight_tile's VEC; 0: Triton's choice, 16 = 16 bytes), x being in
-# the model's dtype. On an H200 (docs/performance-history.md), Llama-3-8B's FP8 gate_up 38.7 -> 37.0 us, down 19.1 -> 18.4,
-# qkv 11.3 -> 11.0. SHARDSERVE_GEMV_FP8_VEC (A/B runs).
-FP8_VEC = int(os.environ.get("SHARDSERVE_GEMV_FP8_VEC", "8"))
-# The FLAT GEMV over e4m3 weights sums each step's products this many at a time in the lane first (0: not): on an
-# H200 Llama-3-8B's FP8 gate_up 37.1 -> 29.0 us (4.05 TB/s), down (8 x 2,048 tiles) 18.2 -> 16.8, bs=1 3.04 ->
-# 2.58 ms a token with the tiles of decoder.py (docs/performance-history.md). SHARDSERVE_GEMV_FP8_GROUP (A/B runs).
-FP8_GROUP = int(os.environ.get("SHARDSERVE_GEMV_FP8_GROUP", "8"))
-# Half-precision weights are not grouped: timed on an H200 (2026-12-03), Llama-3-8B's bf16 qkv 14.4 -> 16.9 us and
-# down 29.0 -> 41.5 at the default tiles, bs=1 4.09 -> 4.54 ms a token (docs/performance-history.md).
+# kernel's FLAT): faster where the GEMV reads x through the norm or SiLU or adds a residual, slower for the plain
+# GEMV (the LM head at batch 1), so "auto" takes it for those reads only. "0" and "1" (none, every one-row GEMV)
+# are for the tests and timing scripts that compare the two.
+FLAT = "auto"
+# e4m3 weights are read this many elements at a time (_weight_tile's VEC), x being in the model's dtype: 8 lays the
+# tile out as x's bf16 tile is, so the products need no re-layout of x through shared memory.
+FP8_VEC = 8
+# The FLAT GEMV over e4m3 weights sums each step's products this many at a time in the lane first: the running sums
+# then take a GROUP-th of the registers, so more of the weight is in flight. Half-precision weights are not grouped
+# (it made their GEMVs slower).
+FP8_GROUP = 8
 
 
 def _flat(m: int, norm: bool, silu: bool, residual: bool) -> bool:
@@ -148,13 +132,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, norm_ptr, res_ptr, w_scale_ptr, x_scale_
     x = _input_tile(x_ptr, norm_ptr, rows, row_ok, stride_xm, k_start, K, rstd, BLOCK_K, NORM, SILU)
     if FLAT:  # one row: products summed lane by lane over K, reduced across lanes once at the end
         # A plain read loads each weight tile one step ahead of its use (without it ptxas issued the loop's loads one
-        # after another, each waiting for the last: 8 LDG.128 into one register in the SASS for sm_90; with it, an
-        # H200 read Qwen3-0.6B's o_proj in 1.9 us against 3.5). Through the norm or SiLU that was slower (Llama-3-8B's
-        # down 30.4 -> 42.1 us: more registers a program), so those load each tile where it is used. (So do e4m3
-        # tiles: loaded ahead through the norm and SiLU, Llama-3-8B's FP8 gate_up took 49.9 us against 37.0.)
+        # after another, each waiting for the last). Through the norm or SiLU, and for e4m3 tiles there, loading
+        # ahead was slower (more registers a program), so those load each tile where it is used.
         # GROUP > 0 (e4m3 weights, FP8_GROUP): each step's products summed GROUP at a time within the lane before
         # they join the running sums, which then hold [BLOCK_N, BLOCK_K / GROUP] float32 values, a GROUP-th of the
-        # registers (the e4m3 tile's bytes in flight had cost as many registers as a bf16 tile's twice the bytes).
+        # registers.
         AHEAD: tl.constexpr = not (NORM or SILU)
         k_end = tl.minimum(k_start + k_per_split, K)
         if AHEAD:
@@ -245,7 +227,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, k: int, block_n: int, block_k
     else:
         out = torch.zeros(m, n, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(n, block_n), split_k)
-    pdl = PDL and split_k == 1 and pdl_supported(x)  # split-K: its output is zero-filled before
+    pdl = split_k == 1 and pdl_supported(x)  # split-K: its output is zero-filled before
     _gemv_kernel[grid](x, weight, out, norm[0] if norm is not None else x, residual if residual is not None else x,
                        w_scale if w_scale is not None else x, x_scales if x_scales is not None else x,
                        m, n, k, x.stride(0), weight.stride(0), out.stride(0),

@@ -11,7 +11,6 @@ the torch backend uses.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -59,38 +58,13 @@ def scales_from_amax(amax: torch.Tensor, margin: float) -> torch.Tensor:
     return torch.where(amax > 0, amax * margin / FP8_MAX, torch.ones_like(amax))
 
 
-# How the decode multiplies an FP8 cache's tiles (SHARDSERVE_FP8_DECODE selects one; the Triton loops are in
-# paged_decode.py / paged_decode_fp8.py, measured on an H200 in docs/performance-history.md): "pairs" (the default) reads the
-# cache as int16 pairs of e4m3, which Triton copies and loads as it does a bf16 tile, and widens each pair into an
-# even-dims and an odd-dims fp16 tile (the products sum over the dims in any order): 96% of the copy rate at
-# 64 x 4,096 and offline Qwen3-0.6B 32.4-33.7k out tok/s against the "fp16" loop's 22.5k. Every other loop loads e4m3
-# tiles as such, which Triton 3.6 reads back from shared memory a byte at a time for the products (128 one-byte
-# loads per thread per tile: they took as long per key as bf16 does for twice the bytes). "widen" converts each
-# tile to the query's dtype and runs the bf16 kernel's products; "fp16" converts to fp16 instead (one native
-# conversion; q clamped to fp16's range; the default before "pairs"); "transposed" also puts the converted tiles
-# first in both products; "k_transposed_load" loads K in its [head_dim, keys] shape; "fma" uses no tensor cores.
-# "e4m3_qk" rounds the query to e4m3 (round_query_e4m3) and multiplies it with the K tiles as stored, p and V as
-# fp16; "e4m3" also rounds the probabilities to e4m3 (both raise the cache's divergence on the default model: the
-# query's rounding by 61%). The torch path (CPU) rounds the query as the e4m3 loops do, so that their effect on
-# outputs can be measured with a model's real weights where no GPU can hold it. "pairs" and "fp16" compute the
-# same values (fp16 products of exactly widened tiles) in another order.
-FP8_DECODE_VARIANTS = ("widen", "fp16", "transposed", "k_transposed_load", "fma", "e4m3_qk", "e4m3", "pairs")
-
-
-def fp8_decode_variant() -> str:
-    variant = os.environ.get("SHARDSERVE_FP8_DECODE", "pairs")
-    if variant not in FP8_DECODE_VARIANTS:
-        raise ValueError(f"SHARDSERVE_FP8_DECODE must be one of {', '.join(FP8_DECODE_VARIANTS)}; got {variant!r}")
-    return variant
-
-
-def rounds_query(variant: str) -> bool:
-    return variant.startswith("e4m3")
-
-
-def round_query_e4m3(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """q [num_seqs, num_heads, head_dim] as the e4m3 decode loops see it: each (sequence, KV head)'s group of query
-    heads rounded to e4m3 with one scale (their largest magnitude -> 448), in float32."""
-    groups = q.float().unflatten(1, (num_kv_heads, -1))
-    scale = groups.abs().amax(dim=(2, 3), keepdim=True).clamp_min(1e-30) / FP8_MAX
-    return ((groups / scale).to(FP8_DTYPE).float() * scale).flatten(1, 2)
+# How the decode multiplies an FP8 cache's tiles (the Triton loops are in paged_decode.py / paged_decode_fp8.py):
+# "pairs" (the default) reads the cache as int16 pairs of e4m3, which Triton copies and loads as it does a bf16 tile,
+# and widens each pair into an even-dims and an odd-dims fp16 tile (the products sum over the dims in any order);
+# an e4m3 tile loaded as such Triton 3.6 reads back from shared memory a byte at a time for the products. "fp16"
+# widens e4m3 tiles to fp16 (one native conversion; q clamped to fp16's range) and runs the bf16 kernel's products:
+# the loop for float32 queries (fp16 pairs would round them), and the reference "pairs" is tested against. Both
+# compute the same values (fp16 products of exactly widened tiles) in another order. Other loops (tiles widened to
+# the query's dtype, transposed, no tensor cores, the query or the probabilities rounded to e4m3) were slower or
+# less accurate and were removed (docs/performance-history.md).
+FP8_DECODE_VARIANTS = ("fp16", "pairs")

@@ -10,20 +10,17 @@ for any context length (what CUDA-graph replay needs); it only changes how the w
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from shardserve.kernels.fp8_pairs import COMPILED
-from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS, dequantize_fp8, fp8_decode_variant
+from shardserve.kernels.kv_fp8 import FP8_DECODE_VARIANTS, dequantize_fp8
 from shardserve.kernels.pdl import chained, start_as_dependent
 
 from shardserve.kernels.attention_common import LOG2E, NEG_BIG, check_paged_inputs, check_scales, dot_precision
-from shardserve.kernels.paged_decode_fp8 import (fp8_e4m3_loop, fp8_fma_loop, fp8_k_transposed_load_loop,
-                                                 fp8_pairs_loop, fp8_transposed_loop, load_tiles,
-                                                 softmax_step, start_state)
+from shardserve.kernels.paged_decode_fp8 import fp8_pairs_loop, load_tiles, softmax_step, start_state
 
 
 # The block table's row stride is the step's widest table: left unspecialised, or each new value that is (not) a
@@ -38,17 +35,17 @@ def _decode_kernel(
     block_size: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, FP8_DOT: tl.constexpr, DOT_FP16: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr, FP8: tl.constexpr, PAIRS: tl.constexpr, DOT_FP16: tl.constexpr,
     ASM: tl.constexpr = False, PDL: tl.constexpr = False, ORDERED: tl.constexpr = False,
 ):
     """Grid (num_seqs * num_kv_heads, NUM_SPLITS). Program (s * num_kv_heads + h, j) attends the query heads
     h*GROUP .. h*GROUP+GROUP-1 of sequence s to its context positions in split j (a run of whole BLOCK_N tiles).
     A sequence's KV heads are launched next to each other, so they read the same cache blocks (each head is a
-    256-byte slice of every token's row) at about the same time. (Measured on an H200 against the order
-    (sequence, head) as separate grid axes: the same within noise; kept as the one order.)
+    256-byte slice of every token's row) at about the same time (as fast as separate grid axes; one order kept).
     FP8: the cache holds float8 e4m3; the program's KV head's K scale folds into the softmax scale, its V scale
-    into the output. FP8_DOT (see FP8_DECODE_VARIANTS) says how the e4m3 tiles meet the tensor cores; DOT_FP16:
-    16-bit operands become fp16 (e4m3 -> fp16 is one native conversion; q is clamped to fp16's range).
+    into the output. PAIRS: the cache read as int16 pairs of e4m3 (kernels/kv_fp8.py, FP8_DECODE_VARIANTS); else
+    the tiles are widened and DOT_FP16 makes 16-bit operands fp16 (e4m3 -> fp16 is one native conversion; q is
+    clamped to fp16's range).
     block_size is a compile-time constant: a position's block and slot by shifts (12% fewer instructions than by
     division, compiled for sm_90). PDL: launched as a programmatic dependent (kernels/pdl.py).
     ORDERED: program row s attends sequence order_ptr[s] instead of s (the GPU starts programs about in grid order,
@@ -77,24 +74,9 @@ def _decode_kernel(
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     if FP8:
         scale_log2e = scale_log2e * tl.load(k_scale_ptr + kv_head)
-    if FP8_DOT == 2:  # (FP8_DOT and DOT_FP16 are 0 without FP8)
-        m, l, acc = fp8_transposed_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb,
-                                        stride_cp, stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D,
-                                        BLOCK_N, DOT_PRECISION, DOT_FP16)
-    elif FP8_DOT == 3:
-        m, l, acc = fp8_k_transposed_load_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb,
-                                               stride_cp, stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G,
-                                               BLOCK_D, BLOCK_N, DOT_PRECISION, DOT_FP16)
-    elif FP8_DOT == 4:
-        m, l, acc = fp8_fma_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
-                                 stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N)
-    elif FP8_DOT == 7:
+    if PAIRS:  # (PAIRS and DOT_FP16 are False without FP8)
         m, l, acc = fp8_pairs_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
                                    stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N, ASM)
-    elif FP8_DOT >= 5:
-        m, l, acc = fp8_e4m3_loop(q, k_cache_ptr, v_cache_ptr, table, start, end, kv_head, stride_cb, stride_cp,
-                                  stride_ch, block_size, scale_log2e, HEAD_DIM, BLOCK_G, BLOCK_D, BLOCK_N,
-                                  FP8_DOT == 6)
     else:
         if DOT_FP16:
             q = tl.clamp(q.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
@@ -155,33 +137,12 @@ def _merge_splits_kernel(
 
 # Launch settings per cache (keys per tile, warps, pipeline stages, stages where a context is one split and the
 # launch small), head_dim <= 128. An e4m3 tile of 128 keys moves the bytes of a bf16 tile of 64 (the loop's fixed
-# costs, the two products and the softmax, are paid per tile, so half-size FP8 tiles left the kernel at ~1.0-1.45
-# TB/s on an H200: docs/performance-history.md). bf16 takes a third stage where each program reads a whole context (one
-# split) and the launch has at most DEEP_MAX_PROGRAMS programs: on an H200, 64 x 1,024 0.076 -> 0.065 ms, 64 x
-# 100-2,048 0.099 -> 0.092; with more programs (three stages fit 2 programs an SM, two stages 3) unequal contexts
-# ran slower (256 x 100-1,024 0.138 -> 0.141 ms; the offline run's decode steps at 128-256 sequences 1.7% slower),
-# and so did split launches (32 x 1,024: 0.040 -> 0.047).
+# costs, the two products and the softmax, are paid per tile, so half-size FP8 tiles left the kernel far below the
+# copy rate). bf16 takes a third stage where each program reads a whole context (one split) and the launch has at
+# most DEEP_MAX_PROGRAMS programs: faster there, slower with more programs (three stages fit 2 programs an SM, two
+# stages 3) and for split launches.
 DECODE_LAUNCH = {"bf16": (64, 4, 2, 3), "fp8": (128, 4, 2, 2)}
-
-
-def _launch_overrides(text: str) -> dict[str, tuple[int, int, int, int]]:
-    """SHARDSERVE_DECODE_LAUNCH="fp8=128,8,3;bf16=64,4,2,3": other settings for measurements (BLOCK_N, WARPS,
-    STAGES[, STAGES at one split; default: STAGES])."""
-    out = {}
-    for item in filter(None, text.split(";")):
-        cache, _, values = item.partition("=")
-        numbers = tuple(int(v) for v in values.split(",") if v.strip().isdigit())
-        if cache not in DECODE_LAUNCH or len(numbers) not in (3, 4) or len(values.split(",")) != len(numbers):
-            raise ValueError(f"SHARDSERVE_DECODE_LAUNCH: expected CACHE=BLOCK_N,WARPS,STAGES[,ONE_SPLIT_STAGES], "
-                             f"got {item!r}")
-        out[cache] = numbers if len(numbers) == 4 else numbers + numbers[2:]
-    return out
-
-
-DECODE_LAUNCH |= _launch_overrides(os.environ.get("SHARDSERVE_DECODE_LAUNCH", ""))
-
-
-DEEP_MAX_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_DEEP_PROGRAMS", "1024"))
+DEEP_MAX_PROGRAMS = 1024
 
 
 def decode_launch(fp8: bool, head_dim: int, num_splits: int, programs: int) -> tuple[int, int, int]:
@@ -194,18 +155,14 @@ def decode_launch(fp8: bool, head_dim: int, num_splits: int, programs: int) -> t
     return block_n, warps, one_split_stages if deep else stages
 
 
-# Programs the split-K decode aims for (SHARDSERVE_DECODE_PROGRAMS: another value, for measurements).
-TARGET_PROGRAMS = int(os.environ.get("SHARDSERVE_DECODE_PROGRAMS", "528"))
-# Rows of the tensor-core products (the query group padded), for measurements: SHARDSERVE_DECODE_ROWS=64 (an H200
-# ran the e4m3_qk loop faster at 64 rows than at 16; docs/performance-history.md). 0: the fewest the loop can take.
-DECODE_ROWS = int(os.environ.get("SHARDSERVE_DECODE_ROWS", "0"))
+TARGET_PROGRAMS = 528  # programs the split-K decode aims for: ~4 per SM of an H200 (132 SMs)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_programs: int | None = None,
                       min_tokens_per_split: int = 64, max_splits: int = 16) -> int:
-    """Enough programs for ~4 per SM of an H200 (132 SMs), never a split shorter than one 64-key tile.
-    Measured on an H200 (bf16, 8 KV heads, head_dim 128): bs 1 x 1024 keys 6 us with 16 splits vs 26 us with 1;
-    bs 64 x 1024 keys best with 1 split (3.9 TB/s); extra splits cost a second launch and partial writes."""
+    """Enough programs for ~4 per SM of an H200 (132 SMs), never a split shorter than one 64-key tile: a small
+    batch needs splits to fill the GPU, a large one is fastest unsplit (extra splits cost a second launch and
+    partial writes)."""
     by_length = max(1, math.ceil(max_seq_len / min_tokens_per_split))
     by_occupancy = max(1, (target_programs or TARGET_PROGRAMS) // max(1, num_seqs * num_kv_heads))
     return max(1, min(max_splits, by_length, by_occupancy))
@@ -225,17 +182,17 @@ def paged_decode_attention(
     num_stages: int | None = None,
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] float32: an FP8 cache's scales
     v_scale: torch.Tensor | None = None,
-    fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: SHARDSERVE_FP8_DECODE, default "pairs"
+    fp8_variant: str | None = None,  # FP8_DECODE_VARIANTS; None: "pairs" ("fp16" for float32 queries)
     block_g: int | None = None,  # rows of the products (the group padded); None: the fewest the loop can take
     order: torch.Tensor | None = None,  # [num_seqs] int32, a permutation: the order the sequences' programs start in
 ) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, group = check_paged_inputs(q, k_cache, v_cache)
     fp8 = check_scales(k_cache, k_scale, v_scale)
-    variant = FP8_DECODE_VARIANTS.index(fp8_variant or fp8_decode_variant()) if fp8 else 0
-    if variant == FP8_DECODE_VARIANTS.index("pairs") and q.dtype == torch.float32:
-        variant = FP8_DECODE_VARIANTS.index("fp16")  # float32 queries: products in float32 (fp16 pairs would round)
-    fma = variant == FP8_DECODE_VARIANTS.index("fma")
+    if fp8_variant is not None and fp8_variant not in FP8_DECODE_VARIANTS:
+        raise ValueError(f"fp8_variant must be one of {', '.join(FP8_DECODE_VARIANTS)}; got {fp8_variant!r}")
+    # float32 queries: products in float32 (fp16 pairs would round them)
+    pairs = fp8 and (fp8_variant or "pairs") == "pairs" and q.dtype != torch.float32
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
@@ -246,11 +203,9 @@ def paged_decode_attention(
     else:
         part_out = part_lse = out  # unused when NUM_SPLITS == 1
     block_d = triton.next_power_of_2(head_dim)
-    if fp8 and FP8_DECODE_VARIANTS[variant] in ("e4m3_qk", "e4m3"):
-        block_d = max(block_d, 32)  # e4m3 x e4m3 products need K >= 32 (the head's dims past HEAD_DIM are masked)
     default_n, default_warps, default_stages = decode_launch(fp8, head_dim, num_splits,
                                                             num_seqs * num_kv_heads * num_splits)
-    if variant == FP8_DECODE_VARIANTS.index("pairs"):  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
+    if pairs:  # the e4m3 cache as int16 pairs (fp8_pairs_loop)
         k_cache, v_cache = k_cache.view(torch.int16), v_cache.view(torch.int16)
     pdl = chained(q)
     _decode_kernel[(num_seqs * num_kv_heads, num_splits)](
@@ -262,11 +217,10 @@ def paged_decode_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         k_cache.shape[1],
         GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
-        BLOCK_G=block_g or (triton.next_power_of_2(group) if fma
-                            else max(16, DECODE_ROWS, triton.next_power_of_2(group))),
+        BLOCK_G=block_g or max(16, triton.next_power_of_2(group)),
         BLOCK_D=block_d,
         BLOCK_N=block_n or default_n, DOT_PRECISION=dot_precision(q.dtype),
-        NUM_KV_HEADS=num_kv_heads, FP8=fp8, FP8_DOT=variant, DOT_FP16=variant > 0 and not fma and q.dtype != torch.float32,
+        NUM_KV_HEADS=num_kv_heads, FP8=fp8, PAIRS=pairs, DOT_FP16=fp8 and q.dtype != torch.float32,
         ASM=COMPILED, PDL=pdl, ORDERED=order is not None,
         num_warps=num_warps or default_warps, num_stages=num_stages or default_stages, launch_pdl=pdl,
     )
@@ -284,7 +238,7 @@ def paged_decode_attention_ref(
     seq_lens: torch.Tensor, scale: float, k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch reference: per sequence, gather its context from the blocks and attend in float32 (an FP8 cache
-    dequantized with its scales first). For the e4m3 loops, give it round_query_e4m3(q)."""
+    dequantized with its scales first)."""
     if k_scale is not None:
         k_cache, v_cache = dequantize_fp8(k_cache, k_scale, torch.float32), dequantize_fp8(v_cache, v_scale, torch.float32)
     num_seqs, num_heads, head_dim = q.shape

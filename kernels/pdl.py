@@ -4,27 +4,20 @@ kernel before it on the stream may start once every program of that kernel has s
 what that kernel wrote. The launch and the programs' start overlap the previous kernel's tail: at bs=1 a decoder
 layer is a chain of short kernels, each of which otherwise waits for the last to end before it is even launched.
 
-The one-pass GEMV takes it by default (kernels/gemv.py: PDL), and so do RoPE with its cache write, decode
-attention and the split merge, RMSNorm (with its residual add) and SiLU-and-mul: each signals its dependents and
-waits at its very start, before any load, so it computes exactly what a plain launch computes. On an H200 the
-first three took bs=1 Llama-3-8B from 4.10 to 4.07 ms a token and Qwen3-0.6B from 0.867 to 0.828; the norms and
-SiLU-and-mul, which follow cuBLAS's GEMMs in a decode batch's layer, joined later (docs/performance-history.md).
-SHARDSERVE_PDL_CHAIN=0 turns the chain off, =attention keeps only RoPE, decode attention and the merge (for
-measurements).
+The one-pass GEMV takes it (kernels/gemv.py), and so do RoPE with its cache write, decode attention and the split
+merge, RMSNorm (with its residual add) and SiLU-and-mul: each signals its dependents and waits at its very start,
+before any load, so it computes exactly what a plain launch computes, and a bs=1 decode step is shorter.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-_CHAIN_SETTING = os.environ.get("SHARDSERVE_PDL_CHAIN", "1")
-CHAIN = _CHAIN_SETTING != "0"  # RoPE with its cache write, decode attention, the split merge
-CHAIN_ELEMENTWISE = _CHAIN_SETTING not in ("0", "attention")  # RMSNorm and SiLU-and-mul
+CHAIN = True  # False only where a test compares the chain with plain launches
 
 
 @functools.cache
@@ -37,10 +30,10 @@ def supported(t: torch.Tensor) -> bool:
     return t.is_cuda and _capable(t.device)
 
 
-def chained(t: torch.Tensor, elementwise: bool = False) -> bool:
-    """Whether the RoPE, decode attention and merge kernels (elementwise: RMSNorm, SiLU-and-mul) working on t
-    launch as programmatic dependents."""
-    return (CHAIN_ELEMENTWISE if elementwise else CHAIN) and supported(t)
+def chained(t: torch.Tensor) -> bool:
+    """Whether the RoPE, decode attention, merge, RMSNorm and SiLU-and-mul kernels working on t launch as
+    programmatic dependents."""
+    return CHAIN and supported(t)
 
 
 @triton.jit

@@ -7,8 +7,8 @@ a mixed prefill + decode batch.
 
 Each program owns one tile of BLOCK_Q query tokens of one sequence and one KV head; its BLOCK_M rows are
 (token, query head of the group) pairs, so each K/V tile is read once for the whole GQA group.
-Measured on an H200 (bf16, head_dim 128, one 2048-4096-token causal prefill): 220-237 TFLOP/s with the defaults
-(block_m 64, 4 warps, 2 stages), about half of torch SDPA's dense flash kernel on the same shape.
+Its defaults (block_m 64, 4 warps, 2 stages) run a long causal prefill at about half the rate of torch SDPA's dense
+flash kernel on the same shape (docs/performance-history.md).
 Tiles are numbered without a host-side list: sequence i's tiles start at query_start_loc[i] // BLOCK_Q + i
 (this bound never overlaps the next sequence), and a program finds its sequence by binary search.
 """

@@ -66,7 +66,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     res_rows = residual.reshape(-1, hidden) if residual is not None else rows
     res_out = torch.empty_like(rows) if residual is not None else rows
     if rows.shape[0]:
-        pdl = chained(x, elementwise=True)
+        pdl = chained(x)
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res_rows, weight, out, res_out,
             rows.stride(0), res_rows.stride(0), out.stride(0), res_out.stride(0),

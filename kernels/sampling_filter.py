@@ -40,9 +40,8 @@ import triton.language as tl
 from shardserve.kernels.sampling_fold import (_COUNT, _DONE, _MASS, _PSTATE, _SLOTS, _STATE, fold_init,
                                               fold_pass, scaled, weight)
 
-# Launch settings measured on an H200 at 256 x 151,936 (docs/performance-history.md): the passes are bound by latency, so
-# small programs that fit many to an SM are faster (pass kernel: 72 registers at these settings, 108 with a
-# 1024-entry compaction step, 111 at 512-entry pivot steps and 8 warps; 0.57, 0.71 and 1.27 ms a search).
+# Launch settings: the passes are bound by latency, so small programs that fit many to an SM are faster (larger
+# steps or more warps took more registers a program and made a search slower; docs/performance-history.md).
 _BLOCK = 128  # entries per step of a pass's pivot loops
 _COPY_BLOCK = 512  # entries per step of the compaction loop
 _PARTS = 32  # programs per row in every launch, at most (one per 8 * _BLOCK entries, a power of two)

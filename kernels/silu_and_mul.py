@@ -41,7 +41,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         rows = rows.contiguous()
     out = torch.empty(rows.shape[0], d, dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
-        pdl = chained(rows, elementwise=True)
+        pdl = chained(rows)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(d, _BLOCK))](
             rows, out, rows.stride(0), out.stride(0), d, BLOCK=_BLOCK, PDL=pdl, launch_pdl=pdl,
         )

@@ -14,8 +14,7 @@ import torch.nn.functional as F
 
 from shardserve.kernels import cpu_native
 from shardserve.kernels.backends import AttentionBackend, AttentionMetadata, cache_zeros
-from shardserve.kernels.kv_fp8 import (dequantize_fp8, fp8_decode_variant, is_fp8, quantize_fp8, round_query_e4m3,
-                                       rounds_query)
+from shardserve.kernels.kv_fp8 import dequantize_fp8, is_fp8, quantize_fp8
 from shardserve.kernels.torch_paged_decode import (DecodeIndex, build_decode_index, is_transposed,
                                                     paged_decode, transposed_k_cache)
 
@@ -67,7 +66,6 @@ class TorchAttentionBackend(AttentionBackend):
         # new K/V go to when every row has one (None: some rows have slot -1)
         self._decode_index: tuple[AttentionMetadata, DecodeIndex] | None = None
         self._slots: tuple[AttentionMetadata, torch.Tensor | None] | None = None
-        self._round_query = rounds_query(fp8_decode_variant())  # an FP8 cache's decode as the e4m3 GPU loops do it
 
     def new_cache(self, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         """A CPU cache in a float dtype (not FP8) keeps K transposed within each block: its decode reads K^T's rows
@@ -98,11 +96,7 @@ class TorchAttentionBackend(AttentionBackend):
             starts.append(starts[-1] + n)
         decode_seqs = [i for i, n in enumerate(query_lens) if n == 1]
         if decode_seqs:
-            # an FP8 cache under an e4m3 decode loop: its query rounded as on a GPU, where decode-only batches
-            # take the decode kernel (mixed batches' decodes go to the prefill kernel, which does not round)
-            round_query = (scales is not None and self._round_query and meta.is_decode_only
-                           and q.shape[0] == meta.num_seqs)
-            self._decode(q, out, k_cache, v_cache, meta, scale, decode_seqs, starts, scales, round_query)
+            self._decode(q, out, k_cache, v_cache, meta, scale, decode_seqs, starts, scales)
         for i, n in enumerate(query_lens):
             if n > 1:
                 self._prefill_one(q, out, k_cache, v_cache, meta, scale, i, starts[i], n, scales)
@@ -127,8 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
             result = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = result.squeeze(0).transpose(0, 1)
 
-    def _decode(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int], scales,
-                round_query: bool = False) -> None:
+    def _decode(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int], scales) -> None:
         """One query per sequence. On the CPU a cache in the model's dtype is read in place (torch_paged_decode.py:
         float32, or any float dtype with K transposed); otherwise sequences of similar length are gathered and
         attended together (padding at most ~2x)."""
@@ -140,10 +133,10 @@ class TorchAttentionBackend(AttentionBackend):
         group: list[int] = []
         for i in by_length:
             if group and meta.seq_lens_cpu[i] * 2 < meta.seq_lens_cpu[group[0]]:
-                self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts, scales, round_query)
+                self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts, scales)
                 group = []
             group.append(i)
-        self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts, scales, round_query)
+        self._decode_group(q, out, k_cache, v_cache, meta, scale, group, starts, scales)
 
     def _decode_in_place(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int]) -> None:
         kernel = cpu_native.decode_kernel(q.dtype, q.shape[2], k_cache.shape[1]) if is_transposed(k_cache) else None
@@ -175,7 +168,7 @@ class TorchAttentionBackend(AttentionBackend):
         out.index_copy_(0, token_idx, paged_decode(q.index_select(0, token_idx), k_cache, v_cache, index, scale))
 
     def _decode_group(self, q, out, k_cache, v_cache, meta, scale, seqs: list[int], starts: list[int],
-                      scales, round_query: bool = False) -> None:
+                      scales) -> None:
         """Gathers the group's blocks (padded to its longest sequence), masks past each seq_len, one SDPA call."""
         device = q.device
         batch = len(seqs)
@@ -196,10 +189,7 @@ class TorchAttentionBackend(AttentionBackend):
         lens = torch.tensor(lens_cpu, device=device)
         visible = torch.arange(max_len, device=device).unsqueeze(0) < lens.unsqueeze(1)  # [B, max_len]
         # the query heads sharing a KV head become that head's "query rows": [B, kv_heads, group, head_dim]
-        query = q.index_select(0, token_idx)
-        if round_query:
-            query = round_query_e4m3(query, num_kv_heads).to(q.dtype)
-        query = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        query = q.index_select(0, token_idx).view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
         result = F.scaled_dot_product_attention(
             query, gather(k_cache, scales and scales[0]), gather(v_cache, scales and scales[1]), attn_mask=visible[:, None, None, :], scale=scale
         )

@@ -12,9 +12,8 @@ rows of block_size scores' worth of entries. One query head's scores over one bl
     scores[bag, block] = sum over d of q[bag, d] * K^T[block, kv_head, d, :]      (block_size scores at once)
 
 which is `embedding_bag(mode="sum", per_sample_weights=q)` over the rows of K^T viewed [-1, block_size]: a
-vectorised kernel (FBGEMM's on x86) that reads each row once per query head, about twice as fast as one dot
-product per (position, head) on the 2-core development VM (docs/performance-history.md). A K cache in the usual layout
-(tests, caches made by hand) takes that per-entry dot product instead (`_embedding_bag_per_sample_weights_backward`).
+vectorised kernel (FBGEMM's on x86) that reads each row once per query head, faster than one dot product per
+(position, head). A K cache in the usual layout (tests, caches made by hand) takes that per-entry dot product instead (`_embedding_bag_per_sample_weights_backward`).
 
 Then, in float32:
 

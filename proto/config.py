@@ -82,6 +82,9 @@ class EngineConfig:
     gpu_memory_utilization: float = _setting(0.9, help="CUDA: the fraction of the device the process may use")
     attention_backend: str = _setting(
         "auto", choices=ATTENTION_BACKENDS, help="auto: flash-attn where importable, else triton on CUDA, else torch")
+    split_mixed_decodes: int = _setting(
+        0, help="CUDA, triton attention: a step that mixes decodes and prefills and starts with at least N decodes "
+        "runs those on the decode kernel, the rest on the prefill kernel (two launches); 0: one launch")
     enforce_eager: bool = _setting(False, help="CUDA: no CUDA graphs")
     async_scheduling: bool | None = _setting(
         None, help="plan step N+1 while step N runs (default: on for CUDA, off for CPU)")
@@ -116,6 +119,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.split_mixed_decodes < 0:
+            raise ValueError(f"split_mixed_decodes must be >= 0, got {self.split_mixed_decodes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
 

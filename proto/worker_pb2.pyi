@@ -23,7 +23,7 @@ WORKER_STATE_READY: WorkerState
 WORKER_STATE_FAILED: WorkerState
 
 class EngineConfig(_message.Message):
-    __slots__ = ("model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition", "device", "dtype", "load_format", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "block_events", "kv_cache_dtype", "quantization", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "attention_backend", "enforce_eager", "async_scheduling", "seed", "dist_timeout_s", "speculative_config")
+    __slots__ = ("model", "tokenizer", "tensor_parallel_size", "pipeline_parallel_size", "pp_layer_partition", "device", "dtype", "load_format", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len", "enable_prefix_caching", "block_events", "kv_cache_dtype", "quantization", "num_kv_blocks", "kv_cache_memory_gb", "gpu_memory_utilization", "attention_backend", "split_mixed_decodes", "enforce_eager", "async_scheduling", "seed", "dist_timeout_s", "speculative_config")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -44,6 +44,7 @@ class EngineConfig(_message.Message):
     KV_CACHE_MEMORY_GB_FIELD_NUMBER: _ClassVar[int]
     GPU_MEMORY_UTILIZATION_FIELD_NUMBER: _ClassVar[int]
     ATTENTION_BACKEND_FIELD_NUMBER: _ClassVar[int]
+    SPLIT_MIXED_DECODES_FIELD_NUMBER: _ClassVar[int]
     ENFORCE_EAGER_FIELD_NUMBER: _ClassVar[int]
     ASYNC_SCHEDULING_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
@@ -69,12 +70,13 @@ class EngineConfig(_message.Message):
     kv_cache_memory_gb: float
     gpu_memory_utilization: float
     attention_backend: str
+    split_mixed_decodes: int
     enforce_eager: bool
     async_scheduling: bool
     seed: int
     dist_timeout_s: float
     speculative_config: str
-    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., pp_layer_partition: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load_format: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., block_events: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_memory_gb: _Optional[float] = ..., gpu_memory_utilization: _Optional[float] = ..., attention_backend: _Optional[str] = ..., enforce_eager: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., seed: _Optional[int] = ..., dist_timeout_s: _Optional[float] = ..., speculative_config: _Optional[str] = ...) -> None: ...
+    def __init__(self, model: _Optional[str] = ..., tokenizer: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., pipeline_parallel_size: _Optional[int] = ..., pp_layer_partition: _Optional[str] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., load_format: _Optional[str] = ..., block_size: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., max_model_len: _Optional[int] = ..., enable_prefix_caching: _Optional[bool] = ..., block_events: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., quantization: _Optional[str] = ..., num_kv_blocks: _Optional[int] = ..., kv_cache_memory_gb: _Optional[float] = ..., gpu_memory_utilization: _Optional[float] = ..., attention_backend: _Optional[str] = ..., split_mixed_decodes: _Optional[int] = ..., enforce_eager: _Optional[bool] = ..., async_scheduling: _Optional[bool] = ..., seed: _Optional[int] = ..., dist_timeout_s: _Optional[float] = ..., speculative_config: _Optional[str] = ...) -> None: ...
 
 class InitRequest(_message.Message):
     __slots__ = ("rank", "world_size", "init_method", "device", "config")

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
@@ -39,7 +41,8 @@ def test_the_flag_spellings_and_defaults_users_know_still_work():
         model=None, tensor_parallel_size=1, pipeline_parallel_size=1, pp_layer_partition=None, device="auto", dtype="auto", load_format="auto", block_size=16,
         max_num_seqs=None, max_num_batched_tokens=None, max_model_len=None, enable_prefix_caching=True,
         kv_cache_dtype="auto", quantization="none", num_kv_blocks=None, kv_cache_memory_gb=None, gpu_memory_utilization=0.9,
-        attention_backend="auto", enforce_eager=False, async_scheduling=None, seed=0, speculative_config=None,
+        attention_backend="auto", split_mixed_decodes=0, enforce_eager=False, async_scheduling=None, seed=0,
+        speculative_config=None,
     )
     given = engine_kwargs(parse(
         "--model", "m", "--tp", "2", "--device", "cpu", "--dtype", "bf16", "--load-format", "dummy",
@@ -47,13 +50,13 @@ def test_the_flag_spellings_and_defaults_users_know_still_work():
         "--num-kv-blocks", "40", "--kv-cache-memory-gb", "0.5", "--gpu-memory-utilization", "0.8",
         "--attention-backend", "torch", "--enforce-eager", "--no-prefix-caching", "--no-async-scheduling",
         "--seed", "7", "--kv-cache-dtype", "fp8", "--quantization", "fp8", "-pp", "2", "--pp-layer-partition", "3,5",
-        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', "--split-mixed-decodes", "32",
     ))
     assert given == dict(
         model="m", tensor_parallel_size=2, pipeline_parallel_size=2, pp_layer_partition="3,5", device="cpu", dtype="bf16", load_format="dummy", block_size=32,
         max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, enable_prefix_caching=False,
         kv_cache_dtype="fp8", quantization="fp8", num_kv_blocks=40, kv_cache_memory_gb=0.5, gpu_memory_utilization=0.8, attention_backend="torch",
-        enforce_eager=True, async_scheduling=False, seed=7,
+        split_mixed_decodes=32, enforce_eager=True, async_scheduling=False, seed=7,
         speculative_config='{"method": "ngram", "num_speculative_tokens": 3}',
     )
     assert engine_kwargs(parse("--tensor-parallel-size", "4", "--async-scheduling"))["tensor_parallel_size"] == 4
@@ -161,3 +164,54 @@ def test_vllm_flag_spellings_work_beside_ours():
     assert parsed("--no-enable-prefix-caching")["enable_prefix_caching"] is False
     assert parsed("--no-prefix-caching")["enable_prefix_caching"] is False  # the older spelling still works
     assert "--no-prefix-caching" not in parser.format_help()  # ... without a second line in --help
+
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_SUFFIXES = {".py", ".sh", ".c", ".h", ".toml", ".yaml", ".yml", ".cfg", ".ini"}
+SOURCE_NAMES = {"Makefile", "Dockerfile"}
+
+
+def _settings_table() -> dict[str, str]:
+    """docs/architecture.md's settings table: {setting: flag}; an environment setting's name without its note."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text.split("### Settings: every switch in one table", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `"):
+            rows[re.match(r"`([A-Za-z0-9_]+)`", cells[0]).group(1)] = cells[1]
+    return rows
+
+
+def _source_files():
+    """The project's code, scripts and build files (not hidden folders such as .venv, not docs/)."""
+    for folder, subfolders, files in os.walk(ROOT):
+        subfolders[:] = [d for d in subfolders if not d.startswith(".") and d not in ("__pycache__", "docs")]
+        for file in files:
+            path = Path(folder) / file
+            if path.suffix in SOURCE_SUFFIXES or path.name in SOURCE_NAMES:
+                yield str(path.relative_to(ROOT)), path
+
+
+def test_the_settings_table_lists_every_engine_setting_with_its_flag():
+    """docs/architecture.md's table is EngineConfig's fields, each user setting with its flag (a new field without
+    a row, or a row for a field that is gone, fails here)."""
+    table = _settings_table()
+    engine = {name: flag for name, flag in table.items() if not name.startswith("SHARDSERVE_")}
+    assert set(engine) == {f.name for f in fields(EngineConfig)}, "docs/architecture.md's settings table"
+    for name, f in user_settings().items():
+        spellings = f.metadata["flags"] or ("--" + name.replace("_", "-"),)
+        assert any(s.removeprefix("--") in engine[name] for s in spellings), (name, engine[name])
+
+
+def test_no_environment_switch_outside_the_settings_table():
+    """Every SHARDSERVE_* name in the source (code, scripts, build files) is one the settings table documents: a
+    new environment switch is a setting (an EngineConfig field) or a row of that table, never a hidden one."""
+    documented = {name for name in _settings_table() if name.startswith("SHARDSERVE_")}
+    found = {}
+    for name, path in _source_files():
+        for switch in re.findall(r"SHARDSERVE_[A-Z0-9_]*[A-Z0-9]", path.read_text(errors="replace")):
+            found.setdefault(switch, name)
+    assert found, "the scan found no SHARDSERVE_ name at all (the table's own names are used in the source)"
+    hidden = {switch: where for switch, where in found.items() if switch not in documented}
+    assert not hidden, f"undocumented environment switches (name: a file using it): {hidden}"

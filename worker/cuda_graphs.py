@@ -5,11 +5,8 @@ an H200; a graph replay launches them all in one call.
 
 What is captured: the model forward (embedding -> layers -> final norm, all-reduces included for TP: NCCL
 calls are capturable) for a decode-only batch padded to one of graph_batch_sizes(). The LM head, the logits and
-sampling stay eager: they run on the real rows only and the sampler branches on host data. Opt-in
-(SHARDSERVE_GRAPH_LM_HEAD=1; on an H200 it left bs=1 latency unchanged): the graphs also hold the LM head (its
-all-gather included) and a greedy argmax over every padded row, and a batch whose rows all decode greedily with
-nothing that edits the logits (worker/sampler.plain_greedy) takes its tokens from the replay: no eager launches
-after it.
+sampling stay eager: they run on the real rows only and the sampler branches on host data. (The LM head and a
+greedy argmax inside the graphs left bs=1 latency unchanged and were removed.)
 
 Inputs of a graph of size B with n real rows: worker/input_batch.py prepares a decode batch the graphs cover
 already padded to B (pack_inputs), and run() copies that host list into static device buffers:
@@ -35,7 +32,6 @@ from __future__ import annotations
 
 import bisect
 import gc
-import os
 import sys
 import time
 from contextlib import contextmanager
@@ -53,11 +49,6 @@ from shardserve.worker.device_copy import copy_to_buffer
 from shardserve.worker.input_batch import StepInputs, slot_mapping
 
 MAX_GRAPH_BATCH_SIZE = 512  # a larger max_num_seqs still runs: bigger decode batches go eager
-
-
-def graph_lm_head() -> bool:
-    """SHARDSERVE_GRAPH_LM_HEAD=1: the decode graphs also hold the LM head and a greedy argmax."""
-    return os.environ.get("SHARDSERVE_GRAPH_LM_HEAD", "0") == "1"
 
 
 def graph_batch_sizes(max_num_seqs: int, cap: int = MAX_GRAPH_BATCH_SIZE) -> list[int]:
@@ -118,10 +109,8 @@ class DecodeGraphRunner:
         max_model_len: int,
         device: torch.device,
         use_cuda_graphs: bool = True,
-        with_head: bool = False,
     ) -> None:
         self.model = model
-        self.with_head = with_head  # the graphs also compute logits and greedy tokens (head())
         self.kv_caches = kv_caches
         self.backend = backend
         self.batch_sizes = sorted(batch_sizes)
@@ -164,16 +153,12 @@ class DecodeGraphRunner:
             self.backend.decode_num_splits = previous
 
     def _forward(self, padded: int) -> tuple[torch.Tensor, ...]:
-        """(hidden states,) or, with_head, (hidden states, logits, greedy tokens) of every padded row."""
+        """(hidden states,) of every padded row."""
         ids, positions, meta = decode_inputs_from_staging(
             self._staging, self._block_tables, self._query_start_loc, padded, self.block_size, self.max_model_len,
             self._rows[:padded],
         )
-        hidden = self.model(ids, positions, self.kv_caches, meta)
-        if not self.with_head:
-            return (hidden,)
-        logits = self.model.compute_logits(hidden)
-        return hidden, logits, torch.argmax(logits, dim=1)
+        return (self.model(ids, positions, self.kv_caches, meta),)
 
     def capture(self, sizes: list[int] | None = None) -> None:
         """Captures the given sizes (default: all), largest first, into the shared pool. No-op without graphs.
@@ -243,13 +228,6 @@ class DecodeGraphRunner:
                 self._last = self._forward(padded)
         return self._last[0]
 
-    def head(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """with_head: the last replay's logits and greedy tokens of rows [0, n) (views: use or copy them before the
-        next replay); else None."""
-        if not self.with_head or len(self._last) < 3:
-            return None
-        return self._last[1][:n], self._last[2][:n]
-
     def rows(self, n: int) -> torch.Tensor:
         """[0, n) on the device: the row of each sequence's token in run()'s output."""
         return self._rows[:n]
@@ -274,8 +252,7 @@ def capture_decode_graphs(
     sizes = graph_batch_sizes(config.max_num_seqs)
     runner = None
     try:
-        runner = DecodeGraphRunner(model, kv_caches, backend, sizes, config.block_size, config.max_model_len, device,
-                                   with_head=graph_lm_head())
+        runner = DecodeGraphRunner(model, kv_caches, backend, sizes, config.block_size, config.max_model_len, device)
         with torch.inference_mode():
             runner.capture()
     except Exception as exc:  # a capture failure must cost speed, never the engine

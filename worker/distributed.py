@@ -9,7 +9,6 @@ group was created), not in scattered globals.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,7 +23,6 @@ class _TPGroup:
     rank: int = 0
     size: int = 1
     owns_process_group: bool = False  # True when init_distributed created a torch.distributed group
-    one_shot: "_OneShotAllReduce | None" = None  # small-message all-reduce over symmetric memory (CUDA, TP=2)
     group: Any = None  # the TP group's torch ProcessGroup when the world also holds other pipeline stages
 
 
@@ -138,73 +136,10 @@ def tp_size() -> int:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sums x over the TP ranks and returns the sum: x itself (summed in place by NCCL/gloo), or a new tensor
-    when the one-shot symmetric-memory path takes it (small messages on CUDA, see enable_one_shot_all_reduce)."""
+    """Sums x over the TP ranks in place (NCCL on CUDA, gloo on CPU) and returns it."""
     if _group.size > 1:
-        one_shot = _group.one_shot
-        if one_shot is not None and one_shot.fits(x):
-            return one_shot(x)
         dist.all_reduce(x, group=_group.group)
     return x
-
-
-# ---- one-shot all-reduce over torch symmetric memory ---------------------------------------------------------
-ONE_SHOT_MAX_BYTES = 512 * 1024  # decode-sized messages (Llama-3-8B: 64 rows of 4096 bf16); larger ones go to NCCL
-
-
-class _OneShotAllReduce:
-    """Each rank copies its tensor into its symmetric buffer; one kernel then reads both ranks' buffers over
-    NVLink (peer-to-peer loads, no multicast) and writes the sum. ~6-10 us inside a CUDA graph where NCCL's ring
-    takes ~20 us (environment notes, H200 pair), and decode does two of them per layer.
-
-    Only for two ranks: a + b == b + a bitwise, so both ranks hold identical sums (the sampler relies on every
-    rank seeing the same logits); with more ranks the summation order could differ per rank."""
-
-    def __init__(self, dtype: torch.dtype, device: torch.device, max_bytes: int) -> None:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        self.dtype = dtype
-        self.max_numel = max_bytes // torch.empty((), dtype=dtype).element_size()
-        self.group_name = dist.group.WORLD.group_name
-        self.buffer = symm_mem.empty(self.max_numel, dtype=dtype, device=device)
-        self.buffer.zero_()
-        symm_mem.rendezvous(self.buffer, self.group_name)
-
-    def fits(self, x: torch.Tensor) -> bool:
-        return x.dtype == self.dtype and x.is_cuda and x.numel() <= self.max_numel
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        staged = self.buffer[: x.numel()]
-        staged.copy_(x.reshape(-1))
-        return torch.ops.symm_mem.one_shot_all_reduce(staged, "sum", self.group_name).view(x.shape)
-
-
-def enable_one_shot_all_reduce(dtype: torch.dtype, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES) -> bool:
-    """Turns the one-shot path on for CUDA TP=2 groups when SHARDSERVE_SYMM_MEM_ALL_REDUCE=1. Off by default:
-    measured on the H200 pair, Llama-3-8B bs=1 decode at TP=2 took 3.733 ms with it and 3.739 ms with NCCL alone
-    (docs/performance-history.md), so it does not yet pay for its extra start-up step. Checked once against NCCL on a test
-    tensor; on any failure or mismatch it stays off with a warning. Every rank must call it (collective)."""
-    if _group.size != 2 or _group.group is not None or device.type != "cuda" or os.environ.get("SHARDSERVE_SYMM_MEM_ALL_REDUCE", "0") != "1":
-        return False
-    try:
-        one_shot = _OneShotAllReduce(dtype, device, max_bytes)
-        probe = torch.randn(3, 1000, generator=torch.Generator().manual_seed(7 + _group.rank)).to(device, dtype)
-        expected = probe.clone()
-        dist.all_reduce(expected)
-        got = one_shot(probe)
-        peers = [torch.empty_like(got) for _ in range(2)]
-        dist.all_gather(peers, got)
-        ok = torch.equal(peers[0], peers[1]) and torch.allclose(got.float(), expected.float(), atol=1e-2, rtol=1e-2)
-        agree = torch.tensor([1.0 if ok else 0.0], device=device)
-        dist.all_reduce(agree)  # both ranks decide together
-        if float(agree) != 2.0:
-            raise RuntimeError("its sums differ between the ranks or from NCCL's on a test tensor")
-    except Exception as exc:  # unsupported torch/driver/topology: NCCL serves every all-reduce
-        print(f"[shardserve] rank {_group.rank}: one-shot symmetric-memory all-reduce unavailable "
-              f"({type(exc).__name__}: {exc}); all-reduces use NCCL", file=sys.stderr, flush=True)
-        return False
-    _group.one_shot = one_shot
-    return True
 
 
 def all_gather_last_dim(x: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from shardserve.kernels.backends import AttentionBackend
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import cdiv
 from shardserve.worker.cuda_graphs import (
-    DecodeGraphRunner, graph_batch_sizes, graph_lm_head, graphs_unsupported_reason, release_memory, say,
+    DecodeGraphRunner, graph_batch_sizes, graphs_unsupported_reason, release_memory, say,
 )
 
 PROBE_COPIES = 4  # graphs of the smallest size the memory dry run captures to measure one graph's cost
@@ -64,8 +64,7 @@ def measure_graph_memory(
     gc.collect()
     torch.cuda.synchronize(device)
     free_start = torch.cuda.mem_get_info(device)[0]
-    runner = DecodeGraphRunner(model, scratch, backend, sizes, config.block_size, config.max_model_len, device,
-                               with_head=graph_lm_head())
+    runner = DecodeGraphRunner(model, scratch, backend, sizes, config.block_size, config.max_model_len, device)
     probes: list = []
     try:
         with torch.inference_mode():

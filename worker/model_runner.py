@@ -26,7 +26,7 @@ from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.grammar_matchers import GrammarMatchers
 from shardserve.worker.layers import cpu_packed
 from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
-from shardserve.worker.sampler import plain_greedy, sample, sample_tokens
+from shardserve.worker.sampler import sample, sample_tokens
 from shardserve.worker.sampler_warm_up import warm_up as sampler_warm_up
 from shardserve.worker.sampling_row import SamplingRow
 from shardserve.worker.spec_verify import launch_verify_step
@@ -76,11 +76,11 @@ class ModelRunner:
         self.stage = stage_of(config, rank, self.hf_config.num_hidden_layers)
         self.link = StageLink(self.stage, rank, config.tensor_parallel_size, self.hf_config.hidden_size, self.dtype,
                               self.device) if self.stage.count > 1 else None
-        self.attn_backend = get_backend(config.attention_backend, self.device.type)
+        self.attn_backend = get_backend(config.attention_backend, self.device.type, config.split_mixed_decodes)
         if self.kv_dtype == FP8_DTYPE and self.attn_backend.name == "flash-attn":  # it has no FP8 cache here
             if config.attention_backend != "auto":
                 raise ValueError("kv_cache_dtype fp8 needs the triton or torch attention backend, not flash-attn")
-            self.attn_backend = get_backend("triton", self.device.type)
+            self.attn_backend = get_backend("triton", self.device.type, config.split_mixed_decodes)
         self.model = build_model(self.hf_config, self.dtype, self.device, self.attn_backend, self.stage)
         with torch.inference_mode():
             if config.load_format == "dummy":
@@ -95,10 +95,6 @@ class ModelRunner:
             kv_scales.calibrate_scales(self.model, self.block_size, self.dtype, self.device)
         if self.device.type == "cpu":  # the matmuls' weights blocked once for oneDNN (worker/layers/cpu_packed.py)
             cpu_packed.pack_model(self.model)
-        if self.device.type == "cuda":  # before any graph capture: the decode graphs record whichever path is on
-            from shardserve.worker.distributed import enable_one_shot_all_reduce
-
-            enable_one_shot_all_reduce(self.dtype, self.device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         # every request's state on this rank, and each step's batch; its device block table sized for the limits
@@ -202,19 +198,14 @@ class ModelRunner:
                 return step
             if batch.sample_rows:
                 rows = self.input_batch.sampling_rows(batch)  # (after the forward is queued: may read tokens back)
-                constrained = any(r.spec.grammar_kind for r in rows)
-                graphed = None if constrained else self._graph_head(batch, rows)
-                if graphed is not None:
-                    logits, tokens = graphed
-                else:
-                    index = last_rows
-                    if len(batch.sample_rows) < batch.num_seqs:
-                        index = last_rows[device_tensor(batch.sample_rows, torch.int64, self.device)]
-                    logits = self.model.compute_logits(hidden[index])
-                    if constrained:
-                        self.grammars.mask(logits, [plan.req_ids[i] for i in batch.sample_rows], rows)
-                        step.result.grammar_mask_ms = self.grammars.last_mask_s * 1e3
-                    tokens = sample_tokens(logits, rows)
+                index = last_rows
+                if len(batch.sample_rows) < batch.num_seqs:
+                    index = last_rows[device_tensor(batch.sample_rows, torch.int64, self.device)]
+                logits = self.model.compute_logits(hidden[index])
+                if any(r.spec.grammar_kind for r in rows):
+                    self.grammars.mask(logits, [plan.req_ids[i] for i in batch.sample_rows], rows)
+                    step.result.grammar_mask_ms = self.grammars.last_mask_s * 1e3
+                tokens = sample_tokens(logits, rows)
                 # Timed steps are the ones that sample: finish_step waits for those anyway (their tokens), while a
                 # prefill-chunk step's finish must not wait for the device.
                 step.stop_device_timer()
@@ -228,19 +219,6 @@ class ModelRunner:
     def _busy_s(self, started: float) -> float:
         """Host time since started, less what a pipeline stage spent waiting for the stage before it."""
         return time.perf_counter() - started - (self.link.take_wait_s() if self.link is not None else 0.0)
-
-    def _graph_head(self, batch: StepInputs, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(logits, tokens) from a replayed graph that holds the LM head (cuda_graphs.graph_lm_head), where every
-        row of the batch samples and decodes greedily with nothing editing its logits; else None. Copies, since the
-        next replay writes over the graph's outputs before this step finishes."""
-        if batch.padded is None or len(batch.sample_rows) != batch.num_seqs or not plain_greedy(rows):
-            return None
-        head = self.decode_graphs.head(batch.num_seqs)
-        if head is None:
-            return None
-        logits, tokens = head
-        wants_logits = any(r.spec.logprobs >= 0 for r in rows)
-        return (logits.clone() if wants_logits else logits), tokens.clone()
 
     def _launch_prompt_logprobs(self, plan: StepPlan, batch: StepInputs, hidden: torch.Tensor,
                                 step: StepInFlight) -> None:

@@ -36,7 +36,7 @@ from shardserve.proto.plan import TokenLogprobs
 from shardserve.worker.cpu_draw import draw_rows_cpu
 from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.gpu_draw import draw_rows_gumbel
-from shardserve.worker.logit_processors import edits_logits, process_logits
+from shardserve.worker.logit_processors import process_logits
 from shardserve.worker.sampling_row import SamplingRow
 from shardserve.worker.token_logprobs import token_logprobs
 
@@ -85,9 +85,3 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu":
         return torch.max(logits, dim=1).indices
     return torch.argmax(logits, dim=1)
-
-
-def plain_greedy(rows: list[SamplingRow]) -> bool:
-    """Every row takes the argmax of its raw logits: temperature 0 and nothing that edits the logits first (what
-    sample_tokens would do is then torch.argmax alone)."""
-    return all(r.spec.temperature == 0.0 and not edits_logits(r) for r in rows)

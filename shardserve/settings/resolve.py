@@ -179,10 +179,8 @@ def _check_pipeline_parallel_size(pp, partition, facts: ModelFacts) -> None:
 
 # Tokens a step takes at most where max_num_batched_tokens is unset, on CUDA: 8192 for serving (a step with a long
 # prompt's chunk in it holds up every running stream's next token for as long as the chunk takes), 16384 for an
-# offline batch (LLM, `bench offline`). At 8192 a prefill step's launching took ~14 ms of an H200 host's time
-# (20-30 ms while that host ran slow) against ~20 ms of device time, and the device waited for it; the host's work
-# is per launch, not per token, while the device's doubles at 16384. Qwen3-0.6B's offline prefill steps took
-# 0.33-0.43 s at 16384 against 0.37-0.59 s at 8192 (docs/performance-history.md).
+# offline batch (LLM, `bench offline`): a prefill step's host work is per launch, not per token, and at 8192 the
+# device waited for it, while the device's work doubles at 16384 (docs/performance-history.md).
 MAX_NUM_BATCHED_TOKENS = {"serve": 8192, "offline": 16384}
 
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import fields
 from types import SimpleNamespace
 
 import pytest
 
 from shardserve.bench.compare_hf import hf_dtype
 from shardserve.cli.main import main as cli
+from shardserve.proto.config import EngineConfig
 
 SCHEMA = ("benchmark", "model", "load_format", "device", "num_gpus", "tp", "replicas", "workload",
           "output_tokens_per_s", "total_tokens_per_s", "ceiling_output_tokens_per_s", "ms_per_token", "ratio_vs_hf",
@@ -64,8 +66,11 @@ def test_hf_dtype_is_the_engines_the_checkpoints_or_a_name(tmp_path):
     assert hf_dtype("checkpoint", config) == "float32"
 
 
-def test_latency_record_has_ms_per_token_and_the_weight_read_bound(model_dir, tmp_path):
-    record = run_bench(tmp_path, "latency", "--model", model_dir, "--input-len", "16", "--output-len", "10")
+def test_latency_record_has_ms_per_token_the_weight_read_bound_and_every_setting(model_dir, tmp_path):
+    record = run_bench(tmp_path, "latency", "--model", model_dir, "--input-len", "16", "--output-len", "10",
+                       "--split-mixed-decodes", "3")
+    assert set(record["settings"]) == {f.name for f in fields(EngineConfig)}
+    assert record["settings"]["split_mixed_decodes"] == 3 and record["settings"]["block_size"] == 16
     assert record["benchmark"] == "latency" and record["ms_per_token"] > 0
     assert record["tpot_ms"]["p50"] == record["ms_per_token"]
     assert record["notes"]["decode_steps_timed"] == 10 - 1 - 3  # prefill and 3 warm-up decode steps left out

@@ -47,7 +47,7 @@ def main(out_path: str) -> None:
         gu = torch.randn(1, 2 * inter, **bf)
 
         times = {}
-        gemv_module.FLAT = "0"  # the reduced sums (SHARDSERVE_GEMV_FLAT=0) for the launch settings compared below
+        gemv_module.FLAT = "0"  # the reduced sums (FLAT "0") for the launch settings compared below
         for proj in ("qkv", "gate_up"):
             w = ws[proj]
             times[f"{proj}: add_rms_norm + gemv"] = us(
@@ -69,7 +69,7 @@ def main(out_path: str) -> None:
         for bn, bk, warps in SETTINGS:
             times[f"down: fused silu residual {bn}x{bk}x{warps}"] = us(
                 lambda i: gemv_fused(gu, w[i], silu=True, residual=h, block_n=bn, block_k=bk, warps=warps))
-        gemv_module.FLAT = "1"  # the lane-by-lane sums (SHARDSERVE_GEMV_FLAT=1)
+        gemv_module.FLAT = "1"  # the lane-by-lane sums (FLAT "1")
         times["o_proj: gemv flat 8x1024x4"] = us(lambda i: gemv(attn, ws["o_proj"][i], 8, 1024, 4))
         for proj, reading in (("qkv", "norm"), ("gate_up", "norm"), ("o_proj", "residual"), ("down", "silu")):
             w = ws[proj]

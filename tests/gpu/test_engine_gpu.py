@@ -91,17 +91,6 @@ def test_greedy_with_decode_graphs_equals_eager(model_dir, eager):
     assert_greedy_equal_or_near_tie(eager, outputs)
 
 
-def test_greedy_with_the_lm_head_inside_the_graphs_equals_eager(model_dir, eager, monkeypatch):
-    """SHARDSERVE_GRAPH_LM_HEAD=1: the graphs hold the LM head and the greedy argmax; the tokens (and top-1
-    logprobs, from the graph's logits copied per step) match the eager run."""
-    monkeypatch.setenv("SHARDSERVE_GRAPH_LM_HEAD", "1")
-    outputs, info = generate(model_dir)
-    graphs = info["graphs"]
-    assert graphs is not None and graphs.with_head
-    assert info["served"] and all(info["served"])
-    assert_greedy_equal_or_near_tie(eager, outputs)
-
-
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_bs1_bf16_one_row_layers_equal_the_layer_by_layer_path(model_dir, enforce_eager, monkeypatch):
     """One prompt at a time (decode at batch 1) in bf16: the one-row layers (four fused GEMVs a layer, _fused.one_row)

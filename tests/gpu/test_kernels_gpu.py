@@ -176,7 +176,7 @@ def test_gemv_bf16_one_row_equals_cublas_and_the_layers_take_it(n, k, monkeypatc
     monkeypatch.setattr(gemv_module, "gemv", counted)
     linear.matmul(x[:1], w)
     linear.matmul(x, w)
-    assert calls == ([torch.Size([1, k])] if linear.GEMV else [])
+    assert calls == [torch.Size([1, k])]
 
 
 def test_the_pdl_chain_computes_what_plain_launches_do(monkeypatch):
@@ -216,12 +216,10 @@ def test_the_pdl_chain_computes_what_plain_launches_do(monkeypatch):
         up = silu_and_mul(torch.nn.functional.linear(hidden.repeat(8, 1), w_gate_up))  # 8 rows: cuBLAS
         return torch.cat([torch.nn.functional.linear(up, w_down), residual])
 
-    monkeypatch.setattr(pdl, "CHAIN", False)  # SHARDSERVE_PDL_CHAIN=0
-    monkeypatch.setattr(pdl, "CHAIN_ELEMENTWISE", False)
+    monkeypatch.setattr(pdl, "CHAIN", False)
     plain_k, plain_v = kc0.clone(), vc0.clone()
     plain = layer(plain_k, plain_v)
     monkeypatch.setattr(pdl, "CHAIN", True)
-    monkeypatch.setattr(pdl, "CHAIN_ELEMENTWISE", True)
     chained_k, chained_v = kc0.clone(), vc0.clone()
     assert torch.equal(layer(chained_k, chained_v), plain)
     assert torch.equal(chained_k, plain_k) and torch.equal(chained_v, plain_v)

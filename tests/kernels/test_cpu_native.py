@@ -133,7 +133,7 @@ def test_without_a_compiler_or_with_the_switch_off_there_is_no_kernel(fresh_libr
     assert not list((tmp_path / "shardserve" / "native").glob("*"))  # no half-written object left behind
     cpu_native._library.cache_clear()
     monkeypatch.delenv("CC")
-    monkeypatch.setenv(cpu_native.ENV_SWITCH, "0")
+    monkeypatch.setattr(cpu_native, "ENABLED", False)
     assert cpu_native.decode_kernel(torch.float32, 64, 16) is None
 
 

@@ -191,7 +191,7 @@ def _one_row_against_plain(config, plain_model, one_row_model, monkeypatch):
 
 @pytest.mark.parametrize("reading", ["plain", "plain_split_k", "norm", "silu_residual"])
 def test_flat_gemv_sums_lane_by_lane_to_the_same_result(reading, monkeypatch):
-    """The FLAT GEMV (one row, its products summed lane by lane over K; SHARDSERVE_GEMV_FLAT): the reduced GEMV's
+    """The FLAT GEMV (one row, its products summed lane by lane over K; gemv.FLAT): the reduced GEMV's
     result within float32 rounding, over several K steps and a masked tail. (Products summed a group at a time
     first, as for e4m3 weights: test_one_row_decode_with_fp8_weights_reads_them_unquantized_activations.)"""
     from shardserve.kernels import gemv as gemv_module
@@ -214,7 +214,7 @@ def test_flat_gemv_sums_lane_by_lane_to_the_same_result(reading, monkeypatch):
 
 
 def test_flat_gemv_is_chosen_for_the_one_row_layer_reads(monkeypatch):
-    """SHARDSERVE_GEMV_FLAT=auto (the default) takes the FLAT variant where it was timed faster (the one-row
+    """gemv.FLAT = "auto" (the only value outside tests) takes the FLAT variant where it was timed faster (the one-row
     layer's reads: through the norm, through SiLU, adding the residual) and not for the plain GEMV (the LM head,
     where it was slower), nor for more than one row."""
     from shardserve.kernels import gemv as gemv_module

@@ -5,7 +5,7 @@ include a non-power-of-2 size."""
 import pytest
 import torch
 
-from shardserve.kernels.paged_decode import paged_decode_attention, paged_decode_attention_ref
+from shardserve.kernels.paged_decode import choose_num_splits, paged_decode_attention, paged_decode_attention_ref
 from shardserve.kernels.prefill import paged_prefill_attention, paged_prefill_attention_ref
 from shardserve.kernels.torch_backend import store_kv as store_kv_ref
 from shardserve.kernels.triton_backend import TritonAttentionBackend
@@ -76,22 +76,16 @@ def test_decode_programs_started_longest_first_give_each_sequence_its_own_output
     assert torch.equal(shuffled, plain)
 
 
-def test_triton_backend_ordering_longest_first_attends_like_batch_order(monkeypatch):
-    """SHARDSERVE_DECODE_ORDER=longest (the default): the backend sorts once a step (the order is kept for every
-    layer) and attends as in the batch's order (=batch)."""
-    from shardserve.kernels import triton_backend
-
-    assert triton_backend.DECODE_ORDER == "longest"
-
+def test_triton_backend_ordering_longest_first_attends_like_batch_order():
+    """The backend starts the decode kernel's programs longest context first, sorting once a step (the order is kept
+    for every layer), and attends as the kernel does in the batch's order."""
     q, k, v, k_cache, v_cache, meta = make_batch(
         [1, 1, 1], [40, 200, 9], num_heads=4, num_kv_heads=2, head_dim=32, block_size=16, dtype=torch.float32,
         device=DEVICE, seed=5)
     ordered = TritonAttentionBackend().attend(q, k_cache, v_cache, meta, SCALE)
     assert meta._derived["order", 3].tolist() == [1, 0, 2]
-    monkeypatch.setattr(triton_backend, "DECODE_ORDER", "batch")
-    meta._derived.clear()
-    plain = TritonAttentionBackend().attend(q, k_cache, v_cache, meta, SCALE)
-    assert ("order", 3) not in meta._derived
+    splits = choose_num_splits(3, k_cache.shape[2], meta.max_seq_len)
+    plain = paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, SCALE, splits)
     assert torch.equal(ordered, plain)
 
 
@@ -186,7 +180,7 @@ def test_triton_backend_with_fixed_splits_stays_correct_when_context_grows():
 @pytest.mark.parametrize("threshold,launches", [(0, {"prefill": 1}), (2, {"decode": 1, "prefill": 1}),
                                                 (4, {"prefill": 1})])
 def test_split_mixed_sends_the_leading_decodes_to_the_decode_kernel(monkeypatch, threshold, launches):
-    """SHARDSERVE_SPLIT_MIXED=N: a mixed batch whose first N or more sequences decode runs them on the decode kernel
+    """split_mixed_decodes = N: a mixed batch whose first N or more sequences decode runs them on the decode kernel
     and the rest (the third sequence's prefill and every sequence after it, decodes too) on the prefill kernel;
     the result is the single launch's. Off (0), or fewer leading decodes than N: one prefill launch."""
     import shardserve.kernels.triton_backend as tb

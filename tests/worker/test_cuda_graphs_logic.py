@@ -90,10 +90,9 @@ def model_dir(tmp_path_factory):
     return make_tiny_model(tmp_path_factory.mktemp("tiny-graphs"), "qwen3")
 
 
-def make_runner(model_dir: str, max_model_len: int, graph_sizes: list[int] | None,
-                with_head: bool = False) -> tuple[ModelRunner, list[int]]:
-    """A CPU runner on the Triton kernels (interpreted); graph_sizes attaches the padded path, run eagerly (with_head:
-    the LM head and greedy argmax inside it), and returns a list that counts the steps it served."""
+def make_runner(model_dir: str, max_model_len: int, graph_sizes: list[int] | None) -> tuple[ModelRunner, list[int]]:
+    """A CPU runner on the Triton kernels (interpreted); graph_sizes attaches the padded path, run eagerly, and
+    returns a list that counts the steps it served."""
     config = EngineConfig(model=model_dir, block_size=BLOCK, num_kv_blocks=32, max_model_len=max_model_len,
                           max_num_seqs=4, max_num_batched_tokens=64, attention_backend="triton")
     runner = ModelRunner(config)
@@ -101,7 +100,7 @@ def make_runner(model_dir: str, max_model_len: int, graph_sizes: list[int] | Non
     served: list[int] = []
     if graph_sizes is not None:
         graphs = DecodeGraphRunner(runner.model, runner.kv_caches, runner.attn_backend, graph_sizes, BLOCK,
-                                   max_model_len, runner.device, use_cuda_graphs=False, with_head=with_head)
+                                   max_model_len, runner.device, use_cuda_graphs=False)
         inner_run = graphs.run
 
         def counting_run(*args, **kwargs):
@@ -178,30 +177,3 @@ def test_a_batch_larger_than_every_captured_size_runs_eagerly(model_dir):
     assert served == []
 
 
-def test_lm_head_inside_the_padded_path_gives_the_eager_tokens_and_logprobs(model_dir):
-    """SHARDSERVE_GRAPH_LM_HEAD's path: the padded forward also computes the logits and the greedy argmax, and a
-    greedy batch takes its tokens (and its logprobs' logits, copied: the next step is launched before this one
-    finishes) from there; the same tokens and logprobs as the eager runner's."""
-    eager, _ = make_runner(model_dir, 64, None)
-    graphed, served = make_runner(model_dir, 64, graph_batch_sizes(4), with_head=True)
-    heads = []
-    inner_head = graphed.decode_graphs.head
-    graphed.decode_graphs.head = lambda n: heads.append(n) or inner_head(n)
-    eager_results, graphed_results = run_overlapped(eager), run_overlapped(graphed)
-    assert served == [3] * DECODE_STEPS and heads == [3] * DECODE_STEPS  # every decode step used the graph's head
-    assert_same_tokens_or_near_tie(eager_results, graphed_results)
-    assert_same_top_logprobs(eager_results, graphed_results)
-
-
-def test_a_sampled_batch_does_not_take_the_graphs_greedy_tokens(model_dir):
-    """Temperature > 0: the graph's argmax is not the draw, so the sampler runs eagerly on the graph's hidden states
-    (the same seeded tokens as without the head in the graph)."""
-    spec = SamplingSpec(temperature=0.8, top_p=0.9, seed=7)
-    plain, _ = make_runner(model_dir, 64, graph_batch_sizes(4))
-    graphed, served = make_runner(model_dir, 64, graph_batch_sizes(4), with_head=True)
-    heads = []
-    inner_head = graphed.decode_graphs.head
-    graphed.decode_graphs.head = lambda n: heads.append(n) or inner_head(n)
-    want = [r.token_ids for r in run_overlapped(plain, spec)]
-    assert [r.token_ids for r in run_overlapped(graphed, spec)] == want
-    assert served == [3] * DECODE_STEPS and heads == []

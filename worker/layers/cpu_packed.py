@@ -2,10 +2,8 @@
 backend does for frozen linear weights.
 
 F.linear on CPU hands the library a weight in its plain [out, in] layout, which it re-blocks for its kernels on
-every call; the packed weight is blocked once, at load. Measured on the 2-core development VM (AVX-512, torch
-2.13, 2 threads), the default model's matmuls with its 30 layers' weights (cold in cache, as in a step):
-float32, a decode step at batch 32: 104 ms through F.linear, 55 ms packed; a 2,048-token prefill chunk: 2.45 s and
-2.03 s; the LM head at batch 32: 26 ms and 11 ms. bfloat16 gains less (41 -> 32 ms a decode step).
+every call; the packed weight is blocked once, at load, which takes markedly less time a step, in decode steps
+most (docs/performance-history.md).
 
 Packing is the last step of loading (`pack_model`): a linear layer's weight Parameter is replaced by a buffer of
 the same name and shape holding the packed tensor (layout torch._mkldnn), so the weights are not kept twice; the
@@ -16,26 +14,24 @@ libraries' do.
 
 On a CPU with AMX, the matmuls of up to AMX_MAX_ROWS rows (decode steps) of a bfloat16 weight run on AMX tiles
 (`kernels/cpu_amx.c`), reading the weight oneDNN packed in place (its blocked layout is the tiles' own; checked per
-weight at load, `cpu_native.amx_weight`, so the weights are held once): oneDNN read the default model's 30 layers'
-weights at 32 rows in 16.0-16.4 ms, the AMX loop in 13.3-13.9 (docs/performance-history.md; beyond ~128 rows oneDNN is
-faster: prefill keeps it). The MLP's gate_up matmul does SiLU-and-mul in its store there (`silu_and_mul`).
-SHARDSERVE_CPU_AMX=0 leaves every matmul to oneDNN.
+weight at load, `cpu_native.amx_weight`, so the weights are held once): at decode batches the loop reads them
+faster than oneDNN's matmul; beyond ~128 rows oneDNN is faster, so prefill keeps it. The MLP's gate_up matmul does
+SiLU-and-mul in its store there (`silu_and_mul`).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 from torch import nn
 
 from shardserve.kernels import cpu_native
 
-ENABLED = os.environ.get("SHARDSERVE_CPU_PACKED_WEIGHTS", "1") != "0"  # 0: F.linear everywhere (A/B runs)
-_PACK_HINT_ROWS = 32  # the batch size oneDNN tunes the layout for; measured the same at 32 and 2,048 rows
-AMX = os.environ.get("SHARDSERVE_CPU_AMX", "1") != "0"  # 0: oneDNN for every row count (A/B runs, memory)
-# the AMX loop's time against oneDNN's over 30 layers, on its own weight copy: 0.70x at 32 rows, 0.93x at 96, 1.02x
-# at 128; on oneDNN's layout 0.78-0.85x at 32 rows, 0.86-0.94x at 64 (docs/performance-history.md)
+# Packing and the AMX loop are always on where the CPU can run them; False only where a test compares a path with
+# the plain one (F.linear; oneDNN for every row count).
+ENABLED = True
+AMX = True
+_PACK_HINT_ROWS = 32  # the batch size oneDNN tunes the layout for; the same speed at 32 and 2,048 rows
+# The most rows the AMX loop takes: faster than oneDNN up to here, not at 128 (docs/performance-history.md)
 AMX_MAX_ROWS = 96
 
 

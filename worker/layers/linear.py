@@ -7,7 +7,6 @@ so it costs one all-reduce. Weights are [out_features, in_features] as in nn.Lin
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -22,11 +21,8 @@ from shardserve.worker.layers._sharding import attach_loader, copy_into, narrow_
 
 
 # Decode at batch 1 on CUDA: the Triton GEMV (kernels/gemv.py) instead of cuBLAS, which reads narrow weights at
-# M = 1 below the copy rate (docs/performance-history.md: Qwen3-0.6B's o_proj 12.7 -> 3.1 us, Llama-3-8B's qkv and o_proj
-# 6-13% faster). Not where K > GEMV_MAX_K (Llama-3-8B's down projection, K = 14,336, measured 2% slower), except
-# for e4m3 weights (cuBLAS's FP8 product at M = 1 read Llama-3-8B's down no faster than bf16's: 36.6 against 35.2 us).
-# SHARDSERVE_GEMV=0 turns it off (A/B runs).
-GEMV = os.environ.get("SHARDSERVE_GEMV", "1") != "0"
+# M = 1 below the copy rate. Not where K > GEMV_MAX_K (Llama-3-8B's down projection, K = 14,336, where cuBLAS was as
+# fast), except for e4m3 weights (cuBLAS's FP8 product at M = 1 reads them no faster than bf16 weights).
 GEMV_MAX_K = 8192
 
 
@@ -60,7 +56,7 @@ def _gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, **sc
 
 def _one_row(x: torch.Tensor, dtype: torch.dtype) -> bool:
     """One row on CUDA of a model in half precision: what the Triton GEMV is for."""
-    return GEMV and x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and dtype in (torch.bfloat16, torch.float16)
+    return x.is_cuda and x.dim() == 2 and x.shape[0] == 1 and dtype in (torch.bfloat16, torch.float16)
 
 
 def quantize_module_weight(module: nn.Module) -> None:

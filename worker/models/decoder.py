@@ -102,8 +102,7 @@ class DecoderMLP(nn.Module):
         return self.down_proj(h if h is not None else self.act(self.gate_up_proj(x)))
 
 
-# The one-row layer's GEMV tiles (block_n x block_k), the fastest timed on an H200 (docs/performance-history.md,
-# kernels/gemv.py): bf16 weights 8 x 1,024 but o_proj 4 x 2,048; e4m3 weights (products summed 8 at a time)
+# The one-row layer's GEMV tiles (block_n x block_k), the fastest timed (docs/performance-history.md): bf16 weights 8 x 1,024 but o_proj 4 x 2,048; e4m3 weights (products summed 8 at a time)
 # 8 x 2,048 for qkv and down, 8 x 1,024 for o_proj and gate_up.
 _TILES = {"qkv": {}, "o_proj": dict(block_n=4, block_k=2048), "gate_up": {}, "down": {}}
 _FP8_TILES = {"qkv": dict(block_k=2048), "o_proj": {}, "gate_up": {}, "down": dict(block_k=2048)}
@@ -245,7 +244,7 @@ class DecoderForCausalLM(nn.Module):
         """quantization="fp8": every decoder linear layer's weight to e4m3 with per-channel scales
         (worker/layers/linear.py), and the norms in front of qkv and gate_up hand them quantized rows. (SiLU-and-mul
         does not: its kernel spreads a row over many programs; one program a row, to find the row's scale in the
-        same pass, took 20 us at 256 rows of Llama-3-8B against 5.7 + 3.6 us for the two launches, 2026-12-03.)"""
+        same pass, was slower than the two launches.)"""
         quantize_linear_weights(self)
         for layer in self.model.stage_layers:  # (the one-row layer's GEMVs read the e4m3 weights themselves: gemv.py)
             layer.input_layernorm.fp8_out = layer.post_attention_layernorm.fp8_out = True

@@ -3,9 +3,8 @@ controller's model facts (shardserve/settings/resolve.py) use, each as transform
 set it, defaults included where the file leaves a field out.
 
 Why not AutoConfig: building transformers' Llama or Qwen config class imports its modelling helpers, whose chain
-reaches torch.distributed.tensor and sympy: ~2.3 s of CPU in each worker process (measured on the 2-core CPU machines:
-transformers' import 1.2 s after torch's, the Llama config class 1.1 s more), a third to a half of a CPU worker's
-start-up, for nothing else the workers need. tests/worker/test_hf_config.py holds DEFAULTS to transformers' classes
+reaches torch.distributed.tensor and sympy: seconds of CPU in each worker process, a third to a half of a CPU
+worker's start-up, for nothing else the workers need. tests/worker/test_hf_config.py holds DEFAULTS to transformers' classes
 and every value read here to AutoConfig's, over the configs shardserve ships and tests with and those configs with
 fields removed.
 """
