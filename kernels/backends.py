@@ -114,9 +114,7 @@ class AttentionBackend:
 def cache_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """torch.zeros for a KV cache. On the CPU over an anonymous memory map instead: its pages read as zeros and take
     memory only once written, so the cache costs start-up nothing and a process's memory grows as its cache fills.
-    torch.zeros writes every page at once: on the 2-core machines ~0.5 s of CPU a GiB alone, 2-2.4 s a GiB for each
-    of three TP ranks doing it at the same time (an LLM at TP=3 with the default 1 GiB a rank started and stopped in
-    14.7 s with it, 11.5 s without)."""
+    torch.zeros writes every page at once, seconds of CPU a GiB when several TP ranks on one host do it together."""
     count = math.prod(shape)
     if torch.device(device).type != "cpu" or count == 0:
         return torch.zeros(shape, dtype=dtype, device=device)

@@ -40,9 +40,8 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float
     value; tokens tied with it are kept too, as the GPU's search keeps them). top_k 0 and top_p 1 leave a row
     untouched. No sort of the vocabulary: top-p's cut-off is found among each row's largest TOP_P_CANDIDATES
     logits (torch.topk, sorted), over probabilities normalised by the whole row's (or its top-k's) log-sum-exp,
-    and looked for among 8x as many where some row's kept mass reaches past them (flat distributions). At 32 x
-    49,152 on the 2-core development VM torch.topk of 256 takes 2.4 ms, a full sort 44.5
-    (docs/performance-history.md)."""
+    and looked for among 8x as many where some row's kept mass reaches past them (flat distributions): on the CPU
+    torch.topk of 256 takes a small fraction of a full sort's time."""
     n, vocab = logits.shape
     device = logits.device
     k = device_tensor([kk if 0 < kk < vocab else vocab for kk in top_k], torch.int64, device).unsqueeze(1)

@@ -135,9 +135,8 @@ class ModelRunner:
             sampler_warm_up(self.model.vocab_size, self.dtype, self.device)
         if self.device.type == "cuda" and num_blocks >= self._profile_blocks():
             # The KV sizing emptied torch's cache after measuring the largest step; without this its activations
-            # are allocated from the device again inside the first large prefill steps served (on an H200 the first
-            # offline run's prefill steps took 0.58-0.72 s against 0.38-0.52 s for later runs; with it 0.48 s, and
-            # no device allocation during the runs). The cache is new: no request owns its blocks yet.
+            # are allocated from the device again inside the first large prefill steps served, which made a first
+            # run's prefill steps slower than later ones'. The cache is new: no request owns its blocks yet.
             self._profile_forward(self.kv_caches)
 
     def _profile_seq_len(self) -> int:

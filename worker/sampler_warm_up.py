@@ -17,9 +17,8 @@ _WARM_SPECS = (SamplingSpec(temperature=1.0), SamplingSpec(temperature=1.0, top_
 
 @torch.inference_mode()
 def warm_up(vocab: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Compiles the GPU sampler's kernel variants: cold (no Triton cache on disk), the first offline step took
-    0.4-0.7 s more than warm, ~9% of a 6.8 s run on an H200 (docs/performance-history.md). Nothing to do on CPU, which
-    compiles nothing."""
+    """Compiles the GPU sampler's kernel variants at start-up, not in the first step that meets each one (without a
+    Triton cache on disk that step took markedly longer). Nothing to do on CPU, which compiles nothing."""
     if device.type != "cuda":
         return
     logits = torch.zeros(2, vocab, dtype=dtype, device=device)

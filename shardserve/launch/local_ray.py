@@ -260,8 +260,8 @@ def exit_past_broken_ray(code: int) -> int:
     """code, or, where this process's Ray died under it (shutdown_broken_ray ran), the process ended at once with
     code (logging, stdout and stderr flushed), skipping the interpreter's finalization and the C++ teardown of a
     normal exit: Ray's client threads may still run, its shutdown given up on a dead GCS. serve with a killed local
-    Ray, having said so and returned 1, died of SIGSEGV instead (2026-12-02: once in CI, once in 24 runs on a
-    2-core VM; none in 24 runs after this), with no Python traceback under faulthandler: past the interpreter, in
+    Ray, having said so and returned 1, died of SIGSEGV now and then (in CI, and in repeated runs; never since this),
+    with no Python traceback under faulthandler: past the interpreter, in
     the exit's teardown under those threads (inferred). The local Ray's host process leaves the same way."""
     if _RAY_BROKEN:
         import logging

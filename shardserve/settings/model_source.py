@@ -225,8 +225,8 @@ def gguf_parsed_once() -> Iterator[None]:
     """For the duration, gguf's reader and tensor-name map are made once instead of once per use.
 
     One conversion through transformers parses the GGUF header three times (the config, the weights, the
-    tokenizer: ~3 s each for the default model's 49,152-token vocabulary on our 2-core machines) and builds gguf's
-    tensor-name map once per module of the model (~400 times, ~12 ms each): ~14 s of a 25 s conversion. Both are
+    tokenizer: seconds each for the default model's 49,152-token vocabulary) and builds gguf's tensor-name map once
+    per module of the model (~400 times): over half of a conversion. Both are
     read-only once built, so a reader is kept per (path, mode) and a map per (architecture, layers). transformers
     imports both from gguf when it calls them, which is what lets this wrapper take their place; a transformers
     that bound them earlier would just convert at the old speed. The swap is of gguf's module attributes, so one
