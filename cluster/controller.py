@@ -10,7 +10,8 @@ Two shapes:
   changes only: it never handles a token, and its death breaks no stream (hosts and fronts outlive it; a new
   controller adopts them by name and reloads nothing).
 - Replicas in this process (one replica, tests, `--replica-hosts controller`): the controller holds one Front
-  (cluster/front.py) over LocalReplicas and serves the client API itself.
+  (cluster/front.py) over LocalReplicas and serves the client API itself (as it does over RemoteReplicas when
+  given hosts but no fronts: the A/B baseline of bench/stream_cost.py).
 
 Lifecycle: STARTING (health NOT_SERVING while the replicas load) -> SERVING -> DRAINING (SIGTERM: no new requests,
 in-flight ones may finish) -> STOPPED; a replica whose worker fails starts a new TP group (RECOVERING: its live
@@ -61,12 +62,15 @@ class Controller:
         self.fleet: FrontFleet | None = None
         self._state = State.STARTING
         self._failure: BaseException | None = None
-        if config.replica_hosts is None:
+        if config.replica_hosts is None or config.fronts is None:  # this process serves the client API
             front = self.front = Front(settings)
             self.metrics = front.metrics
-            make = lambda rid: LocalReplica(  # noqa: E731
-                rid, config.engine, config.build_engine, front.on_step, front.on_replica_failure,
-                config.health_check_interval_s, config.restart_tries, config.restart_backoff_s, front.on_replica_state)
+            args = (config.engine, config.build_engine, front.on_step, front.on_replica_failure,
+                    config.health_check_interval_s, config.restart_tries, config.restart_backoff_s,
+                    front.on_replica_state)
+            make = (lambda rid: LocalReplica(rid, *args)) if config.replica_hosts is None else (  # noqa: E731
+                lambda rid: RemoteReplica(rid, *args, hosts=config.replica_hosts, subscriber="controller",
+                                          deltas=True))
         else:  # state changes only: the fronts subscribe to the tokens
             self.fleet = FrontFleet(config.fronts, settings, ids, config.replica_hosts, config.restart_tries,
                                     config.metrics_port)
