@@ -132,7 +132,7 @@ def open_engine(config: EngineConfig, executor: str = "local") -> BenchEngine:
         raise ValueError(f"executor must be one of {EXECUTORS}, got {executor!r}")
     closers: list[Callable[[], None]] = []
     if executor == "local":
-        from shardserve.api.llm import create_executor as make_executor
+        from shardserve.api.local_executors import create_executor as make_executor
     else:
         from shardserve.launch.placement import ensure_ray, launch_worker_group
         from shardserve.launch.ray_serving import GrpcExecutorFactory

@@ -23,8 +23,10 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from shardserve.cluster.errors import excerpt
+from shardserve.cluster.detokenizer import IncrementalDetokenizer
+from shardserve.cluster.request import Request
 from shardserve.cluster.sampling_params import SamplingParams
-from shardserve.proto.plan import cdiv
+from shardserve.proto.plan import SamplingSpec, cdiv
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 # text, token ids, chat messages ({"role", "content"}, an assistant's "tool_calls", a tool's "tool_call_id"), chat
@@ -229,3 +231,22 @@ def check_resumed(resumed: Sequence[int], params: SamplingParams, vocab_size: in
         raise ValueError(f"resumed token ids must be integers in [0, {vocab_size}), got {bad[0]!r}")
     if len(resumed) >= params.max_tokens:
         raise ValueError(f"{len(resumed)} resumed tokens leave nothing of max_tokens ({params.max_tokens})")
+
+
+def new_request(req_id: str, prompt: EncodedPrompt, params: SamplingParams, spec: SamplingSpec, arrival: int,
+                tokenizer, resumed: Sequence[int]) -> Request:
+    """The admitted request's state, with its detokenizer where there is a tokenizer; resumed tokens count as
+    generated and are not streamed again (their text neither)."""
+    seq = Request(req_id, prompt.token_ids, params, spec, arrival=arrival, prompt=prompt.text)
+    if tokenizer is not None:
+        seq.detokenizer = IncrementalDetokenizer(
+            tokenizer, prompt.token_ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
+        )
+    for token in resumed:
+        seq.append_token(token)
+        if seq.detokenizer is not None:
+            seq.detokenizer.add_token(token, check_stop=False)
+    if resumed and seq.detokenizer is not None:
+        seq.detokenizer.take_delta(False)  # the caller has that text already
+    seq.num_emitted_tokens = len(resumed)
+    return seq

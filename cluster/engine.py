@@ -22,56 +22,23 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from shardserve.cluster.admission import (Admitted, EncodedPrompt, Prompt, RequestLimits, Seeds, check_request,
-                                          check_resumed, encode_prompt)
+                                          check_resumed, encode_prompt, new_request)
 from shardserve.cluster.block_manager import BlockManager
-from shardserve.cluster.detokenizer import IncrementalDetokenizer
+from shardserve.cluster.engine_stats import EngineStats, engine_stats
 from shardserve.cluster.executor import Executor
 from shardserve.cluster.outputs import RequestDelta, RequestOutput, TokenTexts, position_logprobs
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.scheduler import Scheduler
 from shardserve.cluster.structured_outputs import compile_at_admission
+from shardserve.cluster.stop_checks import check_stop
 from shardserve.cluster.request import Request
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import StepPlan, StepResult, cdiv
 
 MAX_PLANS_IN_FLIGHT = 2  # async scheduling: step N+1 is planned and submitted while step N runs
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_waiting: int
-    num_running: int
-    num_kv_blocks: int
-    num_kv_blocks_used: int
-    num_kv_blocks_cached: int  # findable by prefix lookup (in use or free)
-    kv_usage: float
-    num_steps: int
-    num_preemptions: int
-    num_prompt_tokens: int  # prompt tokens of admitted requests
-    num_cached_prompt_tokens: int  # prefix-cache hits at first admission
-    num_computed_tokens: int  # positions computed by the workers (prefill, recompute and decode)
-    num_generated_tokens: int
-    num_finished: int
-    # speculative decoding (vLLM's spec_decode counters; 0 without it): verification rows, draft tokens proposed,
-    # draft tokens accepted, and per draft position the drafts accepted up to and including it
-    spec_num_drafts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_accepted_per_pos: tuple[int, ...] = ()
-    grammar_mask_s: float = 0.0  # the last applied step's structured-output mask time on the workers (0: none)
-
-    @property
-    def spec_acceptance_rate(self) -> float:
-        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else 0.0
-
-    @property
-    def spec_mean_acceptance_length(self) -> float:
-        """Tokens a verification step gains on average (1 + accepted drafts); 0 before any."""
-        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else 0.0
 
 
 class Engine:
@@ -155,23 +122,12 @@ class Engine:
         if resumed:
             check_resumed(resumed, params, self.vocab_size)
         params = self._seeds.fill(params)
-        ids = list(token_ids)
         spec = params.to_spec(self.eos_token_ids, params.seed)
-        seq = Request(req_id, ids, params, spec, arrival=next(self._arrivals), prompt=text)
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(
-                self.tokenizer, ids, params.stop, params.skip_special_tokens, params.include_stop_str_in_output
-            )
-        for token in resumed:
-            seq.append_token(token)
-            if seq.detokenizer is not None:
-                seq.detokenizer.add_token(token, check_stop=False)
-        if resumed and seq.detokenizer is not None:
-            seq.detokenizer.take_delta(False)  # the caller has that text already
-        seq.num_emitted_tokens = len(resumed)
+        seq = new_request(req_id, EncodedPrompt(text, list(token_ids)), params, spec, next(self._arrivals),
+                          self.tokenizer, resumed)
         self.scheduler.add(seq)
-        self.num_prompt_tokens += len(ids)
-        return Admitted(len(ids), params.max_tokens, params.seed)
+        self.num_prompt_tokens += len(token_ids)
+        return Admitted(len(token_ids), params.max_tokens, params.seed)
 
     def abort(self, req_id: str) -> bool:
         """Ends a live request with finish_reason "abort"; its final delta comes with the next step().
@@ -274,7 +230,7 @@ class Engine:
                     lp = seq.logprobs[n - 1]
                     seq.cumulative_logprob += lp.logprob
                     seq.logprobs[n - 1] = position_logprobs(seq.output_token_ids[n - 1], lp, self._token_text)
-                reason = self._check_stop(seq, n)
+                reason = check_stop(seq, n, self.config.max_model_len)
                 if reason is not None:
                     if n < total:
                         seq.truncate_output(n)
@@ -295,24 +251,6 @@ class Engine:
                 if position < len(seq.prompt_logprobs) and seq.prompt_logprobs[position] is None:
                     token = seq.prompt_token_ids[position]
                     seq.prompt_logprobs[position] = position_logprobs(token, lp, self._token_text)
-
-    def _check_stop(self, seq: Request, n: int) -> str | None:
-        """The stop checks after the request's n-th generated token."""
-        token = seq.output_token_ids[n - 1]
-        min_tokens = seq.params.min_tokens
-        # The workers mask stop ids for the first min_tokens tokens; the check here mirrors that.
-        if token in seq.stop_token_set and n > min_tokens:
-            if token in seq.params.stop_token_ids:  # a user stop token is reported; EOS is not (as vLLM)
-                seq.stop_reason = token
-            if seq.detokenizer is not None and seq.params.include_stop_str_in_output:
-                seq.detokenizer.add_token(token, check_stop=False)  # its text (none for a skipped special token)
-            return "stop"  # the stop token stays in token_ids; its text is added only with include_stop_str_in_output
-        if seq.detokenizer is not None and seq.detokenizer.add_token(token, check_stop=n >= min_tokens):
-            seq.stop_reason = seq.detokenizer.stopped_by
-            return "stop"
-        if n >= seq.params.max_tokens or seq.num_prompt_tokens + n >= self.config.max_model_len:
-            return "length"
-        return None
 
     # ---- outputs -------------------------------------------------------------------------------------------
     def _on_finished(self, seq: Request) -> RequestDelta:
@@ -365,29 +303,7 @@ class Engine:
         return usable
 
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        stats = EngineStats(
-            num_waiting=len(self.scheduler.waiting),
-            num_running=len(self.scheduler.running),
-            num_kv_blocks=bm.num_blocks,
-            num_kv_blocks_used=bm.num_used_blocks,
-            num_kv_blocks_cached=bm.num_cached_blocks,
-            kv_usage=bm.usage,
-            num_steps=self.num_steps,
-            num_preemptions=self.scheduler.num_preemptions,
-            num_prompt_tokens=self.num_prompt_tokens,
-            num_cached_prompt_tokens=self.scheduler.num_cached_prompt_tokens,
-            num_computed_tokens=self.num_computed_tokens,
-            num_generated_tokens=self.num_generated_tokens,
-            num_finished=self.num_finished,
-            grammar_mask_s=self._grammar_mask_s,
-        )
-        if self.scheduler.speculator is not None:
-            spec = self.scheduler.speculator.stats
-            stats.spec_num_drafts, stats.spec_num_draft_tokens = spec.num_drafts, spec.num_draft_tokens
-            stats.spec_num_accepted_tokens = spec.num_accepted_tokens
-            stats.spec_accepted_per_pos = tuple(spec.accepted_per_pos)
-        return stats
+        return engine_stats(self)
 
     def shutdown(self) -> None:
         self.executor.shutdown()

@@ -16,7 +16,7 @@ already padded to B (pack_inputs), and run() copies that host list into static d
   into the static [max B, max_blocks] int32 block table, and the tokens still on the device (async scheduling)
   gathered into the ids.
 Inside the graph each row's cache slot is its table entry at pos // block_size (one launch on CUDA,
-kernels/store_kv.decode_slots; input_batch.slot_mapping elsewhere), or -1 where the context length is 0: store_kv
+kernels/store_kv.decode_slots; step_inputs.slot_mapping elsewhere), or -1 where the context length is 0: store_kv
 skips padding rows and the decode kernel reads no keys for them (their output is zeros that nobody reads). Entries
 of a table row past its context are stale and never read.
 
@@ -41,12 +41,11 @@ from unittest import mock
 import torch
 from torch import nn
 
-from shardserve.kernels.backends import AttentionBackend, AttentionMetadata
-from shardserve.kernels.store_kv import decode_slots
+from shardserve.kernels.backends import AttentionBackend
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import cdiv
 from shardserve.worker.device_copy import copy_to_buffer
-from shardserve.worker.input_batch import StepInputs, slot_mapping
+from shardserve.worker.step_inputs import StepInputs, decode_inputs_from_staging
 
 MAX_GRAPH_BATCH_SIZE = 512  # a larger max_num_seqs still runs: bigger decode batches go eager
 
@@ -63,36 +62,6 @@ def padded_batch_size(num_seqs: int, sizes: list[int]) -> int | None:
         return None
     i = bisect.bisect_left(sizes, num_seqs)
     return sizes[i] if i < len(sizes) else None
-
-
-def decode_inputs_from_staging(
-    staging: torch.Tensor, block_tables: torch.Tensor, query_start_loc: torch.Tensor, padded: int, block_size: int,
-    max_seq_len: int, rows: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-    """Input ids, positions and attention metadata of a padded decode batch, as views and device ops only
-    (what a graph captures). max_seq_len only sizes host-side choices; the kernels read seq_lens. rows: [padded]
-    int64 0, 1, ... on the device, the sequence of each token (the runner passes its static one)."""
-    input_ids = staging[:padded]
-    positions = staging[padded : 2 * padded]
-    tables = block_tables[:padded]
-    if staging.is_cuda:  # one launch
-        slots, seq_lens = decode_slots(positions, staging[2 * padded : 3 * padded], tables, block_size)
-    else:
-        seq_lens = staging[2 * padded : 3 * padded].to(torch.int32)
-        if rows is None:
-            rows = torch.arange(padded, device=staging.device)
-        slots = torch.where(seq_lens > 0, slot_mapping(tables, rows, positions, block_size), -1)
-    meta = AttentionMetadata(
-        slot_mapping=slots,
-        query_start_loc=query_start_loc[: padded + 1],
-        seq_lens=seq_lens,
-        block_tables=tables,
-        query_lens_cpu=[1] * padded,
-        seq_lens_cpu=[max_seq_len] * padded,
-        max_query_len=1,
-        max_seq_len=max_seq_len,
-    )
-    return input_ids, positions, meta
 
 
 class DecodeGraphRunner:

@@ -21,7 +21,7 @@ class InProcessExecutor:
         if config.tensor_parallel_size != 1:
             raise ValueError(
                 f"InProcessExecutor runs tensor_parallel_size 1, got {config.tensor_parallel_size}: "
-                "use local worker processes (shardserve.api.llm.create_executor)"
+                "use local worker processes (shardserve.api.local_executors.create_executor)"
             )
         self.config = config
         self.runner: ModelRunner | None = ModelRunner(config, rank=0)

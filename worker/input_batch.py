@@ -8,11 +8,11 @@ prepare(plan), which
      the device table's writes;
   2. checks every scheduled request and takes its positions [num_computed, num_computed + n): input ids,
      positions, context length, its table row, whether it samples;
-  3. lays them out as one int64 host list (pack_inputs) that a single copy moves to the device: into a fresh
-     tensor (StepInputs.to_device, the eager forward), or, for a decode batch that a captured CUDA graph covers,
-     padded to that graph's size, into the graph's static buffers (worker/cuda_graphs.py: DecodeGraphRunner.run).
-     Either way the staged table writes are applied first, and the batch's rows are gathered from the table
-     on the device.
+  3. lays them out as one int64 host list (worker/step_inputs.py: pack_inputs) that a single copy moves to the
+     device: into a fresh tensor (StepInputs.to_device, the eager forward), or, for a decode batch that a captured
+     CUDA graph covers, padded to that graph's size, into the graph's static buffers (worker/cuda_graphs.py:
+     DecodeGraphRunner.run). Either way the staged table writes are applied first, and the batch's rows are
+     gathered from the table on the device.
 
 Async scheduling: a sampled token stays on the device until its step is finished (worker/step_in_flight.py).
 add_placeholders() appends a PENDING placeholder to each sampling request's token list and notes which step's
@@ -26,133 +26,22 @@ sampler needs (seeds, min_tokens) is the token lists' length.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass, field
 from typing import Protocol
 
-import torch
-
-from shardserve.kernels.backends import AttentionMetadata
-from shardserve.proto.plan import SamplingSpec, StepPlan, cdiv
+from shardserve.proto.plan import StepPlan, cdiv
 from shardserve.worker.block_tables import DeviceBlockTables
-from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.logit_processors import uses_penalties
 from shardserve.worker.sampling_row import SamplingRow
 from shardserve.worker.step_in_flight import StepInFlight
+from shardserve.worker.step_inputs import RequestState, StepInputs, pack_inputs
 
 PENDING = -1  # a token sampled on the device whose value the host has not read yet
-
-
-@dataclass(slots=True)
-class RequestState:
-    token_ids: list[int]  # prompt + generated, including the tokens sampled here (PENDING until read back)
-    num_prompt_tokens: int
-    num_computed: int  # positions whose KV is in the cache
-    block_ids: list[int]
-    sampling: SamplingSpec
-    table_row: int  # its row of the device block table (worker/block_tables.py)
-    pending: dict[int, tuple[int, int]] = field(default_factory=dict)  # PENDING position -> (step id, row) of its id
 
 
 class GraphSizes(Protocol):
     """What prepare() asks the decode graphs (worker/cuda_graphs.py: DecodeGraphRunner)."""
 
     def padded_size(self, num_seqs: int, max_seq_len: int) -> int | None: ...
-
-
-def pack_inputs(
-    input_ids: list[int],
-    positions: list[int],
-    table_rows: list[int],
-    padded: int | None = None,
-    seq_lens: list[int] | None = None,
-    query_lens: list[int] | None = None,
-) -> list[int]:
-    """A step's inputs as one int64 host list:
-
-        input ids [L] | positions [L] | context lengths [S] | table rows [n] | query_start_loc [n + 1]
-
-    (table rows: each sequence's row of the device block table.) Eager (padded None): L is the token count rounded up
-    to even, so that the two sections read in place as int64 start 16-byte aligned (Triton specialises kernels on
-    pointer alignment: positions at an odd offset would compile a second RoPE variant mid-run); S = n. For a
-    decode graph of size padded (one token per sequence): L = S = padded, padding rows get id 0, position 0 and
-    context length 0, and there is no query_start_loc (the graph keeps a static one). seq_lens and query_lens
-    default to one token per sequence (position + 1, 1).
-    """
-    num_tokens = len(input_ids)
-    pad = [0] * ((padded if padded is not None else num_tokens + num_tokens % 2) - num_tokens)
-    flat = input_ids + pad + positions + pad + (seq_lens if seq_lens is not None else [p + 1 for p in positions])
-    if padded is not None:
-        flat += pad
-    flat += table_rows
-    if padded is None:
-        flat.append(0)
-        flat += itertools.accumulate(query_lens) if query_lens is not None else range(1, num_tokens + 1)
-    return flat
-
-
-def slot_mapping(
-    block_tables: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, block_size: int
-) -> torch.Tensor:
-    """[T] int64 cache slot of each token: its block (from its row's table, by position) * block_size + the offset."""
-    return block_tables[rows, positions // block_size].long() * block_size + positions % block_size
-
-
-@dataclass(slots=True, eq=False)
-class StepInputs:
-    """One step's batch: the scheduled requests and their inputs as pack_inputs lays them out (host side)."""
-
-    states: list[RequestState]  # the scheduled requests, in plan order
-    sample_rows: list[int]  # which of them sample (this step reaches the end of their token list) ...
-    sampling_states: list[RequestState]  # ... and their states
-    flat: list[int]
-    num_tokens: int
-    width: int  # of the block tables: the most blocks a scheduled request reads
-    tables: DeviceBlockTables  # the rows of every request, with this step's writes staged
-    padded: int | None  # the decode graph size the batch is padded to; None: eager
-    query_lens: list[int]
-    seq_lens: list[int]
-    block_size: int
-    gathers: list[tuple[torch.Tensor, list[int], list[int]]]  # (a step's sampled ids, input rows, their rows)
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.states)
-
-    def gather_pending(self, input_ids: torch.Tensor) -> None:
-        """Writes the tokens still on the device into input_ids (this batch's ids, copied to the device already),
-        from the sampled ids that hold them: one index copy per step in flight, no host sync."""
-        for tokens, dst, src in self.gathers:
-            index = device_tensor(dst + src, torch.int64, input_ids.device)
-            input_ids.index_copy_(0, index[: len(dst)], tokens.index_select(0, index[len(dst) :]))
-
-    def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The eager forward's inputs: one copy of the flat list to the device, then views of it (input ids with
-        the pending tokens gathered, positions), the batch's rows of the block table and the attention metadata."""
-        num_tokens, num_seqs, bs = self.num_tokens, self.num_seqs, self.block_size
-        dev = device_tensor(self.flat, torch.int64, device)
-        span = num_tokens + num_tokens % 2
-        input_ids = dev[:num_tokens]
-        positions = dev[span : span + num_tokens]
-        offset = 2 * span
-        seq_lens = dev[offset : offset + num_seqs].to(torch.int32)
-        offset += num_seqs
-        block_tables = self.tables.gather(dev[offset : offset + num_seqs], self.width)
-        query_start_loc = dev[offset + num_seqs :].to(torch.int32)
-        seq_of_token = torch.repeat_interleave(
-            torch.arange(num_seqs, device=device), query_start_loc.diff(), output_size=num_tokens
-        )
-        meta = AttentionMetadata(
-            slot_mapping=slot_mapping(block_tables, seq_of_token, positions, bs),
-            query_start_loc=query_start_loc,
-            seq_lens=seq_lens,
-            block_tables=block_tables,
-            query_lens_cpu=self.query_lens,
-            seq_lens_cpu=self.seq_lens,
-            max_query_len=max(self.query_lens),
-            max_seq_len=max(self.seq_lens),
-        )
-        self.gather_pending(input_ids)
-        return input_ids, positions, meta
 
 
 class InputBatch:

@@ -3,7 +3,7 @@
 secret made here and handed to the rank through its spawn arguments (another local process cannot drive it).
 
 start_local_workers() returns their endpoints and a torch.distributed rendezvous on loopback; the caller drives
-them with the controller's GrpcExecutor (shardserve/api/llm.py: create_executor wires the two). Each rank reports its
+them with the controller's GrpcExecutor (shardserve/api/local_executors.py: create_executor wires the two). Each rank reports its
 address over a pipe; a rank that raises or dies before it serves is reported with its traceback or exit code,
 within a deadline. The pipe stays open afterwards: a rank whose parent is gone (the pipe closed) stops serving.
 The ranks are spawned without the parent's __main__ (_script_not_rerun): they need nothing of it, and a script that

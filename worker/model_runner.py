@@ -25,7 +25,8 @@ from shardserve.worker import cuda_graphs, graph_memory, kv_cache, kv_scales
 from shardserve.worker.device_copy import device_tensor
 from shardserve.worker.grammar_matchers import GrammarMatchers
 from shardserve.worker.layers import cpu_packed
-from shardserve.worker.input_batch import InputBatch, RequestState, StepInputs
+from shardserve.worker.input_batch import InputBatch
+from shardserve.worker.step_inputs import RequestState, StepInputs
 from shardserve.worker.sampler import sample, sample_tokens
 from shardserve.worker.sampler_warm_up import warm_up as sampler_warm_up
 from shardserve.worker.sampling_row import SamplingRow

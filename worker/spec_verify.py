@@ -30,7 +30,7 @@ import torch
 
 from shardserve.proto.plan import StepPlan, StepResult, cdiv
 from shardserve.worker.device_copy import device_tensor
-from shardserve.worker.input_batch import StepInputs
+from shardserve.worker.step_inputs import StepInputs
 from shardserve.worker.sampler import sample_tokens
 from shardserve.worker.sampling_row import SamplingRow
 from shardserve.worker.token_logprobs import token_logprobs

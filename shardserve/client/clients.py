@@ -45,8 +45,8 @@ from shardserve.client.stream import (  # noqa: F401 (the result types are part 
     Stream,
     StreamDelta,
     Usage,
-    reopener,
 )
+from shardserve.client.resume import reopener
 from shardserve.proto import generation_pb2 as pb
 from shardserve.proto import generation_pb2_grpc as pb_grpc
 from shardserve.proto.request_fields import chat_to_proto, structured_outputs_message

@@ -1,6 +1,6 @@
 """The client's streams: a Generate call's messages folded into deltas and a GenerationResult, and resuming a stream
-that broke with UNAVAILABLE, or a CANCELLED the client did not ask for (shardserve/client/clients.py's module docstring says
-when and why that is exact)."""
+that broke with UNAVAILABLE, or a CANCELLED the client did not ask for (shardserve/client/resume.py makes the request
+sent again; shardserve/client/clients.py's module docstring says when and why that is exact)."""
 
 from __future__ import annotations
 
@@ -268,44 +268,3 @@ class AsyncStream(_StreamState):
                     self._resume()
         finally:
             self._call.cancel()
-
-
-def _reopen_request(request: pb.GenerateRequest, received: list[int], seed: int | None,
-                    had_prompt_logprobs: bool) -> pb.GenerateRequest:
-    """The request sent again: a new id (the old one may still be known to the server), the tokens received, the
-    seed the server told (an unseeded request continues its draw), no prompt logprobs when they came already."""
-    again = pb.GenerateRequest()
-    again.CopyFrom(request)
-    again.ClearField("request_id")
-    if seed is not None and not again.HasField("seed"):
-        again.seed = seed
-    if had_prompt_logprobs:
-        again.ClearField("prompt_logprobs")
-    del again.resume_token_ids[:]
-    again.resume_token_ids.extend(received)
-    return again
-
-
-class _Reopener:
-    """Sends a broken stream's request again (the blocking or the async stub). needs_seed: an unseeded sampled
-    request resumed by default: only with the seed the server told (a new draw would change the rest)."""
-
-    def __init__(self, stub, request: pb.GenerateRequest, timeout: float | None, metadata, needs_seed: bool) -> None:
-        self.stub, self.request, self.timeout, self.metadata, self.needs_seed = stub, request, timeout, metadata, needs_seed
-
-    def can_resume(self, seed: int | None) -> bool:
-        return seed is not None or not self.needs_seed
-
-    def __call__(self, received: list[int], seed: int | None, had_prompt_logprobs: bool):
-        return self.stub.Generate(_reopen_request(self.request, received, seed, had_prompt_logprobs),
-                                  timeout=self.timeout, metadata=self.metadata)
-
-
-def reopener(stub, request: pb.GenerateRequest, timeout: float | None, metadata, sampling: dict,
-             resume: bool | None) -> _Reopener | None:
-    """How a stream resumes: None with resume=False; resume=None resumes greedy and seeded requests, and sampled
-    ones with the seed the server told in Started (every server that tells it); resume=True resumes all."""
-    if resume is False:
-        return None
-    exact = sampling.get("temperature") == 0 or sampling.get("seed") is not None
-    return _Reopener(stub, request, timeout, metadata, needs_seed=resume is None and not exact)

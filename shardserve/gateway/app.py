@@ -36,7 +36,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from shardserve.client.clients import AsyncClient
 from shardserve.gateway.connections import protocol_class
-from shardserve.gateway.generation import Gateway, GatewayError, metadata_of
+from shardserve.gateway.generation import Gateway, metadata_of
+from shardserve.gateway.http_errors import GatewayError
 from shardserve.gateway.processes import Workers, bind, exit_with_stdin
 from shardserve.gateway.openai_format import error_body
 from shardserve.gateway.openai_schema import ChatCompletionRequest, CompletionRequest

@@ -105,10 +105,10 @@ def test_rope_matches_the_model_layers_rotary_embedding():
 
 
 def test_decode_slots_kernel_gives_the_reference_slots_and_int32_lengths():
-    """kernels/store_kv.decode_slots (a decode graph's one launch for its slots) against input_batch.slot_mapping:
+    """kernels/store_kv.decode_slots (a decode graph's one launch for its slots) against step_inputs.slot_mapping:
     row i's table is row i, a row with context 0 (padding) gets slot -1, and the lengths come back as int32."""
     from shardserve.kernels.store_kv import decode_slots
-    from shardserve.worker.input_batch import slot_mapping
+    from shardserve.worker.step_inputs import slot_mapping
 
     gen = torch.Generator().manual_seed(5)
     n, width, bs = 300, 9, 16

@@ -13,7 +13,7 @@ import pytest
 from shardserve.cluster.engine import Engine
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.cluster.step_deadline import StepDeadline
-from shardserve.api.llm import create_executor
+from shardserve.api.local_executors import create_executor
 from shardserve.proto.config import EngineConfig
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan
 from shardserve.worker.inprocess import InProcessExecutor

@@ -13,12 +13,12 @@ from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan, StepResult
 from shardserve.worker.block_tables import DeviceBlockTables
 from shardserve.worker.cuda_graphs import (
     DecodeGraphRunner,
-    decode_inputs_from_staging,
     graph_batch_sizes,
     graphs_unsupported_reason,
     padded_batch_size,
 )
-from shardserve.worker.input_batch import pack_inputs as pack_decode_inputs
+from shardserve.worker.step_inputs import decode_inputs_from_staging
+from shardserve.worker.step_inputs import pack_inputs as pack_decode_inputs
 from shardserve.worker.model_runner import ModelRunner
 
 BLOCK = 4

@@ -13,7 +13,7 @@ import torch
 
 from shardserve.cluster.executor import GrpcExecutor, WorkerError
 from shardserve.cluster.step_deadline import StepDeadline
-from shardserve.api.llm import create_executor
+from shardserve.api.local_executors import create_executor
 from shardserve.proto.plan import SamplingSpec, StepPlan
 from shardserve.worker.inprocess import InProcessExecutor
 from shardserve.worker.local_workers import start_local_workers
