@@ -252,7 +252,7 @@ def sweep_decode_attention(model: str, batch: int, context: int, repeats: int = 
     per-rank attention shape, bf16, a random cache of batch x context tokens: the KV bytes read over the time."""
     from transformers import AutoConfig
 
-    from shardserve.bench.attention_rates import graph_ms
+    from shardserve.bench.attention_cases import graph_ms
     from shardserve.kernels.paged_decode import choose_num_splits, paged_decode_attention
     from shardserve.settings.model_source import resolve_model
 

@@ -242,15 +242,9 @@ class Engine:
                 deltas.append(seq.delta(final=False))
 
     def _apply_prompt_logprobs(self, result: StepResult) -> None:
-        """Fills the prompt positions a result scored (once each: a recomputed request reports them again)."""
         for entry in result.prompt_logprobs:
-            seq = self.scheduler.requests.get(entry.req_id)
-            if seq is None or seq.prompt_logprobs is None:
-                continue
-            for position, lp in enumerate(entry.logprobs, start=entry.start):
-                if position < len(seq.prompt_logprobs) and seq.prompt_logprobs[position] is None:
-                    token = seq.prompt_token_ids[position]
-                    seq.prompt_logprobs[position] = position_logprobs(token, lp, self._token_text)
+            if (seq := self.scheduler.requests.get(entry.req_id)) is not None:
+                seq.fill_prompt_logprobs(entry.start, entry.logprobs, self._token_text)
 
     # ---- outputs -------------------------------------------------------------------------------------------
     def _on_finished(self, seq: Request) -> RequestDelta:

@@ -12,7 +12,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from shardserve.cluster.outputs import CompletionOutput, PositionLogprobs, RequestDelta, RequestOutput
+from shardserve.cluster.outputs import (CompletionOutput, PositionLogprobs, RequestDelta, RequestOutput,
+                                        position_logprobs)
 from shardserve.cluster.sampling_params import SamplingParams
 from shardserve.proto.plan import SamplingSpec, TokenLogprobs
 
@@ -101,6 +102,16 @@ class Request:
         del self.output_token_ids[num_output_tokens:]
         if self.logprobs is not None:
             del self.logprobs[num_output_tokens:]
+
+    def fill_prompt_logprobs(self, start: int, logprobs: list[TokenLogprobs], token_text) -> None:
+        """The prompt positions from start that a step scored, where asked (once each: a recomputed request
+        reports them again). token_text: token id -> its text (outputs.TokenTexts)."""
+        if self.prompt_logprobs is None:
+            return
+        for position, lp in enumerate(logprobs, start=start):
+            if position < len(self.prompt_logprobs) and self.prompt_logprobs[position] is None:
+                token = self.prompt_token_ids[position]
+                self.prompt_logprobs[position] = position_logprobs(token, lp, token_text)
 
     def append_token(self, token_id: int, logprobs: TokenLogprobs | None = None) -> None:
         self.token_ids.append(token_id)

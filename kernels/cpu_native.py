@@ -4,15 +4,11 @@ bfloat16 matmuls of a decode step's few rows on AMX (cpu_amx.c).
 The torch formulation of the in-place decode (torch_paged_decode.py) takes ~15 torch ops a layer, each a pass over
 the step's scores, and reads every key row once per query head; the C kernel reads each key and value once per KV
 head and keeps its sums in vector registers, so decode steps take markedly less time (docs/performance.md). It is
-compiled here, not at install: `cc -O3 -march=native -fopenmp` makes code for the host's own vector units, linked
-against the OpenMP runtime torch has loaded (`openmp_runtime`), so the shared object is cached per source,
-compiler, flags, runtime and CPU (`$XDG_CACHE_HOME/shardserve/native`, by default `~/.cache/shardserve/native`),
-written under a temporary name and renamed into place (processes building it at once each finish with a whole
-file); loading an object marks it used (its mtime), and a build removes the objects no process has loaded for
-UNUSED_DAYS (other sources, compilers, CPUs). Where there is no compiler, the build fails, or ENABLED is False (the
-tests of that fallback), `decode_kernel()` and `rms_norm()` are None and `store_kv()` and `rope_()` False, and the
-torch ops run instead: the same bits for the store, RoPE and RMSNorm, the same attention within float32 rounding,
-oneDNN's matmuls.
+compiled here, not at install (kernels/cpu_build.py: for the host's own vector units, on torch's OpenMP runtime,
+cached per source, compiler, flags, runtime and CPU). Where there is no compiler, the build fails, or ENABLED is
+False (the tests of that fallback), `decode_kernel()` and `rms_norm()` are None and `store_kv()` and `rope_()`
+False, and the torch ops run instead: the same bits for the store, RoPE and RMSNorm, the same attention within
+float32 rounding, oneDNN's matmuls.
 """
 
 from __future__ import annotations
@@ -20,25 +16,19 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
-import time
-from pathlib import Path
 
 import torch
+
+from shardserve.kernels import cpu_build
 
 log = logging.getLogger(__name__)
 
 ENABLED = True  # False: the torch formulation only, as on a host without a compiler (the tests of that fallback)
-SOURCES = [Path(__file__).with_name(name) for name in ("cpu_decode.c", "cpu_amx.c")]
-HEADERS = [Path(__file__).with_name("cpu_vec.h")]
-FLAGS = ["-O3", "-march=native", "-fPIC"]
-UNUSED_DAYS = 30  # a cached object no process has loaded for this long goes when another one is built
 _DTYPES = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}  # the decode kernel per dtype
 _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 # the C functions and their arguments, in order (all return an int status)
@@ -58,80 +48,6 @@ _SIGNATURES = {
 }
 _FALLBACK = "decode attention, the KV store, RoPE and RMSNorm run as torch ops, every matmul on oneDNN"
 
-def _cache_dir() -> Path:
-    """$XDG_CACHE_HOME/shardserve/native, else ~/.cache/shardserve/native (beside the converted default model)."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")) / "shardserve" / "native"
-
-
-def _cpu_flags() -> str:
-    """What -march=native compiles for: the CPU's feature flags (the cached object is only for CPUs like this)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def openmp_runtime() -> str | None:
-    """The OpenMP runtime this process has loaded (torch's: libgomp, or Intel's libiomp5 in some builds), or None.
-    The kernel is linked against that very file, so its parallel loops run on torch's thread pool: a second runtime
-    would keep its own threads spinning beside torch's on the same cores."""
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "/lib" in line}
-    except OSError:
-        return None
-    torch_dir = os.path.dirname(torch.__file__)  # torch's own copy first, where another is mapped too
-    found = sorted((not p.startswith(torch_dir), p) for p in paths
-                   if os.path.basename(p).startswith(("libgomp", "libiomp5")))
-    return found[0][1] if found else None
-
-
-def _build(compiler: str, runtime: str | None, target: Path) -> None:
-    """Compiles with OpenMP's pragmas on and links against `runtime` alone (no -fopenmp at the link, which would
-    add the compiler's own libgomp); without a runtime the loops run serially."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem, suffix=".tmp")
-    os.close(fd)
-    objects = [f"{tmp}.{i}.o" for i in range(len(SOURCES))]
-    try:
-        omp = ["-fopenmp"] if runtime else []
-        for source, obj in zip(SOURCES, objects):
-            subprocess.run([compiler, *FLAGS, *omp, "-c", str(source), "-o", obj], check=True, capture_output=True,
-                           text=True, timeout=120)
-        subprocess.run([compiler, "-shared", *objects, *([runtime] if runtime else []), "-o", tmp], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)
-    finally:
-        for path in (tmp, *objects):
-            if os.path.exists(path):
-                os.unlink(path)
-
-
-def _touch(path: Path) -> None:
-    """Marks the object as used now (its mtime), so that _prune keeps it; a cache dir one cannot write is fine."""
-    try:
-        os.utime(path)
-    except OSError:
-        pass
-
-
-def _prune(directory: Path, keep: Path) -> None:
-    """Removes the objects of other sources, compilers or CPUs that no process has loaded for UNUSED_DAYS (another
-    venv or torch may still use one now and then), and what a build that died left there a day ago. A process that
-    has a removed object loaded keeps its mapping."""
-    now = time.time()
-    for path in directory.glob("cpu_decode-*"):
-        try:
-            age_s = now - path.stat().st_mtime
-            if path != keep and age_s > (UNUSED_DAYS * 86400 if path.suffix == ".so" else 86400):
-                path.unlink()
-        except OSError:  # gone meanwhile (another process pruning), or not ours to remove
-            pass
-
-
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if not ENABLED or platform.system() != "Linux":
@@ -141,17 +57,10 @@ def _library() -> ctypes.CDLL | None:
         log.warning("no C compiler (%s) found: on the CPU %s, slower (docs/performance.md); install gcc for the C "
                     "kernels", os.environ.get("CC", "cc"), _FALLBACK)
         return None
-    runtime = openmp_runtime()
-    sources = [path.read_text() for path in SOURCES + HEADERS]
-    key = hashlib.sha256("\0".join([*sources, compiler, *FLAGS, str(runtime), _cpu_flags(),
-                                    platform.machine()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"cpu_decode-{key}.so"
     try:
-        if not target.exists():
-            _build(compiler, runtime, target)
-            _prune(target.parent, keep=target)
+        target = cpu_build.cached_object(compiler)
         lib = ctypes.CDLL(str(target))
-        _touch(target)
+        cpu_build.touch(target)
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("the CPU C kernels did not build (%s): %s", detail, _FALLBACK)

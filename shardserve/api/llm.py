@@ -10,8 +10,8 @@ Data parallelism (data_parallel_size=M): M engines, each over its own group of l
 group i's ranks see GPUs i*tp .. i*tp+tp-1), each with its own KV cache. Every request goes to one of them through
 the server's global scheduler (cluster/router.py, cache-aware: prompts sharing leading blocks follow each other,
 the rest by the fewest outstanding tokens): as the server does, the prompt is encoded and its seed drawn before it
-is routed, then the chosen engine admits it (Engine.admit). generate() steps the M engines on M threads (a step waits on its
-workers with the GIL released), so the groups compute at once. Greedy outputs equal one engine's.
+is routed, then the chosen engine admits it (Engine.admit). generate() steps the M engines on M threads (a step
+waits on its workers with the GIL released), so the groups compute at once. Greedy outputs equal one engine's.
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ apart, a malformed spec is refused by name, and a spread batch holds the context
 
 import pytest
 
-from shardserve.bench.attention_rates import main, split_specs, spread_contexts
+from shardserve.bench.attention_cases import spread_contexts
+from shardserve.bench.attention_rates import main, split_specs
 
 
 def test_specs_split_into_equal_and_spread_contexts():

@@ -16,7 +16,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from shardserve.bench.attention_rates import graph_ms
+from shardserve.bench.attention_cases import graph_ms
 from shardserve.kernels import gemv as gemv_module
 from shardserve.kernels.silu_and_mul import silu_and_mul
 from shardserve.kernels.gemv import gemv, gemv_fused

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from shardserve.kernels import cpu_native
+from shardserve.kernels import cpu_build, cpu_native
 from shardserve.kernels.torch_backend import TorchAttentionBackend
 from shardserve.kernels.torch_paged_decode import build_decode_index, paged_decode
 from tests.kernels._paged_batch import make_batch
@@ -239,7 +239,7 @@ def test_the_kernel_runs_on_the_openmp_runtime_torch_loaded(fresh_library, monke
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     before = runtimes()
-    assert cpu_native.openmp_runtime() in before
+    assert cpu_build.openmp_runtime() in before
     assert cpu_native.decode_kernel(torch.float32, 64, 16) is not None
     assert list((tmp_path / "shardserve" / "native").glob("*.so"))
     assert runtimes() == before
