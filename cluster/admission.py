@@ -224,6 +224,14 @@ def check_request(token_ids: list[int], params: SamplingParams, limits: RequestL
     return params
 
 
+def check_request_id(req_id: str, in_use) -> None:
+    """A request id is a non-empty string that in_use(req_id) says is free."""
+    if not isinstance(req_id, str) or not req_id:
+        raise ValueError(f"request id must be a non-empty string, got {req_id!r}")
+    if in_use(req_id):
+        raise ValueError(f"request id {req_id!r} is already in use")
+
+
 def check_resumed(resumed: Sequence[int], params: SamplingParams, vocab_size: int) -> None:
     """The tokens a resuming client already has: token ids of the vocabulary, fewer than max_tokens (filled in)."""
     bad = [t for t in resumed if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from shardserve.cluster.admission import (Admitted, EncodedPrompt, Prompt, RequestLimits, Seeds, check_request,
-                                          check_resumed, encode_prompt, new_request)
+                                          check_request_id, check_resumed, encode_prompt, new_request)
 from shardserve.cluster.block_manager import BlockManager
 from shardserve.cluster.engine_stats import EngineStats, engine_stats
 from shardserve.cluster.executor import Executor
@@ -78,11 +78,9 @@ class Engine:
         self._token_text = TokenTexts(tokenizer)  # logprobs' decoded_token
         self._grammar_mask_s = 0.0  # the last applied result's (EngineStats)
 
-    def _new_block_manager(self, executor: Executor) -> BlockManager:
-        """The block manager over an executor's cache; it records block events where config.block_events says so."""
-        config = self.config
-        return BlockManager(executor.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                            record_events=config.block_events)
+    def _new_block_manager(self, executor: Executor) -> BlockManager:  # recording block events where configured
+        c = self.config
+        return BlockManager(executor.num_kv_blocks, c.block_size, c.enable_prefix_caching, record_events=c.block_events)
 
     @staticmethod
     def _resolve_async_scheduling(config: EngineConfig, executor: Executor) -> bool:
@@ -112,10 +110,7 @@ class Engine:
         min_tokens on the generated tokens), and are not streamed again. With the same seed the rest is what the
         unbroken request would have generated."""
         text, token_ids = encode_prompt(prompt, self.tokenizer)
-        if not isinstance(req_id, str) or not req_id:
-            raise ValueError(f"request id must be a non-empty string, got {req_id!r}")
-        if self.has_request(req_id):
-            raise ValueError(f"request id {req_id!r} is already in use")
+        check_request_id(req_id, self.has_request)
         params = check_request(token_ids, params, self.limits)  # max_tokens None: filled in
         if params.structured_outputs is not None:  # a grammar that cannot compile is refused here (cached by text)
             compile_at_admission(params, self.config.tokenizer, self.vocab_size, self.tokenizer)
