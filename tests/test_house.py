@@ -18,7 +18,6 @@ GENERATED = re.compile(r"_pb2(_grpc)?\.pyi?$")  # protoc's stubs (proto/generate
 AWAITING_SPLIT = {
     "cluster/scheduler.py": "the running requests' pass, the waiting queue's admission and the plan's assembly, apart",
     "cluster/front.py": "the client API's request side: live requests and streams apart from admission and routing",
-    "kernels/paged_decode.py": "the decode launch's environment overrides leave (EngineConfig settings or gone)",
 }
 # Module names that deliberately serve more than one module: the name, and why.
 SHARED_NAMES = {
