@@ -1,7 +1,7 @@
 """StructuredOutputsParams: what a request's output must match (vLLM's spelling: exactly one of json, regex, choice,
 grammar, json_object), checked when SamplingParams is made and turned into the workers' (grammar_kind, grammar)
 pair (proto/grammar.py says what each kind means). Whether the grammar compiles for the model's vocabulary is
-checked at admission (Engine.add_request; the server compiles it earlier, on its tokenizing pool), so a bad schema,
+checked at admission (Engine.admit; the server compiles it earlier, on its tokenizing pool), so a bad schema,
 regex or grammar is refused before any step runs.
 
 A constrained request ends when its grammar is complete: the mask then leaves only its stop tokens (the model's
