@@ -41,6 +41,7 @@ from tests.hf_reference import make_tiny_model  # noqa: E402
 # it).
 SLOW_MODULES_FIRST = (
     "tests/test_llm_correctness.py",  # 97 s
+    "tests/test_mutants.py",  # one pytest subprocess a planted bug
     "tests/test_pipeline_parallel.py",  # 466 s on a loaded host (load average ~30), where the TP tests took 105 s
     "tests/e2e/test_client_resume.py",  # 70 s
     "tests/e2e/test_faults_local.py",  # 69 s
