@@ -113,17 +113,17 @@ def test_headers_over_the_limit_are_431_whole_or_still_arriving(gateway):
     assert _status(_answer(conn)) == 431
 
 
-@pytest.mark.parametrize("sent, status", [
-    (b"", None),  # an idle connection: closed without a word
-    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", 408),  # headers that stop coming
+@pytest.mark.parametrize("sent, status, says", [
+    (b"", None, b""),  # an idle connection: closed without a word
+    (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", 408, b"headers did not arrive"),  # headers that stop coming
     (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n"
-     b'{"prompt": ', 408),  # a body shorter than its Content-Length
+     b'{"prompt": ', 408, b"body did not arrive"),  # a body shorter than its Content-Length
 ], ids=["idle", "header-trickle", "short-body"])
-def test_a_connection_that_stops_sending_is_closed_at_its_timeout(gateway, sent, status):
+def test_a_connection_that_stops_sending_is_closed_at_its_timeout(gateway, sent, status, says):
     conn = _connect(gateway)
     conn.sendall(sent)
     answer = _answer(conn)  # (a socket timeout here, WAIT_S, would fail the test: the gateway never closed it)
-    assert _status(answer) == status, answer[:200]
+    assert _status(answer) == status and says in answer, answer[:300]
 
 
 def test_a_header_trickle_does_not_outlive_the_header_timeout(gateway):
