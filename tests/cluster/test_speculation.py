@@ -68,7 +68,7 @@ def _stats(**spec):
 
 
 def test_replicas_stats_sum_the_speculation_counters_position_by_position():
-    from shardserve.cluster.front import sum_stats
+    from shardserve.cluster.controller_views import _sum_stats as sum_stats
 
     total = sum_stats([_stats(spec_num_drafts=3, spec_num_draft_tokens=10, spec_num_accepted_tokens=4,
                               spec_accepted_per_pos=(2, 1, 1)),
