@@ -12,7 +12,7 @@ import torch
 
 from shardserve.proto.plan import NewRequest, SamplingSpec, StepPlan
 from shardserve.worker.grammar_matchers import GrammarMatchers
-from shardserve.worker.sampler import SamplingRow
+from shardserve.worker.sampling_row import SamplingRow
 
 EOS = 2
 SCHEMA = json.dumps({"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 22, 333]}},

@@ -107,7 +107,7 @@ def test_speculation_under_chunked_prefill_preemption_and_prefix_hits(model_dir,
 
 
 def test_speculation_at_tp2_over_grpc_gives_the_outputs_of_plain_decoding_at_tp1(model_dir, plain_outputs):
-    from shardserve.api.llm import create_executor
+    from shardserve.api.local_executors import create_executor
 
     got, engine = run(config(model_dir, NGRAM, tensor_parallel_size=2), make_executor=create_executor)
     assert_same(got, plain_outputs)
