@@ -43,10 +43,10 @@ def tool_mode(tools: list[dict] | None, tool_choice, parallel: bool | None) -> T
         function = tool.get("function") if isinstance(tool, dict) else None
         if (not isinstance(function, dict) or tool.get("type") != "function"
                 or not isinstance(function.get("name"), str)):
-            raise UnsupportedField(f"tools.{i}", "a tool is {'type': 'function', 'function': {'name': ..., "
-                                                 "'parameters': {...}}}")
+            raise UnsupportedField("tools", f"tools[{i}]: a tool is {{'type': 'function', 'function': {{'name': ..., "
+                                            "'parameters': {...}}}")
         if not isinstance(function.get("parameters", {}), dict):
-            raise UnsupportedField(f"tools.{i}.function.parameters", "parameters must be a JSON schema object")
+            raise UnsupportedField("tools", f"tools[{i}]: parameters must be a JSON schema object")
         names.append(function["name"])
     if tool_choice in (None, "auto"):
         return ToolMode("auto")

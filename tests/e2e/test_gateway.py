@@ -202,7 +202,7 @@ def test_invalid_requests_get_400_naming_the_field(oai):
     with pytest.raises(openai.BadRequestError) as error:
         oai.chat.completions.create(model=model, messages=[{"role": "wizard", "content": "hi"}])
     assert error.value.body["param"] == "messages.0.role"
-    for field, value in (("tools", [{"type": "function", "function": {"name": "f"}}]), ("logit_bias", {"one": 5}),
+    for field, value in (("tools", [{"type": "retrieval"}]), ("logit_bias", {"one": 5}),
                          ("response_format", {"type": "yaml"})):
         with pytest.raises(openai.BadRequestError) as error:
             oai.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],

@@ -205,7 +205,7 @@ def test_a_tool_result_goes_back_through_the_template(oai):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
      "'nope', which is not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "tool_choice needs tools"),
-    ({"tools": [{"type": "function"}]}, "tools.0", "a tool is"),
+    ({"tools": [{"type": "function"}]}, "tools", "tools[0]: a tool is"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(oai, kwargs, param, says):
     with pytest.raises(openai.BadRequestError) as refused:
