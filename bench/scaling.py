@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import os
 import random
 import sys
 import time
@@ -272,4 +273,19 @@ def _record(args: argparse.Namespace, base, r: dict) -> dict:
                         client_cpu_us_per_token=r["client_cpu_s"] / max(1, sum(len(t) for t in r["tokens"])) * 1e6)
     if r["workload"] == "shared-prefix":
         record.notes.update(cache_hit_rate=r["cache_hit_rate"], routed_per_replica=r["routed_per_replica"])
+    if base.device == "cpu":  # how many cores the configuration had: the node's, shared by every rank placed there
+        record.notes.update(cores_per_node=os.cpu_count(), **_cpu_shares(config, r["replicas"]))
     return dataclasses.asdict(record)
+
+
+def _cpu_shares(config, replicas: int) -> dict:
+    """The CPU ranks on a node and each one's threads (torch's and the native kernels' OpenMP), as the launcher
+    sets them (shardserve/launch/placement.py: cpu_ranks_on_node)."""
+    import ray
+
+    from shardserve.launch.placement import cpu_ranks_on_node
+    from shardserve.worker.distributed import cpu_threads_per_rank
+
+    nodes = sum(1 for n in ray.nodes() if n["Alive"]) if ray.is_initialized() else 1
+    ranks = cpu_ranks_on_node(config, replicas, nodes)
+    return dict(nodes=nodes, ranks_per_node=ranks, threads_per_rank=cpu_threads_per_rank("cpu", ranks))

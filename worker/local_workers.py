@@ -74,7 +74,7 @@ def start_local_workers(config: EngineConfig, startup_timeout_s: float = 120.0, 
             parent_end, child_end = ctx.Pipe(duplex=True)
             proc = ctx.Process(target=_serve_rank, args=(config.device, tp * groups, child_end, workers.secret, visible),
                                name=f"shardserve-tp{rank}", daemon=True)
-            with _script_not_rerun():
+            with _script_not_rerun(), _omp_threads(config.device, tp * groups):
                 proc.start()
             child_end.close()
             workers.processes.append(proc)
@@ -99,6 +99,22 @@ def _script_not_rerun():
     finally:
         if main is not None:
             sys.modules["__main__"] = main
+
+
+@contextlib.contextmanager
+def _omp_threads(device: str, ranks_on_host: int):
+    """While a rank is spawned: OMP_NUM_THREADS as its share of the cores, so that the native kernels' OpenMP
+    threads (the runtime reads it when it loads, before the rank sets torch's) divide the cores as torch's do."""
+    if device == "cuda" or "OMP_NUM_THREADS" in os.environ:
+        yield
+        return
+    from shardserve.worker.distributed import cpu_threads_per_rank
+
+    os.environ["OMP_NUM_THREADS"] = str(cpu_threads_per_rank(device, ranks_on_host))
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
 
 
 def _addresses(workers: LocalWorkers, timeout_s: float) -> list[str]:

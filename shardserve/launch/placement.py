@@ -147,6 +147,14 @@ def place_group(config: EngineConfig, strategy: str = "STRICT_PACK", name: str =
     return pg
 
 
+def cpu_ranks_on_node(config: EngineConfig, num_replicas: int, num_nodes: int) -> int | None:
+    """The CPU ranks one node holds when num_replicas groups spread evenly over num_nodes (None on CUDA): what
+    each rank's threads are divided by."""
+    if config.device == "cuda":
+        return None
+    return -(-num_replicas * world_size(config) // max(1, num_nodes))
+
+
 def launch_worker_group(
     config: EngineConfig,
     worker_host: str = "127.0.0.1",
@@ -156,6 +164,7 @@ def launch_worker_group(
     startup_timeout_s: float = 120.0,
     placement_group=None,
     tls=None,
+    ranks_on_node: int | None = None,
 ) -> WorkerGroup:
     """Places one WorkerActor per rank (pipeline stages x TP ranks) in one placement group and starts their gRPC
     servers.
@@ -180,7 +189,10 @@ def launch_worker_group(
     owned = placement_group is None
     pg = place_group(config, strategy, f"{prefix}-pg", timeout_s=placement_timeout_s) if owned else placement_group
 
-    num_threads = cpu_threads_per_rank(config.device, tp)  # as if the group's ranks shared one node
+    # CPU ranks share their node's cores with every other rank placed there (other replicas' too): torch's threads
+    # and the native kernels' OpenMP threads (OMP_NUM_THREADS, read when the runtime loads) from that count.
+    num_threads = cpu_threads_per_rank(config.device, max(tp, ranks_on_node or 0))
+    env = dict(MULTICAST_OFF_ENV, **({"OMP_NUM_THREADS": str(num_threads)} if num_threads else {}))
     remote_cls = ray.remote(WorkerActor)
     secret = new_secret()  # only this launch's executor can drive these workers
     actors = []
@@ -195,7 +207,7 @@ def launch_worker_group(
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=pg, placement_group_bundle_index=bundle_of(config, rank)
                     ),
-                    runtime_env={"env_vars": dict(MULTICAST_OFF_ENV)},
+                    runtime_env={"env_vars": env},
                 ).remote(worker_host, num_threads, secret=secret, tls=tls)
             )
         endpoints = ray.get([a.endpoint.remote() for a in actors], timeout=startup_timeout_s)

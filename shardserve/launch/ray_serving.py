@@ -73,6 +73,7 @@ class RayGroupFactory:
     step_deadline: StepDeadline | None = None  # the settings; each group measures its own step times
     tls: Any = None  # proto.auth.WorkerTLS: the worker plane over mutual TLS, or None
     placement_group: Any = None  # a replica host's (shardserve/launch/replica_actors.py): every group of it goes there
+    ranks_on_node: int | None = None  # CPU ranks of every replica on a node: its cores are divided among them
 
     def __call__(self, config: EngineConfig):
         from shardserve.settings.engine_factory import build_engine
@@ -80,7 +81,7 @@ class RayGroupFactory:
 
         group = launch_worker_group(config, self.worker_host, self.strategy,
                                     name_prefix=f"{self.name}-g{uuid.uuid4().hex[:6]}", tls=self.tls,
-                                    placement_group=self.placement_group)
+                                    placement_group=self.placement_group, ranks_on_node=self.ranks_on_node)
         try:
             deadline = self.step_deadline.fresh() if self.step_deadline is not None else None
             return build_engine(config, lambda c: GroupExecutor(c, group, deadline))
@@ -194,6 +195,7 @@ def start_cluster(
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from shardserve.cluster.controller import Controller, ControllerConfig
+    from shardserve.launch.placement import cpu_ranks_on_node
 
     if name is not None:
         _end_dead_controller(f"{name}-controller")
@@ -209,7 +211,8 @@ def start_cluster(
         controller_config = ControllerConfig(
             engine=config,
             model=served,
-            build_engine=RayGroupFactory(name, worker_host, strategy, step_deadline, worker_tls),
+            build_engine=RayGroupFactory(name, worker_host, strategy, step_deadline, worker_tls,
+                                         ranks_on_node=cpu_ranks_on_node(config, num_replicas, _alive_nodes())),
             host=host,
             port=port,
             metrics_port=metrics_port,
@@ -273,6 +276,12 @@ def _end_dead_controller(actor_name: str, timeout_s: float = 30.0) -> None:
             pass
         time.sleep(0.1)
     raise TimeoutError(f"the earlier controller {actor_name} did not go away within {timeout_s:g} s")
+
+
+def _alive_nodes() -> int:
+    import ray
+
+    return max(1, sum(1 for node in ray.nodes() if node["Alive"]))
 
 
 def auto_replicas(config: EngineConfig) -> int:
