@@ -1,7 +1,8 @@
 """`shardserve serve` and `shardserve client` as a user runs them: separate processes, real Ray (serve joins the
 test session's Ray on loopback), real gRPC. The default model at TP=1 keeps it quick.
 
-Proves: serve prints a ready line with its address once SERVING; --replicas 2 answers from both replicas; the client CLI streams text, reports server errors
+Proves: serve prints a ready line with its address once SERVING; --replicas 2 answers from both replicas; a
+SIGKILLed controller breaks no stream and serve's new one adopts the running replica hosts; the client CLI streams text, reports server errors
 with their status, and runs a JSON-lines batch in input order; SIGTERM lets an in-flight request finish, refuses new
 ones, exits 0 and leaves no actor or placement group behind.
 """
@@ -163,6 +164,44 @@ def test_serve_with_two_replicas_answers_from_both_and_warns_about_spread_placem
             info = client.model_info()
         assert len(answered_by) == 2 and info.replicas == 2
         assert "network speed" in "".join(server.stderr)
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0
+
+
+def test_serve_replaces_a_sigkilled_controller_by_adopting_its_hosts_and_a_stream_goes_on(ray_session,
+                                                                                            default_model_dir):
+    """Two replicas (host processes, one front): the controller's SIGKILL mid-stream breaks no stream (resume off),
+    and serve's new controller adopts the same host processes (nothing loaded again) and serves."""
+    import os
+
+    server = serve_default_model(ray_session, default_model_dir, "--replicas", "2")
+    try:
+        address = server.wait_ready(300)
+        with Client(address, timeout=120) as client:
+            name = client.generate("Hello", max_tokens=2).replica.split("/")[0]
+            actors = {a["Name"]: a["Pid"] for a in ray_session._private.state.actors().values()
+                      if (a["Name"] or "").startswith(name) and a["State"] == "ALIVE"}
+            hosts = {k: v for k, v in actors.items() if "-host" in k}
+            assert len(hosts) == 2
+            stream = client.stream("Write a poem about autumn", temperature=0, max_tokens=48, ignore_eos=True,
+                                   resume=False)
+            tokens = list(next(iter(stream)).token_ids)
+            os.kill(actors[f"{name}-controller"], signal.SIGKILL)
+            for delta in stream:
+                tokens += delta.token_ids
+            assert len(tokens) == 48
+            deadline, said = time.monotonic() + 120, []
+            while not any("ready again" in line for line in said):
+                assert time.monotonic() < deadline and server.proc.poll() is None, "".join(server.stderr)[-3000:]
+                try:
+                    said.append(server.stdout.get(timeout=0.1))
+                except queue.Empty:
+                    pass
+            alive = {a["Name"]: a["Pid"] for a in ray_session._private.state.actors().values()
+                     if (a["Name"] or "").startswith(name) and "-host" in (a["Name"] or "") and a["State"] == "ALIVE"}
+            assert alive == hosts  # the same processes: no weights loaded again
+            assert client.generate("Hello", max_tokens=2).replica.startswith(name)
     finally:
         server.stop()
     assert server.proc.returncode == 0
