@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from shardserve.worker import distributed
-from shardserve.worker.layers import linear
 
 # A one-row step (bs=1 decode) at TP=1 runs each decoder layer as four GEMVs with the norms, SiLU-and-mul and
 # residual adds inside them (kernels/gemv.py: gemv_fused; decoder.py). False only where a test compares it with the
