@@ -383,7 +383,7 @@ def test_vllms_extra_fields_map_onto_the_engine_and_unsupported_ones_are_400_nam
     positions = reply["choices"][0]["prompt_logprobs"]
     assert len(positions) == reply["usage"]["prompt_tokens"] and positions[0] is None
     assert all(1 <= len(p) <= 2 and all("logprob" in e for e in p.values()) for p in positions[1:])
-    for fields, param in (({"priority": 1}, "priority"), ({"guided_json": {}}, "guided_json"),
+    for fields, param in (({"priority": 1}, "priority"), ({"no_such_field": 1}, "no_such_field"),
                           ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs")):
         refused = complete(**fields)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
