@@ -93,3 +93,22 @@ def test_prometheus_has_vllms_spec_decode_counters_advanced_by_what_each_replica
     assert 'shardserve:spec_decode_num_draft_tokens_total{model_name="m"} 24.0' in text
     assert 'shardserve:spec_decode_num_accepted_tokens_total{model_name="m"} 9.0' in text
     assert 'shardserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 2.0' in text
+
+
+def test_get_server_stats_reports_the_speculation_counters_and_their_rates():
+    import asyncio
+
+    from shardserve.cluster.generation_service import GenerationServicer
+    from shardserve.proto import generation_pb2 as pb
+
+    class Backend:  # only what GetServerStats asks
+        async def server_stats(self):
+            stats = _stats(spec_num_drafts=4, spec_num_draft_tokens=16, spec_num_accepted_tokens=12,
+                           spec_accepted_per_pos=(4, 3, 3, 2))
+            return stats, {"requests_aborted": 0, "requests_rejected": 0, "uptime_s": 1.0, "replicas": []}
+
+    msg = asyncio.run(GenerationServicer(Backend()).GetServerStats(pb.ServerStatsRequest(), None))
+    assert (msg.spec_decode_num_drafts, msg.spec_decode_num_draft_tokens, msg.spec_decode_num_accepted_tokens) == \
+        (4, 16, 12)
+    assert list(msg.spec_decode_num_accepted_tokens_per_pos) == [4, 3, 3, 2]
+    assert msg.spec_decode_acceptance_rate == pytest.approx(0.75) and msg.spec_decode_mean_acceptance_length == 4.0
