@@ -28,6 +28,16 @@ class Mutant:
 
 
 MUTANTS = {
+    # the server ends the live streams of a replica whose TP group is being replaced (UNAVAILABLE), instead of
+    # carrying them over to the new group
+    "recovery-carry-over": Mutant(
+        "shardserve.cluster.front",
+        "            self.router.forget(self._position[replica.id])\n        if self.state is State.SERVING:",
+        "            self.router.forget(self._position[replica.id])\n"
+        "            for live in [live for live in self._live.values() if live.replica is replica]:\n"
+        "                self._end(live.req_id, ServerUnavailable('recovering'), outcome='error')\n"
+        "        if self.state is State.SERVING:",
+        "tests/e2e/test_faults_local.py::test_sigkill_of_a_rank_with_16_streams_loses_no_request_and_changes_no_token"),
     # a prefix hit's block table written from its first uncached block only (the cached ids left out)
     "prefix-cache-table": Mutant(
         "shardserve.worker.input_batch",
