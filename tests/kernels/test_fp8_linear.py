@@ -5,7 +5,7 @@ suite (tests/gpu/test_fp8_gpu.py)."""
 import pytest
 import torch
 
-from shardserve.kernels.fp8_linear import (fp8_linear, fp8_linear_ref, quantize_rows, quantize_rows_ref,
+from shardserve.kernels.fp8_linear import (fp8_linear, quantize_rows, quantize_rows_ref,
                                            quantize_weight)
 from shardserve.kernels.kv_fp8 import FP8_DTYPE, FP8_MAX
 from shardserve.worker.layers.linear import ColumnParallelLinear, RowParallelLinear, quantize_linear_weights
@@ -44,7 +44,12 @@ def test_quantized_product_is_within_the_formats_error_and_scales_per_channel():
     err = ((got - exact).norm(dim=0) / exact.norm(dim=0))
     assert err.max() < 0.08, err.max()
     assert ((got - exact).norm() / exact.norm()) < 0.05
-    assert torch.equal(got, fp8_linear_ref(x, wq, w_scale))  # off CUDA, the path is the reference itself
+    # against a product written here from the format alone (per-token scales amax / 448, e4m3 values, float64):
+    # within 1e-3 of its norm, where the format's own error is ~4%
+    x_scale = x.abs().amax(dim=1, keepdim=True) / 448.0
+    xq = (x / x_scale).to(FP8_DTYPE)
+    independent = (xq.double() * x_scale.double()) @ (wq.double() * w_scale.double().t()).t()
+    assert ((got.double() - independent).norm() / independent.norm()) < 1e-3
     # the bias is added after the scaled product; leading dims are kept
     bias = torch.randn(96, generator=g)
     assert torch.equal(fp8_linear(x.view(8, 8, 256), wq, w_scale, bias), (got + bias).view(8, 8, 96))
