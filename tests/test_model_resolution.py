@@ -129,7 +129,13 @@ def test_folder_without_safetensors_needs_dummy_weights(tmp_path):
     assert resolve_model(str(tmp_path), "dummy").load_format == "dummy"
 
 
-@pytest.mark.parametrize("model", ["gpt-5", "meta-llama/Meta-Llama-3-8B", "/no/such/folder", "model.gguf", ""])
+def test_a_hub_name_missing_from_the_local_cache_is_refused_without_a_download(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache, whatever this machine holds
+    with pytest.raises(ValueError, match="not in the local Hugging Face cache.*never downloads.*local folder"):
+        resolve_model("meta-llama/Meta-Llama-3-8B", "auto")
+
+
+@pytest.mark.parametrize("model", ["gpt-5", "/no/such/folder", "model.gguf", ""])
 def test_unusable_model_argument_raises_value_error_listing_accepted_forms(model):
     with pytest.raises(ValueError, match="built-in config name.*local folder.*gguf"):
         resolve_model(model, "auto")
