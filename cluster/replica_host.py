@@ -119,10 +119,14 @@ class ReplicaHost:
                     results.append(e)
             return results
 
+        # Owned before the engine thread admits them: its next step's deltas (the first token among them) may
+        # reach _on_step before this coroutine resumes, and a delta without an owner goes to no front.
+        for req_id, *_ in admissions:
+            self._owner[req_id] = sub
         results = await asyncio.wrap_future(self.replica.submit(add_all))
         for (req_id, *_), error in zip(admissions, results):
-            if error is None:
-                self._owner[req_id] = sub
+            if error is not None and self._owner.get(req_id) == sub:
+                del self._owner[req_id]
         return results
     async def abort_many(self, req_ids: list[str]) -> list[bool]:
         return await asyncio.wrap_future(self.replica.submit(lambda engine: [engine.abort(r) for r in req_ids]))
