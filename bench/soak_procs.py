@@ -8,24 +8,16 @@ the soak started (serve, or a descendant of it through that session); nothing el
 
 from __future__ import annotations
 
-import os
-
-from shardserve.launch.local_ray import command_line, session_members, stat_fields
+from shardserve.launch.local_ray import command_line, process_table, session_members
 
 WORKER, CONTROLLER = "ray::WorkerActor", "ray::Controller"
 
 
 def ray_session(serve_pid: int) -> int:
     """The session id of serve's local Ray: the child of serve that leads a session (raises LookupError)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = stat_fields(int(entry))
-        except OSError:
-            continue
-        if int(fields[1]) == serve_pid and int(fields[3]) == int(entry):
-            return int(entry)
+    for pid, ppid, session in process_table():
+        if ppid == serve_pid and session == pid:
+            return pid
     raise LookupError(f"serve (pid {serve_pid}) has no local Ray session: was it started with --ray-address local?")
 
 

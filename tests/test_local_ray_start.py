@@ -21,7 +21,7 @@ RAY_TIMEOUT = Exception("The current node timed out during startup. This could h
 
 
 def alive(pid: int) -> bool:
-    return pid in {p for p, _, _ in local_ray._process_table()}
+    return pid in {p for p, _, _ in local_ray.process_table()}
 
 
 class FailingInit:

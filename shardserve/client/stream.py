@@ -169,6 +169,11 @@ class _StreamState:
         if self._resume_until is not None and msg.WhichOneof("kind") == "delta":
             self._resume_until, self._resume_wait_s = None, RESUME_BACKOFF_S[0]
 
+    def _take(self, msg: pb.GenerateResponse) -> StreamDelta | None:
+        """A message came: noted (_resumed), then folded into the delta it makes (None for a Started alone)."""
+        self._resumed(msg)
+        return self._collector.feed(msg)
+
     @property
     def request_id(self) -> str:
         return self._collector.request_id
@@ -198,9 +203,7 @@ class Stream(_StreamState):
         while True:
             try:
                 for msg in self._call:
-                    self._resumed(msg)
-                    delta = self._collector.feed(msg)
-                    if delta is not None:
+                    if (delta := self._take(msg)) is not None:
                         yield delta
                 return
             except grpc.RpcError as error:
@@ -227,9 +230,7 @@ class AsyncStream(_StreamState):
             while True:
                 try:
                     while (msg := await self._call.read()) is not grpc.aio.EOF:  # read(), as wait_started uses it
-                        self._resumed(msg)
-                        delta = self._collector.feed(msg)
-                        if delta is not None:
+                        if (delta := self._take(msg)) is not None:
                             yield delta
                     return
                 except grpc.RpcError as error:

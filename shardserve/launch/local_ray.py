@@ -127,10 +127,10 @@ def init_local_ray(num_cpus: int, tries: int = RAY_START_TRIES, **options) -> No
 def _children() -> list[int]:
     """This process's live children, from /proc."""
     me = os.getpid()
-    return [pid for pid, ppid, _ in _process_table() if ppid == me]
+    return [pid for pid, ppid, _ in process_table() if ppid == me]
 
 
-def _process_table() -> list[tuple[int, int, int]]:
+def process_table() -> list[tuple[int, int, int]]:
     """(pid, ppid, session id) of every live (not zombie) process, from /proc."""
     table = []
     for entry in os.listdir("/proc"):
@@ -207,7 +207,7 @@ def _use_auth_mode(mode: str) -> None:
 
 def session_members(sid: int) -> list[int]:
     """Live (not zombie) processes of session sid, from /proc."""
-    return [pid for pid, _, session in _process_table() if session == sid]
+    return [pid for pid, _, session in process_table() if session == sid]
 
 
 def _host(num_cpus: int) -> None:

@@ -23,14 +23,14 @@ import grpc
 import pytest
 
 from shardserve.client.clients import Client
-from shardserve.launch.local_ray import _process_table, command_line, session_members
+from shardserve.launch.local_ray import process_table, command_line, session_members
 
 READY = re.compile(r"shardserve ready: .* serving on (\S+:\d+)")
 DRAIN_S = 5.0
 
 
 def _children(pid: int) -> list[int]:
-    return [child for child, parent, _ in _process_table() if parent == pid]
+    return [child for child, parent, _ in process_table() if parent == pid]
 
 
 def wait_for(predicate, what: str, timeout_s: float) -> None:
